@@ -1,0 +1,1 @@
+"""Translation at the edges: trainer layouts, inference engines, RL frameworks."""

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``rlsync bench``; each measures rlsync against baselines in the same run."""

@@ -1,0 +1,77 @@
+"""The ``rlsync`` command: ``plan``, ``bench``, ``demo``, ``doctor``.
+
+Each command's work lives in its own module and is imported only when that command runs,
+so ``rlsync --help`` stays fast and needs no optional dependency.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(
+    name="rlsync",
+    help="Weight export, rollout buffering and staleness gating for RL post-training.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+@app.command()
+def plan(
+    model: Annotated[str, typer.Option(help="Preset name (see --list-models) or a path to a config.json.")] = "qwen2.5-7b",
+    train: Annotated[str, typer.Option(help="Trainer layout, e.g. 'fsdp:dp=8' or 'megatron:tp=8,pp=4,dp=8,ep=8'.")] = "fsdp:dp=8",
+    infer: Annotated[str, typer.Option(help="Inference layout, e.g. 'vllm:tp=16,replicas=8'.")] = "vllm:tp=2,replicas=4",
+    nic_gbps: Annotated[float, typer.Option(help="Per-rank NIC rate in Gbit/s for the predicted time.")] = 400.0,
+    rank: Annotated[Optional[int], typer.Option(help="Plan only this destination rank's part.")] = None,
+    list_models: Annotated[bool, typer.Option("--list-models", help="List the model presets and exit.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Build a transfer plan between a trainer layout and an inference layout and report it."""
+    from rlsync import _plan_command
+
+    _plan_command.run(
+        model=model, train=train, infer=infer, nic_gbps=nic_gbps, rank=rank,
+        list_models=list_models, json_output=json_output,
+    )
+
+
+@app.command()
+def bench(
+    size: Annotated[str, typer.Option(help="Bytes of weights to sync, e.g. '1GiB', '256MiB'.")] = "1GiB",
+    transports: Annotated[str, typer.Option(help="Comma-separated transports to measure.")] = "shm,nixl,tcp",
+    repeats: Annotated[int, typer.Option(help="Timed repetitions per path; the median is reported.")] = 3,
+    buffer: Annotated[bool, typer.Option("--buffer", help="Benchmark the rollout buffer backends instead.")] = False,
+    engine: Annotated[Optional[str], typer.Option(help="Sync into a running engine ('vllm') instead of a plain process.")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+) -> None:
+    """Measure weight sync (or the rollout buffer) against the baselines, in one run."""
+    if buffer:
+        from rlsync.bench import _buffer
+
+        _buffer.run(json_output=json_output, repeats=repeats)
+    elif engine is not None:
+        from rlsync.bench import _engine
+
+        _engine.run(engine=engine, json_output=json_output, repeats=repeats)
+    else:
+        from rlsync.bench import _weights
+
+        _weights.run(size=size, transports=transports, repeats=repeats, json_output=json_output)
+
+
+@app.command()
+def doctor() -> None:
+    """Report which transports, backends and adapters can run on this machine."""
+    from rlsync import _doctor
+
+    _doctor.run()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

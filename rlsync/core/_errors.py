@@ -1,0 +1,91 @@
+"""Exceptions and warnings raised by rlsync.
+
+Every error rlsync raises on purpose derives from :class:`RlsyncError`, so callers can catch
+one type. Errors caused by bad input also derive from :class:`ValueError`, so code written
+against plain Python conventions keeps working.
+
+    RlsyncError
+    ├── LayoutError (ValueError)      a layout that cannot be right: boxes out of bounds, not tiling
+    ├── PlanError (ValueError)        no valid plan: a destination byte no source holds, dtype mismatch
+    │   └── PlanMismatchError         a plan applied to layouts other than the ones it was built for
+    ├── TransportError                moving bytes failed
+    │   ├── PeerLostError             the other side died or stopped answering
+    │   └── TransferTimeoutError      a transfer or a version notice took longer than allowed
+    ├── VersionError                  a version that goes backwards, is unknown, or was never completed
+    ├── WeightMismatchError (ValueError)  names, shapes or dtypes differ between trainer and engine
+    ├── BufferError                   rollout buffer misuse: closed buffer, bad sample, lost backend
+    ├── PluginError                   a plugin failed to load, or an unknown plugin name was asked for
+    └── ConfigError (ValueError)      invalid configuration (for example a non-loopback bind without a secret)
+
+    RlsyncWarning (UserWarning)
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BufferError",
+    "ConfigError",
+    "LayoutError",
+    "PeerLostError",
+    "PlanError",
+    "PlanMismatchError",
+    "PluginError",
+    "RlsyncError",
+    "RlsyncWarning",
+    "TransferTimeoutError",
+    "TransportError",
+    "VersionError",
+    "WeightMismatchError",
+]
+
+
+class RlsyncError(Exception):
+    """Base class of every error rlsync raises on purpose."""
+
+
+class LayoutError(RlsyncError, ValueError):
+    """A layout is malformed: a box out of bounds, shards that do not tile their tensor."""
+
+
+class PlanError(RlsyncError, ValueError):
+    """No valid transfer plan exists between two layouts."""
+
+
+class PlanMismatchError(PlanError):
+    """A plan was applied to layouts other than the ones it was built for."""
+
+
+class TransportError(RlsyncError):
+    """Moving bytes between processes failed."""
+
+
+class PeerLostError(TransportError):
+    """The peer process died or stopped answering during a transfer."""
+
+
+class TransferTimeoutError(TransportError):
+    """A transfer or a version notice did not finish within the configured timeout."""
+
+
+class VersionError(RlsyncError):
+    """A weight or policy version is invalid: going backwards, unknown, or never completed."""
+
+
+class WeightMismatchError(RlsyncError, ValueError):
+    """Tensor names, shapes or dtypes differ between the sending and the receiving side."""
+
+
+class BufferError(RlsyncError):  # noqa: A001 - deliberately namespaced as rlsync.BufferError
+    """The rollout buffer was misused or its backend was lost."""
+
+
+class PluginError(RlsyncError):
+    """A plugin failed to load, or an unknown plugin name was requested."""
+
+
+class ConfigError(RlsyncError, ValueError):
+    """Configuration is invalid."""
+
+
+class RlsyncWarning(UserWarning):
+    """Base class of warnings rlsync emits."""

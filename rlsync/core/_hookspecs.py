@@ -1,0 +1,189 @@
+"""Hook specifications: every extension point rlsync offers.
+
+Plugins implement these with ``@rlsync.hookimpl``. Built-in implementations live in
+``rlsync.plugins`` and are registered with ``trylast=True`` so third-party plugins
+(entry-point group ``rlsync_plugins``) win where a hook stops at the first result.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    import torch
+
+    from rlsync.core._registry import Registry
+
+PROJECT = "rlsync"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup: historic, so plugins loaded late still see them.
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec(historic=True)
+def rlsync_addhooks(pluginmanager: pluggy.PluginManager) -> None:
+    """Add new hook specifications (``pluginmanager.add_hookspecs(module)``).
+
+    .. versionadded:: 0.1
+
+    Called on: trainer and rollout worker, once, when the plugin manager is built.
+    """
+
+
+@hookspec(historic=True)
+def rlsync_configure(config: Mapping[str, Any]) -> None:
+    """Receive the process-wide rlsync settings once they are known.
+
+    :param config: read-only settings (keys documented in ``rlsync.core._config``).
+
+    .. versionadded:: 0.1
+
+    Called on: trainer and rollout worker.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# Registration of named pieces: transports, buffer backends, gates.
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def rlsync_register_transports(registry: Registry) -> None:
+    """Add transport classes to ``registry`` (``registry.add("name", TransportClass)``).
+
+    .. versionadded:: 0.1
+
+    Called on: trainer and rollout worker, when the transport registry is first used.
+    """
+
+
+@hookspec
+def rlsync_register_buffer_backends(registry: Registry) -> None:
+    """Add rollout-buffer backends to ``registry`` (``registry.add("name", factory)``).
+
+    .. versionadded:: 0.1
+
+    Called on: whichever process creates the rollout buffer.
+    """
+
+
+@hookspec
+def rlsync_register_gates(registry: Registry) -> None:
+    """Add staleness gates to ``registry`` (``registry.add("name", factory)``).
+
+    .. versionadded:: 0.1
+
+    Called on: whichever process creates the rollout buffer.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight export.
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def rlsync_before_export(version: int, names: Sequence[str]) -> None:
+    """A weight version is about to be exported.
+
+    :param version: the version being exported.
+    :param names: the global tensor names that will be sent.
+
+    .. versionadded:: 0.1
+
+    Called on: trainer, each rank, before its first byte of ``version`` moves.
+    """
+
+
+@hookspec(firstresult=True)
+def rlsync_transform_tensor(name: str, tensor: torch.Tensor, version: int) -> torch.Tensor | None:
+    """Transform a tensor on its way out (for example cast or quantize it).
+
+    Stops at the first non-None result. The result must keep shape and dtype of the
+    destination layout; a mismatch fails before any byte is written.
+
+    :return: the tensor to send instead, or None to send ``tensor`` unchanged.
+
+    .. versionadded:: 0.1
+
+    Called on: trainer, for each tensor it puts.
+    """
+
+
+@hookspec
+def rlsync_after_export(version: int, stats: Mapping[str, Any]) -> None:
+    """A weight version was published (``complete`` returned).
+
+    :param stats: at least ``bytes`` and ``seconds``.
+
+    .. versionadded:: 0.1
+
+    Called on: trainer, each rank.
+    """
+
+
+@hookspec
+def rlsync_weights_applied(version: int, stats: Mapping[str, Any]) -> None:
+    """A weight version became live on an engine (all bytes landed, version flipped).
+
+    .. versionadded:: 0.1
+
+    Called on: rollout worker.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout buffering and staleness gating.
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def rlsync_on_put(samples: Sequence[Any]) -> None:
+    """Samples were accepted into the rollout buffer.
+
+    .. versionadded:: 0.1
+
+    Called on: the process that owns the buffer.
+    """
+
+
+@hookspec
+def rlsync_on_get(batch: Any) -> None:
+    """A batch was handed to a trainer.
+
+    .. versionadded:: 0.1
+
+    Called on: the process that owns the buffer.
+    """
+
+
+@hookspec(firstresult=True)
+def rlsync_gate_sample(sample: Any, trainer_version: int) -> Any | None:
+    """Decide what happens to one sample (train, wait or drop).
+
+    Stops at the first non-None result; built-in gates run last.
+
+    :return: a gate decision, or None to leave the decision to the next gate.
+
+    .. versionadded:: 0.1
+
+    Called on: the process that owns the buffer, when a batch is formed.
+    """
+
+
+@hookspec
+def rlsync_report(kind: str, stats: Mapping[str, Any]) -> None:
+    """Telemetry: a summary of ``kind`` ("export", "buffer", "gate", ...) is available.
+
+    .. versionadded:: 0.1
+
+    Called on: any process.
+    """

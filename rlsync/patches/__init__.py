@@ -1,0 +1,1 @@
+"""Version-guarded patches for frameworks that have no hook point."""

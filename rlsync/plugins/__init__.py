@@ -1,0 +1,1 @@
+"""Built-in implementations of rlsync's hooks: transports, buffer backends, gates."""

@@ -1,0 +1,68 @@
+"""``rlsync doctor``: what can run on this machine, and what to install for the rest."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+
+from rich.console import Console
+from rich.table import Table
+
+from rlsync.core import _plugins
+
+#: Optional packages, the extra that installs each, and what it enables.
+OPTIONAL: tuple[tuple[str, str, str], ...] = (
+    ("nixl", "nixl", "NIXL transport (UCX: RDMA, NVLink, shm, tcp)"),
+    ("vllm", "vllm", "vLLM engine adapter"),
+    ("sglang", "", "SGLang engine adapter (install SGLang itself)"),
+    ("transformers", "dev", "plain transformers receiver"),
+    ("verl", "verl", "verl checkpoint-engine backend"),
+    ("trl", "trl", "TRL weight_transfer / callback"),
+    ("openrlhf", "openrlhf", "OpenRLHF launcher"),
+    ("ray", "ray", "Ray rollout-buffer backend"),
+    ("redis", "redis", "Redis-streams rollout-buffer backend"),
+)
+
+
+def _machine_rows() -> list[tuple[str, str]]:
+    shm = shutil.disk_usage("/dev/shm") if os.path.isdir("/dev/shm") else None
+    rows = [("cores", str(os.cpu_count())), ("/dev/shm free", f"{shm.free / 2**30:.1f} GiB" if shm else "absent")]
+    try:
+        import torch
+
+        rows.append(("torch", torch.__version__))
+        rows.append(("CUDA GPUs", str(torch.cuda.device_count() if torch.cuda.is_available() else 0)))
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        rows.append(("torch", "missing"))
+    return rows
+
+
+def run() -> None:
+    console = Console()
+    machine = Table(title="machine", show_header=False)
+    for key, value in _machine_rows():
+        machine.add_row(key, value)
+    console.print(machine)
+
+    pm = _plugins.make_plugin_manager()
+    registered = Table(title="registered plugins")
+    registered.add_column("kind")
+    registered.add_column("names")
+    for kind, registry in (
+        ("transports", _plugins.transports(pm)),
+        ("buffer backends", _plugins.buffer_backends(pm)),
+        ("gates", _plugins.gates(pm)),
+    ):
+        registered.add_row(kind, ", ".join(registry.names()) or "none")
+    console.print(registered)
+
+    optional = Table(title="optional packages")
+    optional.add_column("package")
+    optional.add_column("status")
+    optional.add_column("enables")
+    for module, extra, enables in OPTIONAL:
+        found = importlib.util.find_spec(module) is not None
+        hint = f"pip install 'rlsync[{extra}]'" if extra else "see docs"
+        optional.add_row(module, "[green]installed[/]" if found else f"[yellow]missing[/] ({hint})", enables)
+    console.print(optional)

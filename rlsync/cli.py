@@ -70,7 +70,14 @@ def doctor() -> None:
 
 
 def main() -> None:
-    app()
+    """Run the CLI; rlsync's own errors print as one line (what, which, the fix) and exit 2."""
+    from rlsync.core._errors import RlsyncError
+
+    try:
+        app()
+    except RlsyncError as exc:
+        typer.echo(f"rlsync: error: {type(exc).__name__}: {exc}", err=True)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -1,0 +1,140 @@
+"""The control plane: small typed messages over ZeroMQ, encoded with msgspec (never pickle).
+
+Readers bind a ROUTER socket, writers connect DEALER sockets. Addresses default to loopback;
+binding anything else requires a shared secret (``secret=`` or ``RLSYNC_SECRET``), and then
+every message carries an HMAC-SHA256 of its payload that the other side checks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import os
+from typing import Any, Union
+
+import msgspec
+import zmq
+
+from rlsync.core._errors import ConfigError, TransportError
+
+
+class Hello(msgspec.Struct, tag=True):
+    """Writer -> reader: who I am and which plan I will run."""
+
+    writer_rank: int
+    src_fingerprint: str
+    dst_fingerprint: str
+    dst_tensors: dict[str, str]
+
+
+class Welcome(msgspec.Struct, tag=True):
+    """Reader -> writer: where to write, and the newest live version."""
+
+    reader_rank: int
+    transport: str
+    description: dict[str, Any]
+    live_version: int
+    next_slot: int
+
+
+class Refuse(msgspec.Struct, tag=True):
+    """Reader -> writer: the handshake or a version was refused; ``reason`` says why and what to do."""
+
+    reason: str
+    kind: str = "mismatch"  # "mismatch" or "version"
+
+
+class Done(msgspec.Struct, tag=True):
+    """Writer -> reader: all my bytes of ``version`` landed in ``slot``."""
+
+    writer_rank: int
+    version: int
+    slot: int
+    checksums: dict[str, int] | None = None
+
+
+class Ack(msgspec.Struct, tag=True):
+    """Reader -> writer: ``version`` is live; write the next one into ``next_slot``."""
+
+    version: int
+    next_slot: int
+
+
+Message = Union[Hello, Welcome, Refuse, Done, Ack]
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve_secret(host: str, secret: str | None) -> bytes | None:
+    """The shared secret for ``host``: required off loopback, optional on it."""
+    secret = secret if secret is not None else os.environ.get("RLSYNC_SECRET") or None
+    if secret is None and not is_loopback(host):
+        raise ConfigError(
+            f"refusing to listen on non-loopback address {host!r} without a shared secret: "
+            f"pass secret=... or set RLSYNC_SECRET on every process (or bind 127.0.0.1)"
+        )
+    return secret.encode() if secret else None
+
+
+class Channel:
+    """One ZeroMQ socket speaking ``Message``s, with optional HMAC signing."""
+
+    def __init__(self, socket: zmq.Socket[bytes], secret: bytes | None) -> None:
+        self.socket = socket
+        self.secret = secret
+
+    def _mac(self, payload: bytes) -> bytes:
+        return hmac.new(self.secret, payload, hashlib.sha256).digest() if self.secret else b""
+
+    def send(self, message: Message, identity: bytes | None = None) -> None:
+        payload = _encoder.encode(message)
+        frames = [payload, self._mac(payload)]
+        self.socket.send_multipart(([identity] if identity is not None else []) + frames)
+
+    def recv(self, timeout_ms: int | None = None) -> tuple[bytes | None, Message] | None:
+        """``(identity or None, message)``, or None when nothing arrived within the timeout."""
+        if timeout_ms is not None and not self.socket.poll(timeout_ms):
+            return None
+        frames = self.socket.recv_multipart()
+        identity = frames[0] if len(frames) == 3 else None
+        payload, mac = frames[-2], frames[-1]
+        if self.secret and not hmac.compare_digest(mac, self._mac(payload)):
+            raise TransportError("control message with a bad signature: the peers' RLSYNC_SECRET differ")
+        try:
+            return identity, _decoder.decode(payload)
+        except msgspec.DecodeError as exc:
+            raise TransportError(f"malformed control message: {exc}") from exc
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+def bind_router(host: str = "127.0.0.1", port: int = 0, secret: str | None = None) -> tuple[Channel, str]:
+    """A ROUTER channel for a reader, and the address writers connect to."""
+    key = resolve_secret(host, secret)
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if port:
+        sock.bind(f"tcp://{host}:{port}")
+    else:
+        port = sock.bind_to_random_port(f"tcp://{host}")
+    return Channel(sock, key), f"tcp://{host}:{port}"
+
+
+def connect_dealer(address: str, secret: str | None = None) -> Channel:
+    host = address.rsplit(":", 1)[0].removeprefix("tcp://")
+    key = resolve_secret(host, secret)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return Channel(sock, key)

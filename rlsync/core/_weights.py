@@ -1,0 +1,454 @@
+"""Weight sync: ``WeightsWriter`` (trainer rank) puts tensors and completes versions;
+``WeightsReader`` (engine rank) receives them, and a version goes live only when all its bytes
+have landed.
+
+Both sides build the same plan from the same two layouts, so nothing but fingerprints, region
+descriptions and version notices crosses the control plane. Landing:
+
+* ``direct``: the regions are the engine's parameter memory. Two slots: a version is written
+  into the slot not being served, then the reader flips. A writer dying midway leaves the served
+  slot untouched.
+* ``staged``: one staging slot; when a version is complete the reader hands views of it to
+  ``on_version`` (the engine's loader, a local copy) before the version counts as live.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import pluggy
+
+from rlsync.core import _plugins
+from rlsync.core._control import Ack, Channel, Done, Hello, Refuse, Welcome, bind_router, connect_dealer
+from rlsync.core._errors import (
+    PeerLostError,
+    TransferTimeoutError,
+    TransportError,
+    VersionError,
+    WeightMismatchError,
+)
+from rlsync.core._layout import Layout, dtype_size, tensor_fingerprints
+from rlsync.core._planner import Plan, build_plan
+from rlsync.core._transfer import Transfer
+from rlsync.core._transport import Link, Transport
+
+ALIGN = 64
+Landing = Literal["direct", "staged"]
+
+
+def region_offsets(layout: Layout, rank: int) -> tuple[dict[str, int], int]:
+    """Byte offset of each of ``rank``'s buffers inside its landing region, and the region size."""
+    offsets: dict[str, int] = {}
+    at = 0
+    for b in layout.buffers:
+        if b.rank == rank:
+            offsets[b.name] = at
+            at += -(-(b.numel * dtype_size(b.dtype)) // ALIGN) * ALIGN
+    return offsets, at
+
+
+def _resolve(transport: str | type[Transport], pm: pluggy.PluginManager | None) -> type[Transport]:
+    if isinstance(transport, str):
+        cls: type[Transport] = _plugins.transports(pm).get(transport)
+    else:
+        cls = transport
+    if not cls.available():
+        raise TransportError(f"transport {cls.name!r} cannot run here; install its extra (pip install 'rlsync[{cls.name}]') or pick another")
+    return cls
+
+
+def _runs_by_pair(transfers: Iterable[Transfer], offsets: Mapping[str, int]) -> dict[tuple[int, int], list[tuple[str, list[tuple[int, int, int]]]]]:
+    """``{(src_rank, dst_rank): [(src_buffer, [(src_off, region_off, nbytes), ...]), ...]}`` in plan order,
+    adjacent runs merged."""
+    out: dict[tuple[int, int], list[tuple[str, list[tuple[int, int, int]]]]] = {}
+    for t in transfers:
+        groups = out.setdefault((t.src_rank, t.dst_rank), [])
+        if not groups or groups[-1][0] != t.src_buffer:
+            groups.append((t.src_buffer, []))
+        runs = groups[-1][1]
+        base = offsets[t.dst_buffer]
+        for s, d, n in t.runs():
+            if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == base + d:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
+            else:
+                runs.append((s, base + d, n))
+    return out
+
+
+def _crc(chunks: Iterable[np.ndarray]) -> int:
+    value = 0
+    for chunk in chunks:
+        value = zlib.crc32(chunk, value)
+    return value
+
+
+class WeightsReader:
+    """Engine side of one rank: receives versions into transport memory; see the module docstring.
+
+    ``address`` is what writers connect to. ``version`` is the newest live version (-1: none).
+    ``on_version(version, buffers)`` runs in the reader's service thread when a version's bytes
+    have all landed, before it goes live; ``buffers`` maps buffer names to ``uint8`` arrays.
+    If it raises, the version is refused and the previous one stays live.
+    """
+
+    def __init__(
+        self,
+        src: Layout,
+        dst: Layout,
+        rank: int,
+        *,
+        transport: str | type[Transport] = "shm",
+        landing: Landing = "direct",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        secret: str | None = None,
+        checksum: bool = False,
+        on_version: Callable[[int, dict[str, np.ndarray]], None] | None = None,
+        transport_options: dict[str, Any] | None = None,
+        plugins: pluggy.PluginManager | None = None,
+    ) -> None:
+        if landing not in ("direct", "staged"):
+            raise ValueError(f"landing must be 'direct' or 'staged', not {landing!r}")
+        self.rank = rank
+        self.landing_mode = landing
+        self.plan: Plan = build_plan(src, dst, dst_ranks=[rank])
+        self._dst_tensors = tensor_fingerprints(dst)
+        self._expected = {t.src_rank for t in self.plan.transfers}
+        self._offsets, self._nbytes = region_offsets(dst, rank)
+        self._sizes = {b.name: b.numel * dtype_size(b.dtype) for b in dst.buffers if b.rank == rank}
+        self._pair_runs = _runs_by_pair(self.plan.transfers, self._offsets)
+        self._transport = _resolve(transport, plugins)
+        self._landing = self._transport.landing(self._nbytes, 2 if landing == "direct" else 1, transport_options)
+        self._checksum = checksum
+        self._on_version = on_version
+        self._channel, self.address = bind_router(host, port, secret)
+        self._live_slot = 0
+        self._target_slot = 1 if landing == "direct" else 0
+        self._version = -1
+        self._pending_version: int | None = None
+        self._done: dict[int, tuple[bytes, Done]] = {}
+        self._cond = threading.Condition()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=f"rlsync-reader-{rank}", daemon=True)
+        self._thread.start()
+
+    # -- what the engine uses --------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def buffers(self, slot: int | None = None) -> dict[str, np.ndarray]:
+        """``uint8`` views of this rank's buffers in ``slot`` (default: the live one)."""
+        region = self._landing.regions[self._live_slot if slot is None else slot]
+        return {name: region[off : off + self._sizes[name]] for name, off in self._offsets.items()}
+
+    def wait_for_version(self, version: int | None = None, timeout: float | None = None) -> int:
+        """Block until ``version`` (default: any version newer than now) is live; return the live version."""
+        target = self._version + 1 if version is None else version
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._version >= target or self._closed.is_set(), timeout):
+                raise TransferTimeoutError(f"reader rank {self.rank}: version {target} did not arrive within {timeout} s")
+        return self._version
+
+    def get(self, name: str, out: np.ndarray) -> None:
+        """Copy buffer ``name`` of the live version into the caller-owned ``out`` (any dtype, same bytes)."""
+        self.multi_get({name: out})
+
+    def multi_get(self, outs: Mapping[str, np.ndarray]) -> None:
+        with self._cond:
+            live = self.buffers()
+            for name, out in outs.items():
+                if name not in live:
+                    raise WeightMismatchError(f"reader rank {self.rank} has no buffer {name!r}; it has {sorted(live)[:5]}...")
+                target = out.reshape(-1).view(np.uint8)
+                if target.nbytes != live[name].nbytes:
+                    raise WeightMismatchError(f"buffer {name!r}: {live[name].nbytes} bytes, but the destination has {target.nbytes}")
+                np.copyto(target, live[name])
+
+    @property
+    def lock(self) -> threading.Condition:
+        """Held while a version flips; hold it while reading the live buffers to see one version."""
+        return self._cond
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=5)
+        self._channel.close()
+        self._landing.close()
+
+    def __enter__(self) -> WeightsReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the service thread ----------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            self._landing.progress()
+            got = self._channel.recv(timeout_ms=20)
+            if got is None:
+                continue
+            identity, msg = got
+            assert identity is not None  # ROUTER sockets always prefix the sender's identity
+            if isinstance(msg, Hello):
+                self._hello(identity, msg)
+            elif isinstance(msg, Done):
+                self._finish_part(identity, msg)
+
+    def _hello(self, identity: bytes, msg: Hello) -> None:
+        if msg.dst_fingerprint != self.plan.dst_fingerprint or msg.src_fingerprint != self.plan.src_fingerprint:
+            side, theirs, ours = (
+                ("destination", msg.dst_tensors, self._dst_tensors)
+                if msg.dst_fingerprint != self.plan.dst_fingerprint
+                else ("source", {}, {})
+            )
+            first = next((n for n in [*ours, *theirs] if ours.get(n) != theirs.get(n)), None)
+            detail = f" first differing tensor: {first!r}" if first else ""
+            reason = f"writer and reader rank {self.rank} were built with different {side} layouts;{detail}. Build both from the same layouts."
+            self._channel.send(Refuse(reason), identity)
+            return
+        self._done.pop(msg.writer_rank, None)  # a writer that reconnects starts its version over
+        self._channel.send(
+            Welcome(self.rank, self._transport.name, self._landing.describe(), self._version, self._target_slot), identity
+        )
+
+    def _finish_part(self, identity: bytes, msg: Done) -> None:
+        if msg.version <= self._version:
+            self._channel.send(Refuse(f"version {msg.version} is not newer than live version {self._version}", "version"), identity)
+            return
+        if msg.slot != self._target_slot:
+            self._channel.send(Refuse(f"wrote slot {msg.slot}, expected {self._target_slot}; reconnect", "version"), identity)
+            return
+        if self._pending_version != msg.version:
+            self._pending_version = msg.version
+            self._done = {r: d for r, d in self._done.items() if d[1].version == msg.version}
+        self._done[msg.writer_rank] = (identity, msg)
+        if not self._expected <= self._done.keys():
+            return
+        done, self._done = self._done, {}
+        error = self._verify(done) if self._checksum else None
+        if error is None and self._on_version is not None:
+            try:
+                self._on_version(msg.version, self.buffers(self._target_slot))
+            except Exception as exc:  # noqa: BLE001 - reported to every writer, version stays out
+                error = f"the engine failed to load version {msg.version}: {exc!r}"
+        if error is not None:
+            for ident, _ in done.values():
+                self._channel.send(Refuse(error, "load"), ident)
+            return
+        with self._cond:
+            if self.landing_mode == "direct":
+                self._live_slot, self._target_slot = self._target_slot, self._live_slot
+            self._version = msg.version
+            self._cond.notify_all()
+        for ident, _ in done.values():
+            self._channel.send(Ack(msg.version, self._target_slot), ident)
+
+    def _verify(self, done: Mapping[int, tuple[bytes, Done]]) -> str | None:
+        region = self._landing.regions[self._target_slot]
+        for writer, (_, msg) in done.items():
+            groups = self._pair_runs.get((writer, self.rank), [])
+            got = _crc(region[d : d + n] for _, runs in groups for _, d, n in runs)
+            if msg.checksums is None or msg.checksums.get("all") != got:
+                return f"checksum mismatch for the bytes from writer rank {writer}: version refused, previous stays live"
+        return None
+
+
+class WeightsWriter:
+    """Trainer side of one rank: ``put``/``multi_put`` this rank's buffers, then ``complete(version)``.
+
+    ``readers`` maps each destination rank to its reader's ``address``. ``complete`` sends this
+    rank's part to every reader, notifies them, and returns once each has the version live; a
+    reader that does not confirm within ``timeout`` raises ``TransferTimeoutError`` naming it,
+    after the others got the version.
+    """
+
+    def __init__(
+        self,
+        src: Layout,
+        dst: Layout,
+        rank: int,
+        readers: Mapping[int, str] | Sequence[str],
+        *,
+        transport: str | type[Transport] = "shm",
+        secret: str | None = None,
+        checksum: bool = False,
+        timeout: float = 60.0,
+        transport_options: dict[str, Any] | None = None,
+        plugins: pluggy.PluginManager | None = None,
+    ) -> None:
+        self.rank = rank
+        self._readers = dict(enumerate(readers)) if not isinstance(readers, Mapping) else dict(readers)
+        plan = build_plan(src, dst)
+        self._fingerprints = (plan.src_fingerprint, plan.dst_fingerprint, plan.dst_tensors)
+        mine = plan.for_src_rank(rank)
+        self._runs: dict[int, list[tuple[str, list[tuple[int, int, int]]]]] = {}
+        for dst_rank in sorted({t.dst_rank for t in mine}):
+            if dst_rank not in self._readers:
+                raise WeightMismatchError(f"writer rank {rank} sends to destination rank {dst_rank}, but no reader address was given for it")
+            offsets, _ = region_offsets(dst, dst_rank)
+            self._runs[dst_rank] = _runs_by_pair((t for t in mine if t.dst_rank == dst_rank), offsets)[(rank, dst_rank)]
+        self._specs = {b.name: b for b in src.buffers if b.rank == rank}
+        self._needed = {name for groups in self._runs.values() for name, _ in groups}
+        self._transport = _resolve(transport, plugins)
+        self._options = transport_options
+        self._secret = secret
+        self._checksum = checksum
+        self.timeout = timeout
+        self._plugins = plugins
+        self._sources: dict[str, np.ndarray] = {}
+        self._channels: dict[int, Channel] = {}
+        self._links: dict[int, Link] = {}
+        self._slots: dict[int, int] = {}
+        self.bytes_per_version = sum(n for groups in self._runs.values() for _, runs in groups for _, _, n in runs)
+
+    def put(self, name: str, tensor: Any) -> None:
+        """Bind this rank's buffer ``name`` (for plain and FSDP layouts: the parameter name) to ``tensor``.
+
+        The tensor is read when ``complete`` runs: keep it alive and unchanged until then.
+        """
+        spec = self._specs.get(name)
+        if spec is None:
+            near = sorted(self._specs)[:5]
+            raise WeightMismatchError(f"writer rank {self.rank} has no buffer {name!r} in its layout; it has e.g. {near}")
+        if self._plugins is not None:
+            changed = self._plugins.hook.rlsync_transform_tensor(name=name, tensor=tensor, version=-1)
+            tensor = tensor if changed is None else changed
+        dtype = str(getattr(tensor, "dtype", "")).removeprefix("torch.")
+        if dtype != spec.dtype:
+            raise WeightMismatchError(f"tensor {name!r}: dtype {dtype} but the layout says {spec.dtype}; cast it before put()")
+        numel = int(tensor.numel()) if callable(getattr(tensor, "numel", None)) else int(tensor.size)
+        if numel != spec.numel:
+            raise WeightMismatchError(f"tensor {name!r}: {numel} elements but the layout says {spec.numel} (shape {tuple(tensor.shape)})")
+        self._sources[name] = _as_bytes(name, tensor)
+
+    def multi_put(self, tensors: Mapping[str, Any]) -> None:
+        for name, tensor in tensors.items():
+            self.put(name, tensor)
+
+    def _connect(self, dst_rank: int) -> None:
+        if dst_rank in self._links:
+            return
+        channel = connect_dealer(self._readers[dst_rank], self._secret)
+        src_fp, dst_fp, dst_tensors = self._fingerprints
+        channel.send(Hello(self.rank, src_fp, dst_fp, dst_tensors))
+        got = channel.recv(timeout_ms=int(self.timeout * 1000))
+        if got is None:
+            channel.close()
+            raise TransferTimeoutError(f"reader rank {dst_rank} at {self._readers[dst_rank]} did not answer within {self.timeout} s")
+        msg = got[1]
+        if isinstance(msg, Refuse):
+            channel.close()
+            raise WeightMismatchError(f"reader rank {dst_rank} refused: {msg.reason}")
+        assert isinstance(msg, Welcome)
+        if msg.transport != self._transport.name:
+            channel.close()
+            raise TransportError(f"reader rank {dst_rank} uses transport {msg.transport!r}, this writer {self._transport.name!r}")
+        self._links[dst_rank] = self._transport.open(msg.description, self._options)
+        self._channels[dst_rank] = channel
+        self._slots[dst_rank] = msg.next_slot
+
+    def _drop(self, dst_rank: int) -> None:
+        link, channel = self._links.pop(dst_rank, None), self._channels.pop(dst_rank, None)
+        if link is not None:
+            try:
+                link.close()
+            except Exception:  # noqa: BLE001 - the peer is gone; nothing to release cleanly
+                pass
+        if channel is not None:
+            channel.close()
+
+    def complete(self, version: int, progress: Callable[[int], None] | None = None) -> None:
+        """Send this rank's part of ``version`` to every reader and return once it is live on each."""
+        missing = sorted(self._needed - self._sources.keys())
+        if missing:
+            raise WeightMismatchError(f"writer rank {self.rank}: no tensor was put for {missing[:5]} (and {max(0, len(missing) - 5)} more)")
+        names = sorted(self._sources)
+        if self._plugins is not None:
+            self._plugins.hook.rlsync_before_export(version=version, names=names)
+        started = time.perf_counter()
+        failed: dict[int, str] = {}
+        sent: list[int] = []
+        for dst_rank, groups in self._runs.items():
+            try:
+                self._connect(dst_rank)
+                link, slot = self._links[dst_rank], self._slots[dst_rank]
+                crc = 0
+                for name, runs in groups:
+                    source = self._sources[name]
+                    link.write(source, [(s, slot, d, n) for s, d, n in runs])
+                    if self._checksum:
+                        crc = _crc_continue(crc, source, runs)
+                    if progress is not None:
+                        progress(sum(n for _, _, n in runs))
+                link.flush()
+                self._channels[dst_rank].send(Done(self.rank, version, slot, {"all": crc} if self._checksum else None))
+                sent.append(dst_rank)
+            except TransportError as exc:
+                failed[dst_rank] = str(exc)
+                self._drop(dst_rank)
+        deadline = time.monotonic() + self.timeout
+        for dst_rank in sent:
+            channel = self._channels[dst_rank]
+            remaining = max(0.0, deadline - time.monotonic())
+            got = channel.recv(timeout_ms=int(remaining * 1000))
+            if got is None:
+                failed[dst_rank] = f"did not confirm version {version} within {self.timeout} s (it may have died)"
+                self._drop(dst_rank)
+                continue
+            msg = got[1]
+            if isinstance(msg, Ack) and msg.version == version:
+                self._slots[dst_rank] = msg.next_slot
+            elif isinstance(msg, Refuse) and msg.kind == "version":
+                raise VersionError(f"reader rank {dst_rank} refused version {version}: {msg.reason}")
+            else:
+                failed[dst_rank] = getattr(msg, "reason", f"unexpected answer {msg!r}")
+        if failed:
+            ok = [r for r in sent if r not in failed]
+            detail = "; ".join(f"reader rank {r} ({self._readers[r]}): {why}" for r, why in sorted(failed.items()))
+            error = TransferTimeoutError if all("did not confirm" in why for why in failed.values()) else PeerLostError
+            raise error(f"version {version} is not live everywhere: {detail}. Live on reader ranks {ok}.")
+        if self._plugins is not None:
+            self._plugins.hook.rlsync_after_export(
+                version=version, stats={"bytes": self.bytes_per_version, "seconds": time.perf_counter() - started}
+            )
+
+    def close(self) -> None:
+        for dst_rank in list(self._links):
+            self._drop(dst_rank)
+
+    def __enter__(self) -> WeightsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _crc_continue(value: int, source: np.ndarray, runs: Sequence[tuple[int, int, int]]) -> int:
+    for s, _, n in runs:
+        value = zlib.crc32(source[s : s + n], value)
+    return value
+
+
+def _as_bytes(name: str, tensor: Any) -> np.ndarray:
+    """A ``uint8`` view of a contiguous CPU tensor or numpy array (no copy)."""
+    if isinstance(tensor, np.ndarray):
+        if not tensor.flags.c_contiguous:
+            raise WeightMismatchError(f"tensor {name!r} is not contiguous; pass np.ascontiguousarray(...)")
+        return tensor.reshape(-1).view(np.uint8)
+    import torch
+
+    if tensor.device.type != "cpu":
+        raise TransportError(f"tensor {name!r} is on {tensor.device}; this transport reads CPU memory: move it or use a GPU-capable transport")
+    if not tensor.is_contiguous():
+        raise WeightMismatchError(f"tensor {name!r} is not contiguous; call .contiguous() before put()")
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+

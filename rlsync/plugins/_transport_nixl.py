@@ -1,0 +1,147 @@
+"""``nixl``: NIXL with its UCX backend (RDMA, NVLink, CUDA IPC, cma/shm, tcp, as UCX finds them).
+
+The reader registers its regions with a NIXL agent and describes them (agent metadata plus
+addresses) over the control plane; the writer registers its source buffers once, adds the
+reader's agent, and posts WRITEs. Initialized transfer handles are kept and re-posted for every
+later version with the same runs, so descriptor lists are built once per plan, not per step.
+
+Progress thread: off by default (``RLSYNC_NIXL_PROGRESS_THREAD=1`` to enable): on small machines
+it competes with the copy for cores (about 1.8 GB/s with it, 4.5 without, on 2 cores).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from rlsync.core._errors import PeerLostError, TransportError
+from rlsync.core._transport import Landing, Link, Run, Transport
+
+_counter = itertools.count()
+_agents: dict[str, Any] = {}
+
+
+def _agent(role: str) -> Any:
+    """One NIXL agent per process and role: creating one costs about half a second."""
+    if role not in _agents:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        threaded = os.environ.get("RLSYNC_NIXL_PROGRESS_THREAD", "0") == "1"
+        config = nixl_agent_config(enable_prog_thread=threaded, backends=["UCX"])
+        _agents[role] = nixl_agent(f"rlsync-{role}-{os.getpid()}-{next(_counter)}", config)
+    return _agents[role]
+
+
+class NixlLanding(Landing):
+    name: ClassVar[str] = "nixl"
+
+    @classmethod
+    def available(cls) -> bool:
+        try:
+            import nixl._api  # noqa: F401
+        except Exception:  # a broken CUDA build raises more than ImportError
+            return False
+        return True
+
+    def __init__(self, nbytes: int, slots: int, options: dict[str, Any] | None = None) -> None:
+        super().__init__(nbytes, slots, options)
+        self._agent = _agent("reader")
+        self._regions = [np.zeros(max(nbytes, 1), dtype=np.uint8) for _ in range(slots)]
+        self._registered = self._agent.register_memory(
+            [(r.ctypes.data, r.nbytes, 0, "") for r in self._regions], mem_type="DRAM"
+        )
+
+    @property
+    def regions(self) -> Sequence[np.ndarray]:
+        return self._regions
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "agent": self._agent.name,
+            "metadata": self._agent.get_agent_metadata(),
+            "regions": [[r.ctypes.data, r.nbytes] for r in self._regions],
+        }
+
+    def progress(self) -> None:
+        self._agent.get_new_notifs()  # drives UCX progress for transports that need the target
+
+    def close(self) -> None:
+        self._agent.deregister_memory(self._registered)
+
+
+class NixlLink(Link):
+    def __init__(self, description: dict[str, Any]) -> None:
+        self._agent = _agent("writer")
+        self._peer = self._agent.add_remote_agent(description["metadata"])
+        self._remote = [int(addr) for addr, _ in description["regions"]]
+        self._registered: dict[tuple[int, int], Any] = {}
+        self._handles: dict[tuple[int, int, tuple[Run, ...]], Any] = {}
+        self._posted: list[Any] = []
+
+    def _register(self, source: np.ndarray) -> None:
+        key = (source.ctypes.data, source.nbytes)
+        if key not in self._registered:
+            self._registered[key] = self._agent.register_memory([(key[0], key[1], 0, "")], mem_type="DRAM")
+
+    def write(self, source: np.ndarray, runs: Sequence[Run]) -> None:
+        if not runs:
+            return
+        self._register(source)
+        base = source.ctypes.data
+        key = (base, source.nbytes, tuple(runs))
+        handle = self._handles.get(key)
+        if handle is None:
+            local = np.array([(base + s, n, 0) for s, _, _, n in runs], dtype=np.uint64)
+            remote = np.array([(self._remote[slot] + d, n, 0) for _, slot, d, n in runs], dtype=np.uint64)
+            handle = self._agent.initialize_xfer(
+                "WRITE",
+                self._agent.get_xfer_descs(local, mem_type="DRAM"),
+                self._agent.get_xfer_descs(remote, mem_type="DRAM"),
+                self._peer,
+            )
+            self._handles[key] = handle
+        state = self._agent.transfer(handle)
+        if state == "ERR":
+            raise PeerLostError(f"NIXL could not post a write to {self._peer}: the reader is unreachable")
+        self._posted.append(handle)
+
+    def flush(self) -> None:
+        deadline = time.monotonic() + float(os.environ.get("RLSYNC_NIXL_TIMEOUT", "120"))
+        for handle in self._posted:
+            while True:
+                state = self._agent.check_xfer_state(handle)
+                if state == "DONE":
+                    break
+                if state == "ERR":
+                    raise PeerLostError(f"a NIXL write to {self._peer} failed: the reader died or its memory went away")
+                if time.monotonic() > deadline:
+                    raise TransportError(f"a NIXL write to {self._peer} did not finish in time")
+        self._posted.clear()
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            try:
+                self._agent.release_xfer_handle(handle)
+            except Exception:  # noqa: BLE001 - best effort while tearing down
+                pass
+        self._handles.clear()
+        for reg in self._registered.values():
+            self._agent.deregister_memory(reg)
+        self._registered.clear()
+        self._agent.remove_remote_agent(self._peer)
+
+
+class NixlTransport(Transport):
+    name: ClassVar[str] = "nixl"
+    landing: ClassVar[type[Landing]] = NixlLanding
+
+    @classmethod
+    def open(cls, description: dict[str, Any], options: dict[str, Any] | None = None) -> Link:
+        if not NixlLanding.available():
+            raise TransportError("transport 'nixl' needs the nixl package: pip install 'rlsync[nixl]'")
+        return NixlLink(description)

@@ -1,0 +1,16 @@
+"""Built-in transports, registered like any third-party plugin's (``trylast`` so those win)."""
+
+from __future__ import annotations
+
+from rlsync.core._hookspecs import hookimpl
+from rlsync.core._registry import Registry
+
+
+@hookimpl(trylast=True)
+def rlsync_register_transports(registry: Registry) -> None:  # type: ignore[type-arg]
+    from rlsync.plugins._transport_nixl import NixlTransport
+    from rlsync.plugins._transport_shm import ShmTransport
+    from rlsync.plugins._transport_tcp import TcpTransport
+
+    for transport in (ShmTransport, NixlTransport, TcpTransport):
+        registry.add(transport.name, transport)

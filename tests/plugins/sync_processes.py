@@ -1,0 +1,116 @@
+"""Writer and reader processes for the weight-sync tests (run as scripts: ``python sync_processes.py ...``).
+
+The layouts and the values of each version are pure functions of their names, so the test
+process can check what landed without sharing memory with the writers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import torch
+
+from rlsync.core._builders import fsdp, from_state_dict, replicated
+from rlsync.core._layout import Layout, TensorMeta
+from rlsync.core._layout_parallel import engine_tp
+from rlsync.core._presets import model_spec
+from rlsync.core._views import allocate, scatter
+
+TINY_QWEN2 = dict(model_type="qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=128, vocab_size=96)
+PLAIN = [TensorMeta(f"layer{i}.weight", "bfloat16", (96, 64)) for i in range(6)] + [TensorMeta("norm.weight", "float32", (64,))]
+
+
+def layouts(kind: str) -> tuple[Layout, Layout]:
+    if kind == "plain":  # one writer, one reader
+        return from_state_dict(PLAIN), from_state_dict(PLAIN)
+    if kind == "fanout":  # one writer, two readers that each need everything
+        return from_state_dict(PLAIN), replicated(PLAIN, (0, 1))
+    if kind == "fsdp2_tp2":  # FSDP over 2 trainer ranks -> vLLM-style TP=2 with fused qkv / gate_up
+        spec = model_spec(TINY_QWEN2)
+        return fsdp(spec.tensors, 2), engine_tp(spec, 2)
+    raise SystemExit(f"unknown layout kind {kind}")
+
+
+def values(layout: Layout, version: int) -> dict[str, np.ndarray]:
+    """The global tensors of ``version`` as raw unsigned integers (bf16 bits for bf16)."""
+    gen = torch.Generator().manual_seed(1000 + version)
+    out = {}
+    for t in layout.tensors:
+        x = torch.randn(t.shape, generator=gen).to(getattr(torch, t.dtype))
+        out[t.name] = x.view({2: torch.int16, 4: torch.int32}[x.element_size()]).numpy().view(
+            {2: np.uint16, 4: np.uint32}[x.element_size()]
+        )
+    return out
+
+
+def writer_main(args: argparse.Namespace) -> None:
+    from rlsync.core._weights import WeightsWriter
+
+    src, dst = layouts(args.layout)
+    readers = {int(k): v for k, v in json.loads(args.readers).items()}
+    writer = WeightsWriter(src, dst, args.rank, readers, transport=args.transport, timeout=args.timeout, checksum=args.checksum)
+    if args.die_after_writes:
+        budget = [args.die_after_writes]
+        original_open = writer._transport.open
+
+        def open_then_die(description, options=None):  # type: ignore[no-untyped-def]
+            link = original_open(description, options)
+            original_write = link.write
+
+            def write(source, runs):  # type: ignore[no-untyped-def]
+                if budget[0] == 0:
+                    os.kill(os.getpid(), signal.SIGKILL)  # die mid-version, like an OOM-killed trainer
+                budget[0] -= 1
+                original_write(source, runs)
+
+            link.write = write
+            return link
+
+        writer._transport = type("DyingTransport", (writer._transport,), {"open": staticmethod(open_then_die)})
+    for version in args.versions:
+        buffers = allocate(src, args.rank)
+        scatter(src, args.rank, values(src, version), buffers)
+        dtypes = {b.name: b.dtype for b in src.buffers if b.rank == args.rank}
+        writer.multi_put({name: torch.from_numpy(buf).view(getattr(torch, dtypes[name])) for name, buf in buffers.items()})
+        writer.complete(version)
+        print(f"completed {version}", flush=True)
+    writer.close()
+
+
+def reader_main(args: argparse.Namespace) -> None:
+    from rlsync.core._weights import WeightsReader
+
+    src, dst = layouts(args.layout)
+    reader = WeightsReader(src, dst, args.rank, transport=args.transport)
+    print(json.dumps({"address": reader.address}), flush=True)
+    deadline = time.monotonic() + args.timeout
+    seen: int | None = None
+    while time.monotonic() < deadline:
+        if reader.version != seen:
+            seen = reader.version
+            print(json.dumps({"version": seen}), flush=True)
+        time.sleep(0.01)
+    reader.close()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("role", choices=["writer", "reader"])
+    parser.add_argument("--layout", default="plain")
+    parser.add_argument("--transport", default="shm")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--readers", default="{}")
+    parser.add_argument("--versions", type=int, nargs="*", default=[1])
+    parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--checksum", action="store_true")
+    parser.add_argument("--die-after-writes", type=int, default=0)
+    ns = parser.parse_args()
+    (writer_main if ns.role == "writer" else reader_main)(ns)
+    sys.exit(0)

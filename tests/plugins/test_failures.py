@@ -1,0 +1,99 @@
+"""Failures: a writer killed mid-version, a reader killed before the notice, mismatched input."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from rlsync import PeerLostError, TransferTimeoutError, VersionError, WeightMismatchError
+from rlsync.core._builders import from_state_dict
+from rlsync.core._layout import TensorMeta
+from rlsync.core._weights import WeightsReader, WeightsWriter
+
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.mark.parametrize("landing", ["direct", "staged"])
+def test_writer_killed_midway_leaves_the_previous_version_and_the_next_sync_works(sync: Any, transport: str, landing: str) -> None:
+    src, dst = sync.layouts("plain")
+    loaded: list[int] = []
+    with WeightsReader(src, dst, 0, transport=transport, landing=landing, on_version=lambda v, b: loaded.append(v)) as reader:
+        assert sync.writer("plain", transport, {0: reader.address}, [1]).returncode == 0
+        dying = sync.writer("plain", transport, {0: reader.address}, [2], extra=("--die-after-writes", "3"))
+        assert dying.returncode == -9  # SIGKILL, after 3 of its 7 writes
+        time.sleep(0.2)
+        assert reader.version == 1 and loaded == [1]
+        if landing == "direct":  # the served slot never saw a byte of version 2
+            sync.assert_landed("plain", reader, 1)
+        again = sync.writer("plain", transport, {0: reader.address}, [2])
+        assert again.returncode == 0, again.stderr_text
+        assert reader.version == 2 and loaded == [1, 2]
+        sync.assert_landed("plain", reader, 2)
+
+
+def test_reader_killed_makes_complete_fail_in_time_and_the_other_reader_still_gets_it(sync: Any) -> None:
+    src, dst = sync.layouts("fanout")
+    alive, alive_addr = sync.reader("fanout", "shm", 0)
+    doomed, doomed_addr = sync.reader("fanout", "shm", 1)
+    doomed.kill()
+    doomed.wait()
+    writer = WeightsWriter(src, dst, 0, {0: alive_addr, 1: doomed_addr}, transport="shm", timeout=2.0)
+    tensors = {t.name: torch.zeros(t.shape, dtype=getattr(torch, t.dtype)) for t in src.tensors}
+    writer.multi_put(tensors)
+    started = time.monotonic()
+    with pytest.raises((TransferTimeoutError, PeerLostError), match=r"reader rank 1 .*Live on reader ranks \[0\]"):
+        writer.complete(1)
+    assert time.monotonic() - started < 8
+    writer.close()
+    assert alive.stdout is not None
+    versions = [json.loads(alive.stdout.readline())["version"] for _ in range(2)]
+    assert versions == [-1, 1]
+
+
+def test_layout_mismatch_is_refused_before_a_byte_is_written(sync: Any) -> None:
+    src, dst = sync.layouts("plain")
+    with WeightsReader(src, dst, 0, transport="shm") as reader:
+        other = [TensorMeta(t.name, t.dtype, (48, 64) if t.name == "layer2.weight" else t.shape) for t in src.tensors]
+        writer = WeightsWriter(from_state_dict(other), from_state_dict(other), 0, [reader.address], transport="shm", timeout=5)
+        writer.multi_put({t.name: torch.ones(t.shape, dtype=getattr(torch, t.dtype)) for t in other})
+        with pytest.raises(WeightMismatchError, match=r"different destination layouts; first differing tensor: 'layer2.weight'"):
+            writer.complete(1)
+        assert reader.version == -1
+        assert all(not buf.any() for buf in reader.buffers(slot=1).values())
+        writer.close()
+
+
+def test_put_checks_name_dtype_and_size() -> None:
+    src, dst = from_state_dict([TensorMeta("w", "bfloat16", (4, 4))]), from_state_dict([TensorMeta("w", "bfloat16", (4, 4))])
+    with WeightsReader(src, dst, 0) as reader:
+        writer = WeightsWriter(src, dst, 0, [reader.address])
+        with pytest.raises(WeightMismatchError, match=r"no buffer 'v'"):
+            writer.put("v", torch.zeros(4, 4, dtype=torch.bfloat16))
+        with pytest.raises(WeightMismatchError, match=r"tensor 'w': dtype float32 but the layout says bfloat16"):
+            writer.put("w", torch.zeros(4, 4))
+        with pytest.raises(WeightMismatchError, match=r"tensor 'w': 12 elements but the layout says 16"):
+            writer.put("w", torch.zeros(3, 4, dtype=torch.bfloat16))
+        with pytest.raises(WeightMismatchError, match=r"no tensor was put for \['w'\]"):
+            writer.complete(1)
+        assert reader.version == -1
+        writer.close()
+
+
+def test_versions_must_increase() -> None:
+    meta = [TensorMeta("w", "float32", (8,))]
+    src = dst = from_state_dict(meta)
+    with WeightsReader(src, dst, 0) as reader:
+        writer = WeightsWriter(src, dst, 0, [reader.address], timeout=5)
+        writer.put("w", torch.arange(8, dtype=torch.float32))
+        writer.complete(5)
+        with pytest.raises(VersionError, match="version 5 is not newer than live version 5"):
+            writer.complete(5)
+        out = np.empty(8, np.float32)
+        reader.get("w", out)
+        assert out.tolist() == list(range(8))
+        writer.close()

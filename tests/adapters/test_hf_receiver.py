@@ -1,0 +1,49 @@
+"""A transformers model receives weights in place from a trainer process and then generates
+exactly what a model loaded with the new state dict generates."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from rlsync.adapters.hf import ModuleReceiver  # noqa: E402
+
+WRITER = Path(__file__).with_name("hf_writer.py")
+_spec = importlib.util.spec_from_file_location("rlsync_test_hf_writer", WRITER)
+assert _spec is not None and _spec.loader is not None
+hf_writer = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hf_writer)
+
+PROMPT = torch.tensor([[3, 17, 42, 99, 5, 64]])
+
+
+def greedy(model: torch.nn.Module) -> list[int]:
+    out = model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    return out[0, PROMPT.shape[1] :].tolist()
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("tied", [False, True])
+def test_generation_after_each_update_equals_a_model_loaded_with_the_new_weights(tied: bool) -> None:
+    model = hf_writer.tiny_qwen2(seed=0, tied=tied)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with ModuleReceiver(model) as receiver:
+        for version, seed in ((1, 11), (2, 22), (3, 33)):
+            fresh = hf_writer.tiny_qwen2(seed=seed, tied=tied)
+            done = subprocess.run([sys.executable, str(WRITER), "--address", receiver.address, "--seed", str(seed),
+                                   "--version", str(version), *(["--tied"] if tied else [])], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr
+            assert receiver.version == version
+            with torch.no_grad():
+                for name, p in model.named_parameters():  # bytes landed in the module's own parameters
+                    assert torch.equal(p, dict(fresh.named_parameters())[name]), name
+            with receiver.serving(), torch.no_grad():
+                assert greedy(model) == greedy(fresh)
+    assert not all(torch.equal(before[n], p) for n, p in model.named_parameters())

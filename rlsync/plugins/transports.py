@@ -11,6 +11,7 @@ def rlsync_register_transports(registry: Registry) -> None:  # type: ignore[type
     from rlsync.plugins._transport_nixl import NixlTransport
     from rlsync.plugins._transport_shm import ShmTransport
     from rlsync.plugins._transport_tcp import TcpTransport
+    from rlsync.plugins._transport_torchdist import TorchDistTransport
 
-    for transport in (ShmTransport, NixlTransport, TcpTransport):
+    for transport in (ShmTransport, NixlTransport, TcpTransport, TorchDistTransport):
         registry.add(transport.name, transport)

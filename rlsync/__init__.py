@@ -21,9 +21,11 @@ from rlsync.core._errors import (
 )
 from rlsync.core._hookspecs import hookimpl, hookspec
 from rlsync.core._layout import Box, BufferSpec, Layout, Shard, TensorMeta, make_layout
+from rlsync.core._planner import Plan, PlanStats, build_plan
 from rlsync.core._plugins import make_plugin_manager
 from rlsync.core._registry import Registry
 from rlsync.core._transfer import Transfer
+from rlsync.core._weights import WeightsReader, WeightsWriter
 
 __version__ = "0.1.0"
 
@@ -35,8 +37,10 @@ __all__ = [
     "Layout",
     "LayoutError",
     "PeerLostError",
+    "Plan",
     "PlanError",
     "PlanMismatchError",
+    "PlanStats",
     "PluginError",
     "Registry",
     "RlsyncError",
@@ -48,6 +52,9 @@ __all__ = [
     "TransportError",
     "VersionError",
     "WeightMismatchError",
+    "WeightsReader",
+    "WeightsWriter",
+    "build_plan",
     "hookimpl",
     "hookspec",
     "make_layout",

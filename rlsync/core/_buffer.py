@@ -1,0 +1,354 @@
+"""The rollout buffer between generators and trainers.
+
+Generators ``admit()`` before starting a rollout, then ``put()`` the finished samples; trainers
+``get()`` batches (by sample count or by token count) and ``publish(version)`` after each
+update. Admission keeps the off-policy lag within ``max_staleness``: everything admitted since
+the start (consumed + waiting + in flight) may not exceed ``(version + max_staleness + 1) *
+batch_size`` samples. ``consumed`` is part of ``state_dict()``, so the capacity is right after a
+restart (in-flight rollouts died with their generators and are not counted again).
+
+``on_stale``: ``"wait"`` makes admission block generators so nothing goes stale; ``"drop"`` lets
+them run and drops samples older than the bound when batches are formed. Partial rollouts at a
+publish: ``"continue"`` (keep generating; later tokens carry the new version), ``"abort"``
+(in-flight tickets are cancelled; their prompts are re-queued) and ``"drain"`` (admit nothing
+until the rollouts in flight have finished).
+
+Samples live in a ``Storage`` (in memory by default; Redis streams for durability). The buffer is
+thread-safe; ``aadmit``/``aput``/``aget`` serve asyncio code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+from rlsync.core._errors import BufferError, VersionError
+from rlsync.core._gates import Decision, MaxStaleness, freshest_per_group, importance_weights
+from rlsync.core._samples import Sample
+from rlsync.core._telemetry import BufferTelemetry
+
+PartialPolicy = Literal["continue", "abort", "drain"]
+
+
+class Storage(Protocol):
+    """Where waiting samples live. ``take`` hands each sample out exactly once, oldest first."""
+
+    def append(self, samples: Sequence[Sample]) -> None: ...
+    def take(self, count: int) -> list[Sample]: ...
+    def __len__(self) -> int: ...
+    def load_state(self) -> dict[str, Any]: ...
+    def save_state(self, state: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+class MemoryStorage:
+    """The embedded default: one deque per policy version, taken oldest version first, so a
+    rollout that finished late still trains before fresher ones (it is the nearest to stale)."""
+
+    def __init__(self) -> None:
+        self._by_version: dict[int, collections.deque[Sample]] = {}
+        self._count = 0
+        self._state: dict[str, Any] = {}
+
+    def append(self, samples: Sequence[Sample]) -> None:
+        for s in samples:
+            queue = self._by_version.get(s.oldest_version)
+            if queue is None:
+                queue = self._by_version[s.oldest_version] = collections.deque()
+            queue.append(s)
+        self._count += len(samples)
+
+    def take(self, count: int) -> list[Sample]:
+        out: list[Sample] = []
+        while len(out) < count and self._by_version:
+            version = min(self._by_version)
+            queue = self._by_version[version]
+            while queue and len(out) < count:
+                out.append(queue.popleft())
+            if not queue:
+                del self._by_version[version]
+        self._count -= len(out)
+        return out
+
+    def __len__(self) -> int:
+        return self._count
+
+    def load_state(self) -> dict[str, Any]:
+        return dict(self._state)
+
+    def save_state(self, state: dict[str, Any]) -> None:
+        self._state = dict(state)
+
+    def close(self) -> None:
+        pass
+
+
+class Ticket:
+    """Admission for one rollout (or one group of rollouts)."""
+
+    __slots__ = ("aborted", "count", "prompt_id", "ticket_id", "version")
+
+    def __init__(self, ticket_id: int, version: int, count: int, prompt_id: str | None) -> None:
+        self.ticket_id = ticket_id
+        self.version = version
+        self.count = count
+        self.prompt_id = prompt_id
+        self.aborted = False
+
+
+class Batch:
+    """Samples handed to a trainer, with what a loss needs to correct for staleness."""
+
+    def __init__(self, samples: list[Sample], trainer_version: int) -> None:
+        self.samples = samples
+        self.trainer_version = trainer_version
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.samples)
+
+    def version_lags(self) -> list[np.ndarray]:
+        """Per generated token: trainer version minus the version that produced it."""
+        return [self.trainer_version - s.versions for s in self.samples]
+
+    def importance_weights(self, trainer_logprobs: Sequence[np.ndarray], cap: float | None = 2.0) -> list[np.ndarray]:
+        """Truncated token-level importance weights against each sample's behaviour log-probs."""
+        if len(trainer_logprobs) != len(self.samples):
+            raise ValueError(f"{len(trainer_logprobs)} log-prob arrays for a batch of {len(self.samples)} samples")
+        return [importance_weights(t, s.logprobs, cap) for t, s in zip(trainer_logprobs, self.samples)]
+
+
+class RolloutBuffer:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        batch_size: int,
+        max_staleness: int = 1,
+        on_stale: Literal["wait", "drop"] = "wait",
+        partial: PartialPolicy = "continue",
+        group_size: int = 1,
+        storage: Storage | None = None,
+        gates: Iterable[Any] = (),
+        plugins: Any = None,
+    ) -> None:
+        if on_stale not in ("wait", "drop") or partial not in ("continue", "abort", "drain"):
+            raise ValueError(f"on_stale must be 'wait' or 'drop' and partial 'continue', 'abort' or 'drain'; got {on_stale!r}, {partial!r}")
+        if batch_size < 1 or group_size < 1:
+            raise ValueError("batch_size and group_size must be positive")
+        self.batch_size = batch_size
+        self.max_staleness = max_staleness
+        self.on_stale = on_stale
+        self.partial = partial
+        self.group_size = group_size
+        self.storage: Storage = storage if storage is not None else MemoryStorage()
+        self.gates = [MaxStaleness(max_staleness), *gates]
+        self.plugins = plugins
+        self.telemetry = BufferTelemetry()
+        state = self.storage.load_state()
+        self.version = int(state.get("version", 0))
+        self.consumed = int(state.get("consumed", 0))
+        self._tickets: dict[int, Ticket] = {}
+        self._ids = itertools.count()
+        self._groups: dict[str, list[Sample]] = {}
+        self._ready: collections.deque[Sample] = collections.deque()
+        self._requeued: collections.deque[str] = collections.deque()
+        self._draining = False
+        self._closed = False
+        self._cond = threading.Condition()
+
+    # -- admission --------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return sum(t.count for t in self._tickets.values())
+
+    @property
+    def waiting(self) -> int:
+        return len(self.storage) + len(self._ready) + sum(len(g) for g in self._groups.values())
+
+    def capacity(self) -> int:
+        """How many more rollouts may start now without breaking the staleness bound."""
+        if self.on_stale == "drop":
+            return 1 << 62
+        limit = (self.version + self.max_staleness + 1) * self.batch_size
+        return limit - (self.consumed + self.waiting + self.in_flight)
+
+    def admit(self, count: int = 1, *, prompt_id: str | None = None, timeout: float | None = None) -> Ticket | None:
+        """Ask to start ``count`` rollouts; blocks while over capacity (or draining). None on timeout."""
+        started = time.perf_counter()
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: self._closed or (not (self._draining and self._tickets) and self.capacity() >= count), timeout
+            )
+            stalled = time.perf_counter() - started
+            if stalled > 1e-3:
+                self.telemetry.stall(stalled)
+            if self._closed:
+                raise BufferError("the rollout buffer is closed")
+            if not ok:
+                return None
+            self._draining = False
+            ticket = Ticket(next(self._ids), self.version, count, prompt_id)
+            self._tickets[ticket.ticket_id] = ticket
+            return ticket
+
+    def release(self, ticket: Ticket) -> None:
+        """Give a ticket back without putting samples (the rollout failed)."""
+        with self._cond:
+            self._tickets.pop(ticket.ticket_id, None)
+            self._cond.notify_all()
+
+    def next_prompt(self) -> str | None:
+        """A prompt whose rollout was aborted by a publish and should be generated again."""
+        with self._cond:
+            return self._requeued.popleft() if self._requeued else None
+
+    # -- producers --------------------------------------------------------------------------
+
+    def put(self, samples: Sample | Sequence[Sample], ticket: Ticket | None = None) -> bool:
+        """Accept finished samples. False if ``ticket`` was aborted by a publish (samples discarded)."""
+        batch = [samples] if isinstance(samples, Sample) else list(samples)
+        with self._cond:
+            if ticket is not None:
+                self._tickets.pop(ticket.ticket_id, None)
+                if ticket.aborted:
+                    self.telemetry.aborted += len(batch)
+                    self._cond.notify_all()
+                    return False
+            for s in batch:
+                if s.oldest_version > self.version:
+                    raise VersionError(f"sample {s.sample_id} carries version {s.oldest_version}, newer than published {self.version}")
+            self.storage.append(batch)
+            self.telemetry.put += len(batch)
+            self._cond.notify_all()
+        if self.plugins is not None:
+            self.plugins.hook.rlsync_on_put(samples=batch)
+        return True
+
+    # -- consumers --------------------------------------------------------------------------
+
+    def _decide(self, sample: Sample) -> Decision:
+        if self.plugins is not None:
+            verdict = self.plugins.hook.rlsync_gate_sample(sample=sample, trainer_version=self.version)
+            if verdict is not None:
+                return Decision(verdict)
+        for gate in self.gates:
+            if gate(sample, self.version) is Decision.DROP:
+                return Decision.DROP
+        return Decision.TRAIN
+
+    def _fill(self, want: int) -> None:
+        """Move samples from storage to ``_ready`` through the gates and the group assembly."""
+        while len(self._ready) < want:
+            taken = self.storage.take(max(want - len(self._ready), self.group_size))
+            if not taken:
+                return
+            for s in taken:
+                if self._decide(s) is Decision.DROP:
+                    self.telemetry.dropped += 1
+                    continue
+                if self.group_size == 1:
+                    self._ready.append(s)
+                    continue
+                group = self._groups.setdefault(s.group, [])
+                group.append(s)
+                if len(group) >= self.group_size:
+                    del self._groups[s.group]
+                    self._ready.extend(freshest_per_group(group, self.group_size))
+
+    def get(self, batch_size: int | None = None, *, max_tokens: int | None = None, timeout: float | None = None) -> Batch | None:
+        """The next batch: ``batch_size`` samples (default: the buffer's), or as many whole
+        samples as fit in ``max_tokens``. Blocks until it is full; None on timeout."""
+        count = batch_size or self.batch_size
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self.on_stale == "wait" and self._overdue():
+                    # A rollout admitted long ago is still running: it must train in this batch or
+                    # it will be too stale for the next one, so the trainer waits for it.
+                    self._wait(deadline)
+                    if self._closed or (deadline is not None and time.monotonic() >= deadline):
+                        return None
+                    continue
+                self._fill(count if max_tokens is None else count + len(self._ready) + 1)
+                if max_tokens is not None:
+                    taken, tokens = [], 0
+                    while self._ready and tokens + self._ready[0].num_tokens <= max_tokens:
+                        tokens += self._ready[0].num_tokens
+                        taken.append(self._ready.popleft())
+                    if taken:
+                        break
+                    if self._ready:
+                        raise BufferError(f"a sample of {self._ready[0].num_tokens} tokens does not fit max_tokens={max_tokens}")
+                elif len(self._ready) >= count:
+                    taken = [self._ready.popleft() for _ in range(count)]
+                    break
+                self._wait(deadline)
+                if self._closed or (deadline is not None and time.monotonic() >= deadline):
+                    return None
+            self.consumed += len(taken)
+            self.storage.save_state({"version": self.version, "consumed": self.consumed})
+            batch = Batch(taken, self.version)
+            self.telemetry.got += len(taken)
+            self.telemetry.record_lags(batch.version_lags())
+            self._cond.notify_all()
+        if self.plugins is not None:
+            self.plugins.hook.rlsync_on_get(batch=batch)
+        return batch
+
+    def _overdue(self) -> bool:
+        return any(t.version <= self.version - self.max_staleness for t in self._tickets.values())
+
+    def _wait(self, deadline: float | None) -> None:
+        remaining = 0.05 if deadline is None else min(max(deadline - time.monotonic(), 0.0), 0.05)
+        self._cond.wait(remaining)
+
+    def publish(self, version: int) -> None:
+        """The trainer now holds ``version``; apply the partial-rollout policy to rollouts in flight."""
+        with self._cond:
+            if version <= self.version:
+                raise VersionError(f"publish({version}): the buffer is already at version {self.version}")
+            self.version = version
+            if self.partial == "abort":
+                for ticket in self._tickets.values():
+                    ticket.aborted = True
+                    if ticket.prompt_id is not None:
+                        self._requeued.append(ticket.prompt_id)
+                self._tickets.clear()
+            elif self.partial == "drain" and self._tickets:
+                self._draining = True
+            self.storage.save_state({"version": self.version, "consumed": self.consumed})
+            self._cond.notify_all()
+
+    def state_dict(self) -> dict[str, Any]:
+        with self._cond:
+            return {"version": self.version, "consumed": self.consumed}
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self.storage.close()
+
+    # -- asyncio ----------------------------------------------------------------------------
+
+    async def aadmit(self, count: int = 1, **kwargs: Any) -> Ticket | None:
+        return await asyncio.to_thread(self.admit, count, **kwargs)
+
+    async def aput(self, samples: Sample | Sequence[Sample], ticket: Ticket | None = None) -> bool:
+        return await asyncio.to_thread(self.put, samples, ticket)
+
+    async def aget(self, batch_size: int | None = None, **kwargs: Any) -> Batch | None:
+        return await asyncio.to_thread(self.get, batch_size, **kwargs)

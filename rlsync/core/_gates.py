@@ -1,0 +1,60 @@
+"""Staleness gates and importance weights.
+
+A gate looks at one sample and the trainer's current version and decides: train it, or drop it.
+Gates are plugins (``rlsync_register_gates``); the buffer asks each in turn and the first
+``DROP`` wins. Built in: ``max_staleness`` (drop samples whose oldest token lags too far).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import Enum
+from typing import Protocol
+
+import numpy as np
+
+from rlsync.core._samples import Sample
+
+
+class Decision(Enum):
+    TRAIN = "train"
+    DROP = "drop"
+
+
+class Gate(Protocol):
+    name: str
+
+    def __call__(self, sample: Sample, trainer_version: int) -> Decision: ...
+
+
+class MaxStaleness:
+    """Drop a sample when its oldest token's version lags the trainer by more than ``max_staleness``."""
+
+    name = "max_staleness"
+
+    def __init__(self, max_staleness: int) -> None:
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, not {max_staleness}")
+        self.max_staleness = max_staleness
+
+    def __call__(self, sample: Sample, trainer_version: int) -> Decision:
+        return Decision.DROP if trainer_version - sample.oldest_version > self.max_staleness else Decision.TRAIN
+
+
+def freshest_per_group(samples: Sequence[Sample], group_size: int) -> list[Sample]:
+    """Of a group's samples (say a prompt regenerated after an abort), keep the ``group_size``
+    whose oldest token is newest; ties keep arrival order."""
+    order = sorted(range(len(samples)), key=lambda i: (-samples[i].oldest_version, i))
+    keep = sorted(order[:group_size])
+    return [samples[i] for i in keep]
+
+
+def importance_weights(trainer_logprobs: np.ndarray, behaviour_logprobs: np.ndarray, cap: float | None = 2.0) -> np.ndarray:
+    """Token-level importance ratios ``exp(trainer - behaviour)``, truncated at ``cap`` (truncated IS).
+
+    Both arrays hold log-probabilities of the sampled tokens, one per generated token.
+    """
+    if trainer_logprobs.shape != behaviour_logprobs.shape:
+        raise ValueError(f"log-prob shapes differ: trainer {trainer_logprobs.shape}, behaviour {behaviour_logprobs.shape}")
+    ratio = np.exp(trainer_logprobs.astype(np.float64) - behaviour_logprobs.astype(np.float64))
+    return np.minimum(ratio, cap) if cap is not None else ratio

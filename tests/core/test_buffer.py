@@ -1,0 +1,188 @@
+"""The rollout buffer: staleness bound under concurrency, restart capacity, partial-rollout
+policies, token batching, gates, importance weights, the version clock."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from rlsync import BufferError, VersionError
+from rlsync.core._buffer import MemoryStorage, RolloutBuffer
+from rlsync.core._gates import freshest_per_group, importance_weights
+from rlsync.core._samples import PolicyVersionClock, Sample, decode_sample, encode_sample
+
+
+def sample(prompt: str, versions: list[int], prompt_len: int = 2, group: str | None = None) -> Sample:
+    n = len(versions)
+    return Sample(prompt, np.arange(prompt_len + n, dtype=np.int32), prompt_len, np.full(n, -1.0, np.float32),
+                  np.array(versions, np.int32), group=group)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lag_bound_holds_under_random_concurrent_load(seed: int) -> None:
+    rng = random.Random(seed)
+    bound, batch = 2, 4
+    buf = RolloutBuffer(batch_size=batch, max_staleness=bound, on_stale="wait")
+    clock = PolicyVersionClock(0)
+    stop = threading.Event()
+    lags: list[int] = []
+
+    def generator(k: int) -> None:
+        local = random.Random(seed * 10 + k)
+        while not stop.is_set():
+            ticket = buf.admit(timeout=0.2)
+            if ticket is None:
+                continue
+            versions = []
+            for _ in range(local.randint(1, 6)):  # each token is one step; a publish may land between steps
+                with clock.step() as v:
+                    versions.append(v)
+                time.sleep(local.random() * 0.002)
+            buf.put(sample(f"p{k}", versions), ticket)
+
+    threads = [threading.Thread(target=generator, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for step in range(1, 26):
+            got = buf.get(timeout=20)
+            assert got is not None and len(got) == batch
+            lags.extend(int(x) for lag in got.version_lags() for x in lag)
+            time.sleep(rng.random() * 0.003)
+            clock.advance(step, apply=lambda s=step: buf.publish(s))
+    finally:
+        stop.set()
+        buf.close()
+        for t in threads:
+            t.join()
+    assert max(lags) <= bound
+    assert buf.telemetry.dropped == 0
+    assert max(lags) > 0  # the workload really was off-policy
+
+
+def test_drop_mode_drops_what_is_too_old() -> None:
+    buf = RolloutBuffer(batch_size=2, max_staleness=1, on_stale="drop")
+    buf.put([sample("a", [0, 0]), sample("b", [0])])
+    buf.publish(1)
+    buf.publish(2)
+    buf.put([sample("c", [2]), sample("d", [1, 2])])
+    got = buf.get(timeout=1)
+    assert got is not None and [s.prompt_id for s in got.samples] == ["d", "c"]  # oldest policy first
+    assert buf.telemetry.dropped == 2
+
+
+def test_capacity_is_right_after_a_restart_from_saved_state() -> None:
+    storage = MemoryStorage()  # stands for durable storage (Redis) that outlives the process
+    buf = RolloutBuffer(batch_size=4, max_staleness=1, storage=storage)
+    tickets = [buf.admit() for _ in range(8)]
+    assert buf.capacity() == 0 and buf.admit(timeout=0.01) is None
+    for t in tickets[:6]:
+        assert t is not None
+        buf.put(sample("p", [0]), t)
+    assert buf.get() is not None
+    buf.publish(1)
+    # 4 consumed, 2 waiting, 2 in flight: limit (1 + 1 + 1) * 4 = 12 -> 4 free
+    assert buf.capacity() == 4
+    restarted = RolloutBuffer(batch_size=4, max_staleness=1, storage=storage)
+    # the 2 in-flight rollouts died with the old process; consumed and waiting come back
+    assert (restarted.version, restarted.consumed, restarted.waiting, restarted.in_flight) == (1, 4, 2, 0)
+    assert restarted.capacity() == 6
+
+
+def test_partial_rollout_policies() -> None:
+    cont = RolloutBuffer(batch_size=1, max_staleness=3, partial="continue")
+    t = cont.admit(prompt_id="q")
+    cont.publish(1)
+    assert t is not None and cont.put(sample("q", [0, 1]), t)  # a rollout spanning the update keeps both versions
+    assert cont.get(timeout=1).samples[0].versions.tolist() == [0, 1]  # type: ignore[union-attr]
+
+    abort = RolloutBuffer(batch_size=1, max_staleness=3, partial="abort")
+    t = abort.admit(prompt_id="q")
+    abort.publish(1)
+    assert t is not None and not abort.put(sample("q", [0]), t)
+    assert abort.next_prompt() == "q" and abort.waiting == 0 and abort.telemetry.aborted == 1
+
+    drain = RolloutBuffer(batch_size=1, max_staleness=3, partial="drain")
+    t = drain.admit()
+    drain.publish(1)
+    assert drain.admit(timeout=0.05) is None  # nothing new while a rollout is in flight
+    assert t is not None and drain.put(sample("q", [0]), t)
+    assert drain.admit(timeout=1) is not None
+
+
+def test_batches_by_token_count() -> None:
+    buf = RolloutBuffer(batch_size=100, max_staleness=5)
+    buf.put([sample(f"p{i}", [0] * 8) for i in range(5)])  # 10 tokens each
+    got = buf.get(max_tokens=35, timeout=1)
+    assert got is not None and len(got) == 3 and got.num_tokens == 30
+    with pytest.raises(BufferError, match="does not fit max_tokens=5"):
+        buf.get(max_tokens=5, timeout=1)
+
+
+def test_groups_are_delivered_whole_and_freshest() -> None:
+    buf = RolloutBuffer(batch_size=2, max_staleness=5, group_size=2)
+    buf.publish(1)
+    buf.put([sample("a", [0], group="g1"), sample("x", [0], group="g2")])
+    assert buf.get(timeout=0.1) is None  # no group complete yet
+    buf.put(sample("b", [1], group="g1"))
+    got = buf.get(timeout=1)
+    assert got is not None and [s.prompt_id for s in got.samples] == ["a", "b"]
+    many = [sample(f"s{v}", [v]) for v in (0, 3, 1, 3)]
+    assert [s.prompt_id for s in freshest_per_group(many, 2)] == ["s3", "s3"]
+
+
+def test_importance_weights_match_a_hand_computation() -> None:
+    trainer = np.array([-1.0, -0.5, -2.0], np.float32)
+    behaviour = np.array([-1.0, -1.5, -0.1], np.float32)
+    expected = [1.0, min(np.e, 2.0), np.exp(-1.9)]
+    np.testing.assert_allclose(importance_weights(trainer, behaviour, cap=2.0), expected, rtol=1e-6)
+    buf = RolloutBuffer(batch_size=1, max_staleness=5)
+    s = Sample("p", np.arange(5, dtype=np.int32), 2, behaviour, np.zeros(3, np.int32))
+    buf.put(s)
+    got = buf.get(timeout=1)
+    assert got is not None
+    np.testing.assert_allclose(got.importance_weights([trainer], cap=2.0)[0], expected, rtol=1e-6)
+
+
+def test_bad_samples_and_versions_are_refused() -> None:
+    with pytest.raises(BufferError, match="3 generated tokens but 2 log-probs"):
+        Sample("p", np.arange(5, dtype=np.int32), 2, np.zeros(2, np.float32), np.zeros(3, np.int32))
+    buf = RolloutBuffer(batch_size=1)
+    with pytest.raises(VersionError, match="newer than published 0"):
+        buf.put(sample("p", [1]))
+    buf.publish(1)
+    with pytest.raises(VersionError):
+        buf.publish(1)
+
+
+def test_clock_fences_stamping_against_publishing() -> None:
+    clock = PolicyVersionClock(0)
+    order: list[str] = []
+    inside = threading.Event()
+
+    def long_step() -> None:
+        with clock.step() as v:
+            inside.set()
+            time.sleep(0.1)
+            order.append(f"step-end v{v}")
+
+    t = threading.Thread(target=long_step)
+    t.start()
+    inside.wait()
+    clock.advance(1, apply=lambda: order.append("apply"))
+    t.join()
+    assert order == ["step-end v0", "apply"]  # the weights changed only after the running step ended
+    with clock.step() as v:
+        assert v == 1
+
+
+def test_wire_round_trip_keeps_every_field() -> None:
+    s = sample("p", [3, 4], group="g")
+    s.reward = 0.5
+    back = decode_sample(encode_sample(s))
+    assert (back.sample_id, back.prompt_id, back.group, back.reward, back.prompt_len) == (s.sample_id, "p", "g", 0.5, 2)
+    assert back.versions.tolist() == [3, 4] and back.tokens.tolist() == s.tokens.tolist()

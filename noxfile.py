@@ -8,6 +8,9 @@ OpenRLHF adapters join as those adapters land.) Sessions reuse their virtualenv 
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import nox
 
 nox.options.default_venv_backend = "venv"
@@ -18,11 +21,23 @@ nox.options.error_on_missing_interpreters = True
 TORCH = "torch==2.13.0"
 
 
+def _ensure_redis_server(session: nox.Session) -> None:
+    """The Redis tests start Debian's redis-server themselves; install it when missing (as root)."""
+    if shutil.which("redis-server"):
+        return
+    if os.geteuid() != 0:
+        session.error("redis-server is missing: install Debian's 'redis-server' package")
+    session.run("apt-get", "update", "-qq", external=True)
+    session.run("apt-get", "install", "-y", "-qq", "redis-server", external=True)
+
+
 @nox.session(python="3.11")
 def core(session: nox.Session) -> None:
-    """The framework-free core, the transports (shm, tcp, NIXL), the transformers receiver and the CLI."""
+    """The core, the transports (shm, tcp, NIXL, torch.distributed), the rollout buffer with a real
+    Redis, the transformers receiver and the CLI."""
+    _ensure_redis_server(session)
     session.install(TORCH)
-    session.install("-e", ".[nixl,dev]")
+    session.install("-e", ".[nixl,redis,dev]")
     session.run(
         "pytest", "tests/core", "tests/plugins", "tests/adapters", "tests/cli", "tests/test_public_api.py",
         "-p", "no:cacheprovider", *session.posargs,

@@ -1,0 +1,116 @@
+"""The Redis-streams backend against a real redis-server (Debian's), killed with SIGKILL mid-load."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("redis")
+if shutil.which("redis-server") is None:
+    pytest.skip("redis-server is not installed (Debian package 'redis-server')", allow_module_level=True)
+
+from rlsync.core._buffer import RolloutBuffer  # noqa: E402
+from rlsync.core._plugins import buffer_backends  # noqa: E402
+from rlsync.core._samples import Sample  # noqa: E402
+
+pytestmark = pytest.mark.redis
+
+
+class RedisServer:
+    def __init__(self, workdir: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.workdir = workdir
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
+             "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--daemonize", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.02)
+        raise RuntimeError("redis-server did not start")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    if server.proc and server.proc.poll() is None:
+        server.kill()
+
+
+def sample(i: int) -> Sample:
+    return Sample(f"p{i}", np.arange(40, dtype=np.int32), 8, np.zeros(32, np.float32), np.zeros(32, np.int32), sample_id=f"s{i}")
+
+
+def test_no_sample_lost_or_delivered_twice_when_redis_is_killed_mid_load(redis_server: RedisServer) -> None:
+    storage = buffer_backends().create("redis", url=redis_server.url, retry_seconds=30)
+    buf = RolloutBuffer(batch_size=10, max_staleness=100, on_stale="drop", storage=storage)
+    total = 400
+    delivered: list[str] = []
+
+    def produce() -> None:
+        for start in range(0, total, 5):
+            buf.put([sample(i) for i in range(start, start + 5)])
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    killed = False
+    while len(delivered) < total:
+        batch = buf.get(timeout=60)
+        assert batch is not None
+        delivered += [s.sample_id for s in batch.samples]
+        if not killed and len(delivered) >= 100:
+            redis_server.kill()  # SIGKILL mid-load, while the producer is still adding samples
+            time.sleep(0.3)
+            redis_server.start()
+            killed = True
+    producer.join()
+    assert killed
+    assert len(delivered) == len(set(delivered)) == total
+    assert set(delivered) == {f"s{i}" for i in range(total)}
+    assert len(storage) == 0
+
+
+def test_a_retried_put_adds_nothing_twice_and_state_survives_a_restart(redis_server: RedisServer) -> None:
+    from rlsync.plugins._buffer_redis import RedisStorage
+
+    storage = RedisStorage(redis_server.url)
+    storage.append([sample(1), sample(2)])
+    storage.append([sample(2), sample(3)])  # a retry after a lost reply, say
+    assert len(storage) == 3
+    buf = RolloutBuffer(batch_size=2, max_staleness=5, storage=storage)
+    assert buf.get(timeout=1) is not None
+    buf.publish(1)
+    redis_server.kill()
+    redis_server.start()
+    again = RolloutBuffer(batch_size=2, max_staleness=5, storage=RedisStorage(redis_server.url))
+    assert (again.version, again.consumed, again.waiting) == (1, 2, 1)
+    assert again.capacity() == (1 + 5 + 1) * 2 - 3

@@ -1,4 +1,6 @@
-"""Built-in rollout-buffer storage backends: ``memory`` (default) and ``redis``."""
+"""Built-in rollout-buffer backends: ``memory`` (the embedded default), ``redis`` (durable),
+``ray`` (an actor other machines reach). Each factory takes ``RolloutBuffer``'s options plus
+its own (``url``, ``name``, ``retry_seconds`` for Redis; ``name`` for Ray)."""
 
 from __future__ import annotations
 
@@ -8,19 +10,27 @@ from rlsync.core._hookspecs import hookimpl
 from rlsync.core._registry import Registry
 
 
-def _redis(**options: Any) -> Any:
+def _memory(**options: Any) -> Any:
+    from rlsync.core._buffer import RolloutBuffer
+
+    return RolloutBuffer(**options)
+
+
+def _redis(*, url: str = "redis://127.0.0.1:6379/0", name: str = "rlsync", retry_seconds: float = 30.0, **options: Any) -> Any:
+    from rlsync.core._buffer import RolloutBuffer
     from rlsync.plugins._buffer_redis import RedisStorage
 
-    return RedisStorage(**options)
+    return RolloutBuffer(storage=RedisStorage(url, name=name, retry_seconds=retry_seconds), **options)
 
 
-def _memory(**options: Any) -> Any:
-    from rlsync.core._buffer import MemoryStorage
+def _ray(**options: Any) -> Any:
+    from rlsync.plugins._buffer_ray import RayRolloutBuffer
 
-    return MemoryStorage(**options)
+    return RayRolloutBuffer(**options)
 
 
 @hookimpl(trylast=True)
 def rlsync_register_buffer_backends(registry: Registry) -> None:  # type: ignore[type-arg]
     registry.add("memory", _memory)
     registry.add("redis", _redis)
+    registry.add("ray", _ray)

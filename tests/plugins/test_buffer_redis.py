@@ -18,7 +18,7 @@ if shutil.which("redis-server") is None:
     pytest.skip("redis-server is not installed (Debian package 'redis-server')", allow_module_level=True)
 
 from rlsync.core._buffer import RolloutBuffer  # noqa: E402
-from rlsync.core._plugins import buffer_backends  # noqa: E402
+from rlsync.core._make_buffer import make_buffer  # noqa: E402
 from rlsync.core._samples import Sample  # noqa: E402
 
 pytestmark = pytest.mark.redis
@@ -71,8 +71,8 @@ def sample(i: int) -> Sample:
 
 
 def test_no_sample_lost_or_delivered_twice_when_redis_is_killed_mid_load(redis_server: RedisServer) -> None:
-    storage = buffer_backends().create("redis", url=redis_server.url, retry_seconds=30)
-    buf = RolloutBuffer(batch_size=10, max_staleness=100, on_stale="drop", storage=storage)
+    buf = make_buffer("redis", url=redis_server.url, retry_seconds=30, batch_size=10, max_staleness=100, on_stale="drop")
+    storage = buf.storage
     total = 400
     delivered: list[str] = []
 

@@ -1,0 +1,15 @@
+"""``make_buffer``: a rollout buffer from a backend name (a plugin registry lookup)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pluggy
+
+from rlsync.core import _plugins
+
+
+def make_buffer(backend: str = "memory", *, plugins: pluggy.PluginManager | None = None, **options: Any) -> Any:
+    """``make_buffer("memory", batch_size=64, max_staleness=2)``; ``"redis"`` (``url=...``), ``"ray"``,
+    or any backend a plugin registers."""
+    return _plugins.buffer_backends(plugins).create(backend, **options)

@@ -1,0 +1,84 @@
+"""``ray``: the rollout buffer as a Ray actor, for generators and trainers on several machines.
+
+The actor runs the embedded ``RolloutBuffer`` (threaded, so a blocked ``get`` or ``admit`` does
+not stop ``put``); ``RayRolloutBuffer`` is the client every process holds, with the same methods.
+Ray moves the samples (its own serialization, zero-copy for numpy arrays in its object store).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rlsync.core._buffer import Batch, RolloutBuffer, Ticket
+from rlsync.core._samples import Sample
+
+
+class _BufferActor:
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.buffer = RolloutBuffer(**options)
+        self.tickets: dict[int, Ticket] = {}
+
+    def admit(self, count: int, prompt_id: str | None, timeout: float | None) -> tuple[int, int] | None:
+        ticket = self.buffer.admit(count, prompt_id=prompt_id, timeout=timeout)
+        if ticket is None:
+            return None
+        self.tickets[ticket.ticket_id] = ticket
+        return ticket.ticket_id, ticket.version
+
+    def put(self, samples: list[Sample], ticket_id: int | None) -> bool:
+        ticket = self.tickets.pop(ticket_id, None) if ticket_id is not None else None
+        return self.buffer.put(samples, ticket)
+
+    def get(self, batch_size: int | None, max_tokens: int | None, timeout: float | None) -> tuple[list[Sample], int] | None:
+        batch = self.buffer.get(batch_size, max_tokens=max_tokens, timeout=timeout)
+        return None if batch is None else (batch.samples, batch.trainer_version)
+
+    def publish(self, version: int) -> None:
+        self.buffer.publish(version)
+
+    def stats(self) -> dict[str, Any]:
+        b = self.buffer
+        return {"version": b.version, "consumed": b.consumed, "waiting": b.waiting, "in_flight": b.in_flight,
+                "capacity": b.capacity(), **b.telemetry.summary()}
+
+
+class RayRolloutBuffer:
+    """Client of a buffer actor; ``name`` lets other processes attach with ``RayRolloutBuffer.attach``."""
+
+    def __init__(self, *, name: str | None = None, max_concurrency: int = 32, **options: Any) -> None:
+        import ray
+
+        actor = ray.remote(_BufferActor).options(name=name, max_concurrency=max_concurrency, num_cpus=0)
+        self._actor = actor.remote(options)
+        self._ray = ray
+
+    @classmethod
+    def attach(cls, name: str) -> RayRolloutBuffer:
+        import ray
+
+        self = cls.__new__(cls)
+        self._actor = ray.get_actor(name)
+        self._ray = ray
+        return self
+
+    def admit(self, count: int = 1, *, prompt_id: str | None = None, timeout: float | None = None) -> Ticket | None:
+        got = self._ray.get(self._actor.admit.remote(count, prompt_id, timeout))
+        return None if got is None else Ticket(got[0], got[1], count, prompt_id)
+
+    def put(self, samples: Sample | Sequence[Sample], ticket: Ticket | None = None) -> bool:
+        batch = [samples] if isinstance(samples, Sample) else list(samples)
+        return bool(self._ray.get(self._actor.put.remote(batch, None if ticket is None else ticket.ticket_id)))
+
+    def get(self, batch_size: int | None = None, *, max_tokens: int | None = None, timeout: float | None = None) -> Batch | None:
+        got = self._ray.get(self._actor.get.remote(batch_size, max_tokens, timeout))
+        return None if got is None else Batch(got[0], got[1])
+
+    def publish(self, version: int) -> None:
+        self._ray.get(self._actor.publish.remote(version))
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._ray.get(self._actor.stats.remote()))
+
+    def close(self) -> None:
+        self._ray.kill(self._actor)

@@ -34,10 +34,10 @@ def _ensure_redis_server(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def core(session: nox.Session) -> None:
     """The core, the transports (shm, tcp, NIXL, torch.distributed), the rollout buffer with a real
-    Redis, the transformers receiver and the CLI."""
+    Redis and a local Ray, the transformers receiver and the CLI."""
     _ensure_redis_server(session)
     session.install(TORCH)
-    session.install("-e", ".[nixl,redis,dev]")
+    session.install("-e", ".[nixl,redis,ray,dev]")
     session.run(
         "pytest", "tests/core", "tests/plugins", "tests/adapters", "tests/cli", "tests/test_public_api.py",
         "-p", "no:cacheprovider", *session.posargs,

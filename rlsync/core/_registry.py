@@ -34,7 +34,7 @@ class Registry(Generic[T]):
                 f"or pick one of the registered names."
             ) from None
 
-    def create(self, name: str, *args: Any, **kwargs: Any) -> T:
+    def create(self, name: str, /, *args: Any, **kwargs: Any) -> T:
         return self.get(name)(*args, **kwargs)
 
     def names(self) -> list[str]:

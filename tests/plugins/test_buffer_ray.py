@@ -1,0 +1,52 @@
+"""The Ray backend: the buffer runs in an actor of a local Ray instance started by the test."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from rlsync.core._make_buffer import make_buffer  # noqa: E402
+from rlsync.core._samples import Sample  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def sample(i: int, version: int) -> Sample:
+    return Sample(f"p{i}", np.arange(24, dtype=np.int32), 8, np.full(16, -0.5, np.float32), np.full(16, version, np.int32))
+
+
+def test_generators_and_trainer_through_the_actor(local_ray: None) -> None:
+    buf = make_buffer("ray", name="rlsync-test-buffer", batch_size=4, max_staleness=1)
+    try:
+        def generate(version: int) -> None:
+            for i in range(4):
+                ticket = buf.admit(timeout=30)
+                assert ticket is not None
+                buf.put(sample(i, ticket.version), ticket)
+
+        for version in range(3):
+            t = threading.Thread(target=generate, args=(version,))
+            t.start()
+            batch = buf.get(timeout=30)
+            t.join()
+            assert batch is not None and len(batch) == 4
+            assert all(int(lag.max()) <= 1 for lag in batch.version_lags())
+            np.testing.assert_array_equal(batch.samples[0].tokens, np.arange(24))
+            buf.publish(version + 1)
+        other = type(buf).attach("rlsync-test-buffer")  # another process would attach the same way
+        stats = other.stats()
+        assert stats["consumed"] == 12 and stats["version"] == 3 and stats["in_flight"] == 0
+    finally:
+        buf.close()

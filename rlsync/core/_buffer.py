@@ -30,7 +30,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from rlsync.core._errors import BufferError, VersionError
-from rlsync.core._gates import Decision, MaxStaleness, freshest_per_group, importance_weights
+from rlsync.core._gates import Decision, freshest_per_group, importance_weights
 from rlsync.core._samples import Sample
 from rlsync.core._telemetry import BufferTelemetry
 
@@ -153,7 +153,7 @@ class RolloutBuffer:
         self.partial = partial
         self.group_size = group_size
         self.storage: Storage = storage if storage is not None else MemoryStorage()
-        self.gates = [MaxStaleness(max_staleness), *gates]
+        self.extra_gates = list(gates)  # beyond MaxStaleness(max_staleness), which _decide inlines
         self.plugins = plugins
         self.telemetry = BufferTelemetry()
         state = self.storage.load_state()
@@ -227,9 +227,9 @@ class RolloutBuffer:
                     self.telemetry.aborted += len(batch)
                     self._cond.notify_all()
                     return False
-            for s in batch:
-                if s.oldest_version > self.version:
-                    raise VersionError(f"sample {s.sample_id} carries version {s.oldest_version}, newer than published {self.version}")
+            if max(s.newest_version for s in batch) > self.version:
+                bad = next(s for s in batch if s.newest_version > self.version)
+                raise VersionError(f"sample {bad.sample_id} carries version {bad.newest_version}, newer than published {self.version}")
             self.storage.append(batch)
             self.telemetry.put += len(batch)
             self._cond.notify_all()
@@ -240,11 +240,13 @@ class RolloutBuffer:
     # -- consumers --------------------------------------------------------------------------
 
     def _decide(self, sample: Sample) -> Decision:
+        if self.version - sample.oldest_version > self.max_staleness:  # the built-in gate, inlined: hot path
+            return Decision.DROP
         if self.plugins is not None:
             verdict = self.plugins.hook.rlsync_gate_sample(sample=sample, trainer_version=self.version)
             if verdict is not None:
                 return Decision(verdict)
-        for gate in self.gates:
+        for gate in self.extra_gates:
             if gate(sample, self.version) is Decision.DROP:
                 return Decision.DROP
         return Decision.TRAIN
@@ -255,6 +257,11 @@ class RolloutBuffer:
             taken = self.storage.take(max(want - len(self._ready), self.group_size))
             if not taken:
                 return
+            if self.group_size == 1 and self.plugins is None and not self.extra_gates:
+                fresh = [s for s in taken if self.version - s.oldest_version <= self.max_staleness]
+                self.telemetry.dropped += len(taken) - len(fresh)
+                self._ready.extend(fresh)
+                continue
             for s in taken:
                 if self._decide(s) is Decision.DROP:
                     self.telemetry.dropped += 1
@@ -302,7 +309,7 @@ class RolloutBuffer:
             self.storage.save_state({"version": self.version, "consumed": self.consumed})
             batch = Batch(taken, self.version)
             self.telemetry.got += len(taken)
-            self.telemetry.record_lags(batch.version_lags())
+            self.telemetry.record(taken, self.version)
             self._cond.notify_all()
         if self.plugins is not None:
             self.plugins.hook.rlsync_on_get(batch=batch)

@@ -24,7 +24,7 @@ from rlsync.core._errors import BufferError, VersionError
 class Sample:
     """One rollout: prompt and generated tokens, behaviour log-probs and versions per generated token."""
 
-    __slots__ = ("group", "logprobs", "meta", "oldest_version", "prompt_id", "prompt_len", "reward", "sample_id", "tokens", "versions")
+    __slots__ = ("group", "logprobs", "meta", "newest_version", "oldest_version", "prompt_id", "prompt_len", "reward", "sample_id", "tokens", "versions")
 
     def __init__(
         self,
@@ -55,6 +55,7 @@ class Sample:
         self.sample_id = sample_id or uuid.uuid4().hex
         self.meta = meta or {}
         self.oldest_version = int(versions.min()) if generated else -1
+        self.newest_version = int(versions.max()) if generated else -1
 
     @property
     def num_tokens(self) -> int:

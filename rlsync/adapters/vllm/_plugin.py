@@ -1,0 +1,7 @@
+"""The ``vllm.general_plugins`` entry point: registers the weight-transfer backend ``rlsync``."""
+
+
+def register() -> None:
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    WeightTransferEngineFactory.register_engine("rlsync", "rlsync.adapters.vllm._engine", "RlsyncWeightTransferEngine")

@@ -1,0 +1,87 @@
+"""The OpenAI-compatible vLLM server started with ``--weight-transfer-config '{"backend": "rlsync"}'``:
+weight updates through its HTTP routes, generation equal to a fresh engine with the new weights."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore::UserWarning")]
+
+HERE = Path(__file__).parent
+_spec = importlib.util.spec_from_file_location("rlsync_test_vllm_updates_http", HERE / "test_vllm_updates.py")
+assert _spec is not None and _spec.loader is not None
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
+vllm_env = common.vllm_env
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _post(base: str, route: str, body: dict[str, Any], timeout: float = 180) -> dict[str, Any]:
+    request = urllib.request.Request(base + route, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return dict(json.loads(response.read()))
+
+
+def test_http_server_updates_through_its_weight_transfer_routes(tmp_path: Path) -> None:
+    model = common.save("qwen2", 100, tmp_path / "v0")
+    port = _port()
+    base = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+         "--port", str(port), "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "128",
+         "--seed", "0", "--weight-transfer-config", json.dumps({"backend": "rlsync"})],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                urllib.request.urlopen(base + "/health", timeout=2).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"vLLM server did not start: {server.stderr.read() if server.stderr else ''}") from None
+                time.sleep(1)
+        address = f"tcp://127.0.0.1:{_port()}"
+        tensors = common.trainer.tensors(common.trainer.build("qwen2", 100))
+        _post(base, "/init_weight_transfer_engine", {"init_info": {"address": address, "tensors": tensors}})
+        child = subprocess.Popen([sys.executable, str(common.TRAINER), "--arch", "qwen2", "--address", address, "--seeds", "301"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _post(base, "/start_weight_update", {})
+        _post(base, "/update_weights", {"update_info": {"version": 1, "timeout": 120.0}})
+        _post(base, "/finish_weight_update", {"weight_version": "1"})
+        _, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err
+        _post(base, "/reset_prefix_cache", {})
+        got = []
+        for prompt in common.PROMPTS:
+            out = _post(base, "/v1/completions", {"model": str(model), "prompt": prompt, "max_tokens": common.NEW_TOKENS,
+                                                  "temperature": 0.0, "return_token_ids": True})
+            got.append(out["choices"][0]["token_ids"])
+        fresh = common.engine(common.save("qwen2", 301, tmp_path / "v1"))
+        assert got == common.generate(fresh)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()

@@ -134,7 +134,7 @@ def worker(role: str, config: dict[str, Any], arg: str, versions: int) -> None:
     if role == "st-save":
         from safetensors.torch import save_file
 
-        for line in sys.stdin:
+        for _request in sys.stdin:
             started = time.perf_counter()
             save_file(state, arg)
             _emit({"saved": time.perf_counter() - started})
@@ -143,7 +143,7 @@ def worker(role: str, config: dict[str, Any], arg: str, versions: int) -> None:
         from safetensors.torch import load_file
 
         _emit({"ready": True})
-        for line in sys.stdin:
+        for _request in sys.stdin:
             started = time.perf_counter()
             loaded = load_file(arg)
             for name, t in state.items():  # into the model's own parameters, as load_state_dict does

@@ -80,8 +80,8 @@ def _runs_by_pair(transfers: Iterable[Transfer], offsets: Mapping[str, int]) -> 
     return out
 
 
-def _crc(chunks: Iterable[np.ndarray]) -> int:
-    value = 0
+def _crc(chunks: Iterable[np.ndarray], value: int = 0) -> int:
+    """CRC-32 over the chunks in order, continuing from ``value``."""
     for chunk in chunks:
         value = zlib.crc32(chunk, value)
     return value
@@ -386,7 +386,7 @@ class WeightsWriter:
                     source = self._sources[name]
                     link.write(source, [(s, slot, d, n) for s, d, n in runs])
                     if self._checksum:
-                        crc = _crc_continue(crc, source, runs)
+                        crc = _crc((source[s : s + n] for s, _, n in runs), crc)
                     if progress is not None:
                         progress(sum(n for _, _, n in runs))
                 link.flush()
@@ -430,12 +430,6 @@ class WeightsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _crc_continue(value: int, source: np.ndarray, runs: Sequence[tuple[int, int, int]]) -> int:
-    for s, _, n in runs:
-        value = zlib.crc32(source[s : s + n], value)
-    return value
 
 
 def _as_bytes(name: str, tensor: Any) -> np.ndarray:

@@ -16,8 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
 
+from rlsync.adapters.vllm._reload import reprocessing_skipped_steps
 from rlsync.adapters.vllm._staging import Finish, StagedReceiver
 from rlsync.core._errors import VersionError
 
@@ -48,6 +53,8 @@ class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpda
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self._fixes = reprocessing_skipped_steps(self.model)
+        self._fixes.enter()  # left in finish_weight_update: layers are processed as their weights arrive
         initialize_layerwise_reload(self.model)
 
     def receive_weights(self, update_info: RlsyncUpdateInfo) -> None:
@@ -66,9 +73,11 @@ class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpda
         try:
             finalize_layerwise_reload(self.model, self.model_config)
         except Exception as exc:
+            self._fixes.exit(ok=False)
             if finish is not None:
                 finish(exc)
             raise
+        self._fixes.exit(ok=True)
         if finish is not None:
             finish(None)
 

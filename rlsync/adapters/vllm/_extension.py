@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from rlsync.adapters.vllm._reload import reprocessing_skipped_steps
 from rlsync.adapters.vllm._staging import StagedReceiver
 
 
@@ -38,7 +39,8 @@ class RlsyncWorkerExtension:
         """Engine thread: load the next landed version with vLLM's loader; returns its number."""
         version, views, finish = self._rlsync.next(timeout)
         try:
-            self.reload_weights(weights_iterator=views)  # type: ignore[attr-defined]
+            with reprocessing_skipped_steps(self.model_runner.get_model()):  # type: ignore[attr-defined]
+                self.reload_weights(weights_iterator=views)  # type: ignore[attr-defined]
         except Exception as exc:
             finish(exc)  # the writer's complete() raises it
             raise

@@ -68,11 +68,7 @@ def cleanup() -> Iterator[list[object]]:
             pass
 
 
-TIED_BUG = ("vLLM 0.32's layerwise reload on CPU leaves the tied lm_head out of date (it is not refreshed "
-            "from embed_tokens); rlsync needs to re-tie after the reload")
-
-
-@pytest.mark.parametrize("arch", ["qwen2", "llama", pytest.param("qwen2-tied", marks=pytest.mark.xfail(strict=True, reason=TIED_BUG))])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen2-tied", "qwen3-moe"])
 def test_twenty_versions_each_generate_like_a_fresh_engine(arch: str, tmp_path: Path, cleanup: list[object]) -> None:
     seeds = list(range(101, 121))
     llm = engine(save(arch, 100, tmp_path / "v0"))

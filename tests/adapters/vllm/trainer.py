@@ -7,8 +7,9 @@ import json
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.core_model_loading import revert_weight_conversion
 
-from rlsync.adapters.hf import module_layout
+from rlsync.core._builders import from_state_dict
 from rlsync.core._weights import WeightsWriter
 
 CONFIGS = {
@@ -18,6 +19,10 @@ CONFIGS = {
                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=True),
     "llama": dict(model_type="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=False),
+    "qwen3-moe": dict(model_type="qwen3_moe", vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                      num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=128,
+                      tie_word_embeddings=False),
 }
 
 
@@ -32,8 +37,15 @@ def build(arch: str, seed: int) -> torch.nn.Module:
     return model
 
 
+def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights under their checkpoint names, as a trainer exports them (transformers 5 fuses MoE experts
+    in memory, e.g. ``experts.gate_up_proj``; checkpoints and vLLM's loader use ``experts.N.gate_proj.weight``)."""
+    state = revert_weight_conversion(model, dict(model.named_parameters()))
+    return {name: t.detach().contiguous() for name, t in state.items()}
+
+
 def tensors(model: torch.nn.Module) -> list[list[object]]:
-    return [[n, str(p.dtype), list(p.shape)] for n, p in model.named_parameters()]
+    return [[n, str(t.dtype), list(t.shape)] for n, t in checkpoint_state(model).items()]
 
 
 if __name__ == "__main__":
@@ -45,10 +57,10 @@ if __name__ == "__main__":
     args = parser.parse_args()
     writer = None
     for i, seed in enumerate(args.seeds):
-        model = build(args.arch, seed)
+        state = checkpoint_state(build(args.arch, seed))
         if writer is None:
-            layout = module_layout(model)
+            layout = from_state_dict(state)
             writer = WeightsWriter(layout, layout, 0, [args.address], timeout=600)
-        writer.multi_put(dict(model.named_parameters()))
+        writer.multi_put(state)
         writer.complete(args.first_version + i)
         print(json.dumps({"completed": args.first_version + i}), flush=True)

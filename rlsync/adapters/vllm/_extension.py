@@ -6,8 +6,10 @@ linear parameters empty after repacking, so copying into parameters would do not
 Driver side::
 
     llm = LLM(model=path, worker_extension_cls="rlsync.adapters.vllm.RlsyncWorkerExtension", ...)
-    [address] = llm.collective_rpc("rlsync_start", args=(tensors,))   # [(hf_name, dtype, shape), ...]
-    # the trainer: WeightsWriter(layout, layout, 0, [address]).multi_put(state); .complete(v)
+    boxes = llm.collective_rpc("rlsync_probe", args=(tensors,))      # [(hf_name, dtype, shape), ...]
+    addresses = llm.collective_rpc("rlsync_start", args=(tensors, boxes))
+    # the trainer: WeightsWriter(from_state_dict(state), engine_layout(tensors, boxes), 0, addresses)
+    #              .multi_put(state); .complete(v)     (each worker receives only what its loader reads)
     llm.collective_rpc("rlsync_apply")      # between generate calls: load the landed version
     llm.reset_prefix_cache()                # cached prefixes hold activations of the old weights
 
@@ -21,17 +23,37 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from rlsync.adapters.vllm._probe import probe_boxes
 from rlsync.adapters.vllm._reload import reprocessing_skipped_steps
-from rlsync.adapters.vllm._staging import StagedReceiver
+from rlsync.adapters.vllm._staging import RankBoxes, StagedReceiver, tensor_metas
+from rlsync.core._errors import ConfigError
 
 
 class RlsyncWorkerExtension:
     """Mixed into vLLM's worker class by ``worker_extension_cls``; methods reached by ``collective_rpc``."""
 
-    def rlsync_start(self, tensors: Sequence[Sequence[Any]], transport: str = "shm", host: str = "127.0.0.1",
-                     apply_timeout: float = 600.0) -> str:
-        """Start receiving the HF-named tensors ``[(name, dtype, shape), ...]``; returns the address for the writer."""
-        self._rlsync = StagedReceiver(tensors, transport=transport, host=host, apply_timeout=apply_timeout)
+    def rlsync_probe(self, tensors: Sequence[Sequence[Any]]) -> dict[str, list[list[int]]]:
+        """The part of each checkpoint tensor this worker's loader reads: ``{name: [offsets, sizes]}``,
+        learned by running vLLM's loader on probe data (cached; see ``_probe``)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed import parallel_state
+
+        rank_info = (self.rank, parallel_state.get_tensor_model_parallel_rank(),  # type: ignore[attr-defined]
+                     parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pp_group().rank_in_group)
+        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            boxes = probe_boxes(self.model_runner.get_model(), tensor_metas(tensors), rank_info)  # type: ignore[attr-defined]
+        return {name: [list(b.offsets), list(b.sizes)] for name, b in boxes.items()}
+
+    def rlsync_start(self, tensors: Sequence[Sequence[Any]], boxes: RankBoxes | None = None, transport: str = "shm",
+                     host: str = "127.0.0.1", apply_timeout: float = 600.0) -> str:
+        """Start receiving the checkpoint tensors ``[(name, dtype, shape), ...]``; returns the address for the
+        writer. ``boxes``: every worker's ``rlsync_probe`` result, so that each receives only its part
+        (the trainer then writes to ``engine_layout(tensors, boxes)``); without, each gets all of them."""
+        if boxes is None and self.vllm_config.parallel_config.world_size > 1:  # type: ignore[attr-defined]
+            raise ConfigError("with more than one vLLM worker pass boxes=llm.collective_rpc('rlsync_probe', args=(tensors,)) "
+                              "to rlsync_start, and build the trainer's destination with engine_layout(tensors, boxes)")
+        self._rlsync = StagedReceiver(tensors, boxes=boxes, rank=self.rank, transport=transport,  # type: ignore[attr-defined]
+                                      host=host, apply_timeout=apply_timeout)
         self._rlsync_version = -1
         return self._rlsync.address
 

@@ -10,29 +10,49 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from rlsync.core._builders import from_state_dict
+from rlsync.core._builders import boxes_in_full_tensors, from_state_dict
 from rlsync.core._errors import TransferTimeoutError
-from rlsync.core._layout import TensorMeta
+from rlsync.core._layout import Box, Layout, TensorMeta
 from rlsync.core._weights import WeightsReader
 
 Finish = Callable[[BaseException | None], None]
+#: Per engine rank, ``{checkpoint tensor name: [offsets, sizes]}`` of the part that rank loads
+#: (what ``rlsync_probe`` returns, one entry per worker in rank order).
+RankBoxes = Sequence[Mapping[str, Sequence[Sequence[int]]]]
+
+
+def tensor_metas(tensors: Sequence[Sequence[Any]]) -> list[TensorMeta]:
+    """``[(name, dtype, shape), ...]`` (dtype as ``torch.bfloat16`` or ``bfloat16``) as TensorMetas."""
+    return [TensorMeta(str(n), str(d).removeprefix("torch."), tuple(int(x) for x in s)) for n, d, s in tensors]
+
+
+def engine_layout(tensors: Sequence[Sequence[Any]], boxes: RankBoxes | None = None) -> Layout:
+    """The layout an engine receives into: with ``boxes`` (from ``rlsync_probe``), each rank gets only the
+    part of each checkpoint tensor its loader reads; without, one rank gets every tensor whole.
+    The trainer builds its ``WeightsWriter`` with this as the destination layout."""
+    metas = tensor_metas(tensors)
+    if boxes is None:
+        return from_state_dict(metas)
+    return boxes_in_full_tensors(metas, [{n: Box(tuple(o), tuple(s)) for n, (o, s) in rank.items()} for rank in boxes])
 
 
 class StagedReceiver:
     """Receives the HF-named ``tensors`` (``[(name, dtype, shape), ...]``) into a staging area."""
 
-    def __init__(self, tensors: Sequence[Sequence[Any]], *, transport: str = "shm", host: str = "127.0.0.1",
-                 port: int = 0, apply_timeout: float = 600.0) -> None:
-        self.metas = [TensorMeta(str(n), str(d).removeprefix("torch."), tuple(int(x) for x in s)) for n, d, s in tensors]
-        layout = from_state_dict(self.metas)
+    def __init__(self, tensors: Sequence[Sequence[Any]], *, boxes: RankBoxes | None = None, rank: int = 0,
+                 transport: str = "shm", host: str = "127.0.0.1", port: int = 0, apply_timeout: float = 600.0) -> None:
+        layout = engine_layout(tensors, boxes)
+        mine = {s.tensor for s in layout.shards if s.rank == rank}
+        self.metas = [m for m in layout.tensors if m.name in mine]  # what this rank's loader reads
         self._pending: queue.Queue[tuple[int, dict[str, np.ndarray], threading.Event, list[BaseException]]] = queue.Queue(1)
         self._apply_timeout = apply_timeout
-        self.reader = WeightsReader(layout, layout, 0, transport=transport, landing="staged", host=host, port=port,
+        trainer = from_state_dict(layout.tensors)  # one trainer process holding whole checkpoint tensors
+        self.reader = WeightsReader(trainer, layout, rank, transport=transport, landing="staged", host=host, port=port,
                                     on_version=self._stage)
 
     @property

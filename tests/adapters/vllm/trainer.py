@@ -9,6 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
+from rlsync.adapters.vllm import engine_layout
 from rlsync.core._builders import from_state_dict
 from rlsync.core._weights import WeightsWriter
 
@@ -51,7 +52,8 @@ def tensors(model: torch.nn.Module) -> list[list[object]]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--arch", required=True)
-    parser.add_argument("--address", required=True)
+    parser.add_argument("--address", required=True, nargs="+", help="one per engine worker, in rank order")
+    parser.add_argument("--boxes", help="a JSON file with the workers' rlsync_probe results (tensor parallel engines)")
     parser.add_argument("--seeds", type=int, nargs="+", required=True)
     parser.add_argument("--first-version", type=int, default=1)
     args = parser.parse_args()
@@ -59,8 +61,9 @@ if __name__ == "__main__":
     for i, seed in enumerate(args.seeds):
         state = checkpoint_state(build(args.arch, seed))
         if writer is None:
-            layout = from_state_dict(state)
-            writer = WeightsWriter(layout, layout, 0, [args.address], timeout=600)
+            boxes = json.loads(open(args.boxes).read()) if args.boxes else None
+            dst = engine_layout([[n, t.dtype, t.shape] for n, t in state.items()], boxes)
+            writer = WeightsWriter(from_state_dict(state), dst, 0, args.address, timeout=600)
         writer.multi_put(state)
         writer.complete(args.first_version + i)
         print(json.dumps({"completed": args.first_version + i}), flush=True)

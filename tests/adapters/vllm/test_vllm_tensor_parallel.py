@@ -1,0 +1,103 @@
+"""vLLM with tensor parallelism 2 (two CPU workers): rlsync learns from vLLM's loader which part of each
+checkpoint tensor each worker reads, sends each worker only that part, and the engine then generates
+like a fresh engine with the new weights."""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from rlsync.adapters.vllm import engine_layout  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::FutureWarning"),
+              pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+              pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two vLLM CPU workers need two cores")]
+
+HERE = Path(__file__).parent
+_spec = importlib.util.spec_from_file_location("rlsync_test_vllm_updates", HERE / "test_vllm_updates.py")
+assert _spec is not None and _spec.loader is not None
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
+
+
+@pytest.fixture(autouse=True)
+def vllm_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # else: "Not enough allowed NUMA nodes to bind threads"
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setenv("RLSYNC_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def tp2_engine(model_dir: Path):  # type: ignore[no-untyped-def]
+    from vllm import LLM
+
+    return LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+               tensor_parallel_size=2, max_model_len=128, seed=0,
+               worker_extension_cls="rlsync.adapters.vllm.RlsyncWorkerExtension")
+
+
+def shut_down(llm) -> None:  # type: ignore[no-untyped-def]
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def test_two_workers_receive_their_own_parts_and_generate_like_a_fresh_engine(tmp_path: Path) -> None:
+    seeds = [101, 102, 103]
+    llm = tp2_engine(common.save("qwen2", 100, tmp_path / "v0"))
+    tensors = common.trainer.tensors(common.trainer.build("qwen2", 100))
+    boxes = llm.collective_rpc("rlsync_probe", args=(tensors,))
+    # learned from vLLM's own loader: q/gate/up rows and o/down columns split in two, the single
+    # key/value head replicated on both workers, norms whole on both
+    q, o, k = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+               "model.layers.0.self_attn.k_proj.weight")
+    assert [b[q] for b in boxes] == [[[0, 0], [64, 128]], [[64, 0], [64, 128]]]
+    assert [b[o] for b in boxes] == [[[0, 0], [128, 64]], [[0, 64], [128, 64]]]
+    assert [b[k] for b in boxes] == [[[0, 0], [64, 128]], [[0, 0], [64, 128]]]
+    assert [b["model.norm.weight"] for b in boxes] == [[[0], [128]], [[0], [128]]]
+    layout = engine_layout(tensors, boxes)
+    whole = sum(t.nbytes for t in layout.tensors)
+    per_rank = [sum(2 * s.box.numel for s in layout.shards if s.rank == r) for r in (0, 1)]
+    assert all(0.5 * whole < n < 0.75 * whole for n in per_rank), (per_rank, whole)  # about half each, not all
+
+    addresses = llm.collective_rpc("rlsync_start", args=(tensors, boxes))
+    boxes_file = tmp_path / "boxes.json"
+    boxes_file.write_text(json.dumps(boxes))
+    child = subprocess.Popen([sys.executable, str(common.TRAINER), "--arch", "qwen2", "--address", *addresses,
+                              "--boxes", str(boxes_file), "--seeds", *map(str, seeds)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    outputs = {}
+    try:
+        for version in (1, 2, 3):
+            assert llm.collective_rpc("rlsync_apply", args=(120.0,)) == [version, version]
+            llm.reset_prefix_cache()
+            outputs[version] = common.generate(llm)
+        out, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err
+    finally:
+        if child.poll() is None:
+            child.kill()
+        llm.collective_rpc("rlsync_stop")
+    assert len({json.dumps(o) for o in outputs.values()}) > 1
+    shut_down(llm)
+    fresh = tp2_engine(common.save("qwen2", seeds[-1], tmp_path / "v3"))
+    assert common.generate(fresh) == outputs[3]
+    shut_down(fresh)
+
+
+def test_start_without_boxes_on_two_workers_names_the_fix(tmp_path: Path) -> None:
+    llm = tp2_engine(common.save("qwen2", 100, tmp_path / "v0"))
+    tensors = common.trainer.tensors(common.trainer.build("qwen2", 100))
+    with pytest.raises(Exception, match="rlsync_probe"):
+        llm.collective_rpc("rlsync_start", args=(tensors,))
+    shut_down(llm)

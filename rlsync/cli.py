@@ -44,6 +44,7 @@ def bench(
     repeats: Annotated[int, typer.Option(help="Timed repetitions per path; the median is reported.")] = 3,
     buffer: Annotated[bool, typer.Option("--buffer", help="Benchmark the rollout buffer backends instead.")] = False,
     engine: Annotated[Optional[str], typer.Option(help="Sync into a running engine ('vllm') instead of a plain process.")] = None,
+    engine_model: Annotated[str, typer.Option(help="Model for --engine: '125m' (a Qwen2 of 125M parameters) or 'tiny' (a quick check).")] = "125m",
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ) -> None:
     """Measure weight sync (or the rollout buffer) against the baselines, in one run."""
@@ -54,7 +55,7 @@ def bench(
     elif engine is not None:
         from rlsync.bench import _engine
 
-        _engine.run(engine=engine, json_output=json_output, repeats=repeats)
+        _engine.run(engine=engine, json_output=json_output, repeats=repeats, model=engine_model)
     else:
         from rlsync.bench import _weights
 

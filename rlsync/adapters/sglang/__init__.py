@@ -1,0 +1,137 @@
+"""SGLang adapter: new weights reach an SGLang engine through rlsync, loaded by SGLang's own loader.
+
+SGLang runs a *custom weight loader* inside each tensor-parallel worker when
+``update_weights_from_tensor(named_tensors, load_format=<import path>)`` names one that the server
+allows (``--custom-weight-loader``; ``ModelRunner.update_weights_from_tensor`` in
+``python/sglang/srt/model_executor/model_runner.py`` calls ``dynamic_import(load_format)(model,
+named_tensors)``). rlsync's loader is ``rlsync.adapters.sglang.load_landed``: the named tensors it gets
+carry only a small JSON control message; the weights themselves travel over rlsync (shared memory,
+NIXL, TCP) into the worker and are handed to ``model.load_weights`` once every byte of a version is
+there. A trainer that dies midway leaves the engine on the previous version.
+
+Engine side (``sglang.Engine(..., custom_weight_loader=[LOADER])`` or
+``--custom-weight-loader rlsync.adapters.sglang.load_landed``)::
+
+    sync = SglangWeights(engine, tensors, address="tcp://127.0.0.1:PORT")  # [(name, dtype, shape), ...]
+    sync.start()                     # each worker binds PORT + its tensor-parallel rank
+    # the trainer: WeightsWriter(from_state_dict(state), engine_layout(tensors), 0, sync.addresses)
+    sync.apply(version)              # pause, load the landed version, set the weight version, continue
+
+Every worker receives whole checkpoint tensors (SGLang's loader narrows them to its slice); learning
+each worker's part, as the vLLM adapter does, is not done for SGLang yet.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from rlsync.adapters.vllm._staging import StagedReceiver
+from rlsync.core._errors import ConfigError, RlsyncError
+
+#: the import path to allow with ``--custom-weight-loader`` and to pass as ``load_format``
+LOADER = "rlsync.adapters.sglang.load_landed"
+CONTROL = "rlsync.control"  # the one named tensor rlsync's loader receives
+
+_receiver: StagedReceiver | None = None  # one per SGLang worker process
+
+
+def _tp_rank() -> int:
+    try:
+        from sglang.srt.distributed import get_tensor_model_parallel_rank
+    except ImportError:  # no SGLang here: a single in-process worker (the tests' fake)
+        return 0
+    return int(get_tensor_model_parallel_rank())
+
+
+def _shift_port(address: str, by: int) -> tuple[str, int]:
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    return host, int(port) + by
+
+
+def control_tensor(message: dict[str, Any]) -> Any:
+    """A JSON message as a uint8 tensor: what SGLang's ``update_weights_from_tensor`` can carry."""
+    import torch
+
+    return torch.frombuffer(bytearray(json.dumps(message).encode()), dtype=torch.uint8)
+
+
+def load_landed(model: Any, named_tensors: Sequence[tuple[str, Any]]) -> None:
+    """SGLang's custom weight loader (runs in each worker): start receiving, or load the next version."""
+    global _receiver
+    [(name, tensor)] = named_tensors
+    if name != CONTROL:
+        raise ConfigError(f"{LOADER} takes rlsync's control message, got tensor {name!r}: send weights with "
+                          f"rlsync.adapters.sglang.SglangWeights, not update_weights_from_tensor directly")
+    message = json.loads(bytes(tensor.cpu().numpy()).decode())
+    if message["op"] == "start":
+        if _receiver is not None:
+            _receiver.close()
+        host, port = _shift_port(message["address"], _tp_rank())
+        _receiver = StagedReceiver(message["tensors"], transport=message["transport"], host=host, port=port)
+        return
+    if _receiver is None:
+        raise ConfigError("rlsync received no 'start' in this SGLang worker: call SglangWeights.start() first")
+    version, views, finish = _receiver.next(message["timeout"])
+    if version != message["version"]:
+        error = RlsyncError(f"SGLang expected weight version {message['version']}, the trainer sent {version}")
+        finish(error)
+        raise error
+    try:
+        model.load_weights(views)
+    except Exception as exc:
+        finish(exc)  # the trainer's complete() raises it too
+        raise
+    finish(None)
+
+
+class SglangWeights:
+    """Driver side: start rlsync in every worker of ``engine`` and apply versions as they land.
+
+    ``engine`` is an ``sglang.Engine`` (or anything with its weight-update methods: the HTTP client in
+    ``scripts/check_sglang_gpu.py``). ``tensors``: ``[(checkpoint name, dtype, shape), ...]``.
+    """
+
+    def __init__(self, engine: Any, tensors: Sequence[Sequence[Any]], *, address: str, tp_size: int = 1,
+                 transport: str = "shm") -> None:
+        self.engine = engine
+        self.tensors = [[str(n), str(d), [int(x) for x in s]] for n, d, s in tensors]
+        self.address = address
+        self.transport = transport
+        self.addresses = ["tcp://{}:{}".format(*_shift_port(address, r)) for r in range(tp_size)]
+
+    def _call(self, message: dict[str, Any], flush_cache: bool) -> None:
+        result = self.engine.update_weights_from_tensor([(CONTROL, control_tensor(message))], load_format=LOADER,
+                                                        flush_cache=flush_cache)
+        success, text = result[0], result[1]
+        if not success:
+            if "load_format" in text:
+                raise ConfigError(f"SGLang refused rlsync's loader ({text}): start the engine with "
+                                  f"--custom-weight-loader {LOADER} (sglang.Engine(custom_weight_loader=[{LOADER!r}]))")
+            raise RlsyncError(f"SGLang failed to load the weights: {text}")
+
+    def start(self) -> list[str]:
+        """Every worker binds its reader; returns the addresses the trainer's writer connects to (rank order)."""
+        self._call({"op": "start", "address": self.address, "tensors": self.tensors, "transport": self.transport},
+                   flush_cache=False)
+        return self.addresses
+
+    def apply(self, version: int, timeout: float = 600.0) -> None:
+        """Pause generation, load ``version`` once it has landed, flush the cache, set it as the engine's
+        weight version and continue. If the version never lands the engine continues on the old weights.
+
+        Pausing and the version label use the engine's ``pause_generation`` / ``continue_generation`` /
+        ``update_weight_version`` where it has them (SGLang's server routes of those names); SGLang's
+        scheduler runs a weight update between two batches either way."""
+        pause, resume = getattr(self.engine, "pause_generation", None), getattr(self.engine, "continue_generation", None)
+        if pause is not None:
+            pause()
+        try:
+            self._call({"op": "apply", "version": version, "timeout": timeout}, flush_cache=True)
+            label = getattr(self.engine, "update_weight_version", None)
+            if label is not None:
+                label(str(version), abort_all_requests=False)
+        finally:
+            if resume is not None:
+                resume()

@@ -7,13 +7,16 @@ Registered from the ``vllm.general_plugins`` entry point (``_plugin.register``);
 while the trainer's ``WeightsWriter.complete(v)`` runs; ``complete`` returns once
 ``finish_weight_update`` has loaded the version (staged landing, vLLM's layerwise reload).
 
-The reader binds the address in the init info (the trainer picks it), so the trainer knows
-where to connect before the engine answers. One worker (tensor parallel size 1) for now.
+Worker ``r`` binds port ``PORT + r`` of the address in the init info (the trainer picks it), so the
+trainer knows where to connect before the engine answers. With more than one worker the init info
+carries ``boxes`` (each worker's part of every tensor, from ``probe_worker``).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from vllm.distributed.weight_transfer.base import (
@@ -22,16 +25,22 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from rlsync.adapters.vllm._probe import _rank_info, probe_boxes
 from rlsync.adapters.vllm._reload import reprocessing_skipped_steps
-from rlsync.adapters.vllm._staging import Finish, StagedReceiver
-from rlsync.core._errors import VersionError
+from rlsync.adapters.vllm._staging import Finish, StagedReceiver, tensor_metas
+from rlsync.core._errors import ConfigError, VersionError
 
 
 @dataclass
 class RlsyncInitInfo(WeightTransferInitInfo):
-    address: str  # tcp://HOST:PORT for this engine's reader to bind
+    address: str  # tcp://HOST:PORT: worker r's reader binds PORT + r
     tensors: list[Any] = field(default_factory=list)  # [[hf_name, dtype, shape], ...]
     transport: str = "shm"
+    # With more than one worker each receives only its part of every tensor: give ``boxes`` (per worker
+    # {name: [offsets, sizes]}, e.g. from a worker extension's rlsync_probe), or ``boxes_file``: the
+    # workers learn their parts from vLLM's loader and worker 0 writes them there as JSON for the trainer.
+    boxes: list[Any] | None = None
+    boxes_file: str | None = None
 
 
 @dataclass
@@ -46,8 +55,23 @@ class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpda
     supports_draft_weight_update = False
 
     def init_transfer_engine(self, init_info: RlsyncInitInfo) -> None:
+        from vllm.distributed.parallel_state import get_world_group
+
+        world = get_world_group()
+        boxes = init_info.boxes
+        if boxes is None and init_info.boxes_file is not None:
+            mine = probe_boxes(self.model, tensor_metas(init_info.tensors), _rank_info())
+            boxes = _all_gather_json({n: [list(b.offsets), list(b.sizes)] for n, b in mine.items()}, world.cpu_group)
+            if world.rank == 0:
+                Path(init_info.boxes_file).write_text(json.dumps(boxes))
+        if boxes is None and self.parallel_config.world_size > 1:
+            raise ConfigError("with more than one vLLM worker add 'boxes_file': PATH to the init info (the workers "
+                              "write their parts there) and build the trainer's destination with "
+                              "engine_layout(tensors, json.load(open(PATH)))")
         host, port = init_info.address.removeprefix("tcp://").rsplit(":", 1)
-        self._receiver = StagedReceiver(init_info.tensors, transport=init_info.transport, host=host, port=int(port))
+        rank = world.rank
+        self._receiver = StagedReceiver(init_info.tensors, boxes=boxes, rank=rank,
+                                        transport=init_info.transport, host=host, port=int(port) + rank)
         self._finish: Finish | None = None
 
     def start_weight_update(self) -> None:
@@ -83,3 +107,20 @@ class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpda
 
     def shutdown(self) -> None:
         self._receiver.close()
+
+
+def _all_gather_json(obj: Any, group: Any) -> list[Any]:
+    """Every worker's ``obj``, in rank order, over vLLM's CPU process group (as JSON bytes, no pickle)."""
+    import torch
+    import torch.distributed as dist
+
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    size = torch.tensor([data.numel()])
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, size, group=group)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    chunks = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(chunks, padded, group=group)
+    return [json.loads(bytes(c[: int(s.item())].numpy()).decode()) for c, s in zip(chunks, sizes)]

@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rlsync.adapters.vllm._probe import probe_boxes
+from rlsync.adapters.vllm._probe import probe_worker
 from rlsync.adapters.vllm._reload import reprocessing_skipped_steps
-from rlsync.adapters.vllm._staging import RankBoxes, StagedReceiver, tensor_metas
+from rlsync.adapters.vllm._staging import RankBoxes, StagedReceiver
 from rlsync.core._errors import ConfigError
 
 
@@ -35,14 +35,7 @@ class RlsyncWorkerExtension:
     def rlsync_probe(self, tensors: Sequence[Sequence[Any]]) -> dict[str, list[list[int]]]:
         """The part of each checkpoint tensor this worker's loader reads: ``{name: [offsets, sizes]}``,
         learned by running vLLM's loader on probe data (cached; see ``_probe``)."""
-        from vllm.config import set_current_vllm_config
-        from vllm.distributed import parallel_state
-
-        rank_info = (self.rank, parallel_state.get_tensor_model_parallel_rank(),  # type: ignore[attr-defined]
-                     parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pp_group().rank_in_group)
-        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
-            boxes = probe_boxes(self.model_runner.get_model(), tensor_metas(tensors), rank_info)  # type: ignore[attr-defined]
-        return {name: [list(b.offsets), list(b.sizes)] for name, b in boxes.items()}
+        return probe_worker(self, tensors)
 
     def rlsync_start(self, tensors: Sequence[Sequence[Any]], boxes: RankBoxes | None = None, transport: str = "shm",
                      host: str = "127.0.0.1", apply_timeout: float = 600.0) -> str:

@@ -61,6 +61,26 @@ def fingerprint(model: Any, metas: Sequence[TensorMeta], rank_info: Sequence[int
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
+def probe_worker(worker: Any, tensors: Sequence[Sequence[Any]]) -> dict[str, list[list[int]]]:
+    """``{checkpoint tensor name: [offsets, sizes]}`` of the part ``worker``'s loader reads (the body of the
+    worker extension's ``rlsync_probe``)."""
+    from vllm.config import set_current_vllm_config
+
+    from rlsync.adapters.vllm._staging import tensor_metas
+
+    with set_current_vllm_config(worker.vllm_config):
+        boxes = probe_boxes(worker.model_runner.get_model(), tensor_metas(tensors), _rank_info())
+    return {name: [list(b.offsets), list(b.sizes)] for name, b in boxes.items()}
+
+
+def _rank_info() -> tuple[int, ...]:
+    """This worker's place in the parallel layout (part of the probe cache's fingerprint)."""
+    from vllm.distributed import parallel_state
+
+    return (parallel_state.get_world_group().rank, parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pp_group().rank_in_group)
+
+
 def probe_boxes(model: Any, metas: Sequence[TensorMeta], rank_info: Sequence[int] = ()) -> dict[str, Box]:
     """``{tensor name: box of it this rank loads}``, from the cache when this exact setup was probed before."""
     path = cache_dir() / f"{fingerprint(model, metas, rank_info)}.json"

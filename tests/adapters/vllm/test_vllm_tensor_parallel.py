@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from rlsync.adapters.vllm import engine_layout  # noqa: E402
+from rlsync.adapters.vllm import engine_layout
 
 pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::FutureWarning"),
               pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -38,12 +38,64 @@ def vllm_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RLSYNC_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def tp2_engine(model_dir: Path):  # type: ignore[no-untyped-def]
+def tp2_engine(model_dir: Path, route: str = "extension"):  # type: ignore[no-untyped-def]
     from vllm import LLM
 
+    hook = ({"worker_extension_cls": "rlsync.adapters.vllm.RlsyncWorkerExtension"} if route == "extension"
+            else {"weight_transfer_config": {"backend": "rlsync"}})
     return LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-               tensor_parallel_size=2, max_model_len=128, seed=0,
-               worker_extension_cls="rlsync.adapters.vllm.RlsyncWorkerExtension")
+               tensor_parallel_size=2, max_model_len=128, seed=0, **hook)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Extension:
+    """The worker-extension route: rlsync_probe / rlsync_start / rlsync_apply."""
+
+    def __init__(self, llm, tensors) -> None:  # type: ignore[no-untyped-def]
+        self.llm, self.tensors = llm, tensors
+
+    def probe(self):  # type: ignore[no-untyped-def]
+        return self.llm.collective_rpc("rlsync_probe", args=(self.tensors,))
+
+    def start(self, boxes):  # type: ignore[no-untyped-def]
+        return self.llm.collective_rpc("rlsync_start", args=(self.tensors, boxes))
+
+    def apply(self, version: int) -> None:
+        assert self.llm.collective_rpc("rlsync_apply", args=(120.0,)) == [version, version]
+
+    def stop(self) -> None:
+        self.llm.collective_rpc("rlsync_stop")
+
+
+class Native(Extension):
+    """vLLM's own weight-transfer API with the rlsync backend: the workers learn their parts during
+    init_weight_transfer_engine and write them to ``boxes_file`` for the trainer."""
+
+    def probe(self):  # type: ignore[no-untyped-def]
+        self.port = free_port()
+        boxes_file = Path(os.environ["TMPDIR"]) / "boxes-from-vllm.json"
+        self.llm.init_weight_transfer_engine({"init_info": {"address": f"tcp://127.0.0.1:{self.port}",
+                                                            "tensors": self.tensors, "boxes_file": str(boxes_file)}})
+        return json.loads(boxes_file.read_text())
+
+    def start(self, boxes):  # type: ignore[no-untyped-def]
+        return [f"tcp://127.0.0.1:{self.port + r}" for r in range(len(boxes))]
+
+    def apply(self, version: int) -> None:
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": {"version": version, "timeout": 120.0}})
+        self.llm.finish_weight_update(weight_version=str(version))
+        assert self.llm.get_weight_version() == str(version)
+
+    def stop(self) -> None:
+        pass
 
 
 def shut_down(llm) -> None:  # type: ignore[no-untyped-def]
@@ -52,11 +104,13 @@ def shut_down(llm) -> None:  # type: ignore[no-untyped-def]
     gc.collect()
 
 
-def test_two_workers_receive_their_own_parts_and_generate_like_a_fresh_engine(tmp_path: Path) -> None:
+@pytest.mark.parametrize("route", [Extension, Native], ids=["extension", "native"])
+def test_two_workers_receive_their_own_parts_and_generate_like_a_fresh_engine(route: type[Extension], tmp_path: Path) -> None:
     seeds = [101, 102, 103]
-    llm = tp2_engine(common.save("qwen2", 100, tmp_path / "v0"))
+    llm = tp2_engine(common.save("qwen2", 100, tmp_path / "v0"), "extension" if route is Extension else "native")
     tensors = common.trainer.tensors(common.trainer.build("qwen2", 100))
-    boxes = llm.collective_rpc("rlsync_probe", args=(tensors,))
+    sync = route(llm, tensors)
+    boxes = sync.probe()
     # learned from vLLM's own loader: q/gate/up rows and o/down columns split in two, the single
     # key/value head replicated on both workers, norms whole on both
     q, o, k = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight",
@@ -70,7 +124,7 @@ def test_two_workers_receive_their_own_parts_and_generate_like_a_fresh_engine(tm
     per_rank = [sum(2 * s.box.numel for s in layout.shards if s.rank == r) for r in (0, 1)]
     assert all(0.5 * whole < n < 0.75 * whole for n in per_rank), (per_rank, whole)  # about half each, not all
 
-    addresses = llm.collective_rpc("rlsync_start", args=(tensors, boxes))
+    addresses = sync.start(boxes)
     boxes_file = tmp_path / "boxes.json"
     boxes_file.write_text(json.dumps(boxes))
     child = subprocess.Popen([sys.executable, str(common.TRAINER), "--arch", "qwen2", "--address", *addresses,
@@ -79,15 +133,15 @@ def test_two_workers_receive_their_own_parts_and_generate_like_a_fresh_engine(tm
     outputs = {}
     try:
         for version in (1, 2, 3):
-            assert llm.collective_rpc("rlsync_apply", args=(120.0,)) == [version, version]
+            sync.apply(version)
             llm.reset_prefix_cache()
             outputs[version] = common.generate(llm)
-        out, err = child.communicate(timeout=120)
+        _, err = child.communicate(timeout=120)
         assert child.returncode == 0, err
     finally:
         if child.poll() is None:
             child.kill()
-        llm.collective_rpc("rlsync_stop")
+        sync.stop()
     assert len({json.dumps(o) for o in outputs.values()}) > 1
     shut_down(llm)
     fresh = tp2_engine(common.save("qwen2", seeds[-1], tmp_path / "v3"))

@@ -113,33 +113,56 @@ def _probe(model: Any, metas: Sequence[TensorMeta]) -> dict[str, Box]:
         with _stand_ins(modules.get(key, [])) as scratch, torch.no_grad():
             try:
                 model.load_weights(iter(probes))
-            except Exception as exc:
-                raise ConfigError(f"vLLM's loader refused the checkpoint tensors {[m.name for m in group][:4]}...: "
-                                  f"{type(exc).__name__}: {exc}; offer tensors under the checkpoint's own names "
-                                  f"(as save_pretrained writes them)") from exc
-            for tensor in scratch:
-                values = tensor.detach().reshape(-1).numpy()
-                ids = values[values > 0]
-                if ids.size == 0:
-                    continue
-                if not np.array_equal(ids, np.floor(ids)) or ids.max() > starts[-1]:
-                    # The loader computed with the values instead of placing them: the whole group
-                    # must reach this rank whole, and the loader does the rest.
-                    log.warning("vLLM's loader transforms layer %s's weights; this rank receives them whole", key)
-                    for m in group:
-                        lows[m.name], highs[m.name] = np.zeros(len(m.shape), np.int64), np.array(m.shape) - 1
-                    break
-                ids = ids.astype(np.int64) - 1
-                which = np.searchsorted(starts, ids, side="right") - 1
-                for i in np.unique(which):
-                    meta = group[i]
-                    index = np.stack(np.unravel_index(ids[which == i] - starts[i], meta.shape))
-                    lo, hi = index.min(axis=1), index.max(axis=1)
-                    if meta.name in lows:
-                        lo, hi = np.minimum(lo, lows[meta.name]), np.maximum(hi, highs[meta.name])
-                    lows[meta.name], highs[meta.name] = lo, hi
+                refused = None
+            except Exception as exc:  # noqa: BLE001 - re-raised below, naming the tensor
+                refused = exc
+            if refused is None:
+                _collect(scratch, group, starts, lows, highs, key)
+        if refused is not None:
+            name = _first_refused(model, group, modules.get(key, []))
+            raise ConfigError(f"vLLM's loader refused checkpoint tensor {name!r} ({type(refused).__name__}: {refused}); "
+                              f"offer tensors under the checkpoint's own names (as save_pretrained writes them), "
+                              f"or leave this one out") from refused
     return {m.name: Box(tuple(int(x) for x in lows[m.name]), tuple(int(x) for x in highs[m.name] - lows[m.name] + 1))
             for m in metas if m.name in lows}
+
+
+def _first_refused(model: Any, group: Sequence[TensorMeta], modules: Sequence[Any]) -> str:
+    import torch
+
+    for meta in group:
+        with _stand_ins(modules), torch.no_grad():
+            try:
+                model.load_weights(iter([(meta.name, torch.ones(meta.shape, dtype=torch.float64))]))
+            except Exception:  # noqa: BLE001 - looking for the one the loader refuses
+                return meta.name
+    return ", ".join(m.name for m in group)  # only refused together
+
+
+def _collect(scratch: Sequence[Any], group: Sequence[TensorMeta], starts: np.ndarray, lows: dict[str, np.ndarray],
+             highs: dict[str, np.ndarray], key: int | None) -> None:
+    """Fold the ids found in the stand-ins into each tensor's bounding box of landed elements."""
+    for tensor in scratch:
+        values = tensor.detach().reshape(-1).numpy()
+        ids = values[values > 0]
+        if ids.size == 0:
+            continue
+        if not np.array_equal(ids, np.floor(ids)) or ids.max() > starts[-1]:
+            # The loader computed with the values instead of placing them: the whole group
+            # must reach this rank whole, and the loader does the rest.
+            log.warning("vLLM's loader transforms layer %s's weights; this rank receives them whole", key)
+            for m in group:
+                lows[m.name], highs[m.name] = np.zeros(len(m.shape), np.int64), np.array(m.shape) - 1
+            break
+        ids = ids.astype(np.int64) - 1
+        which = np.searchsorted(starts, ids, side="right") - 1
+        for i in np.unique(which):
+            meta = group[i]
+            index = np.stack(np.unravel_index(ids[which == i] - starts[i], meta.shape))
+            lo, hi = index.min(axis=1), index.max(axis=1)
+            if meta.name in lows:
+                lo, hi = np.minimum(lo, lows[meta.name]), np.maximum(hi, highs[meta.name])
+            lows[meta.name], highs[meta.name] = lo, hi
 
 
 @contextmanager

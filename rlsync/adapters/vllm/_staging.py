@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from rlsync.core._builders import boxes_in_full_tensors, from_state_dict
-from rlsync.core._errors import TransferTimeoutError
+from rlsync.core._errors import ConfigError, TransferTimeoutError
 from rlsync.core._layout import Box, Layout, TensorMeta
 from rlsync.core._weights import WeightsReader
 
@@ -38,6 +38,11 @@ def engine_layout(tensors: Sequence[Sequence[Any]], boxes: RankBoxes | None = No
     metas = tensor_metas(tensors)
     if boxes is None:
         return from_state_dict(metas)
+    held = {name for rank in boxes for name in rank}
+    unread = [m.name for m in metas if m.name not in held]
+    if unread:
+        raise ConfigError(f"vLLM's loader reads no part of {len(unread)} tensor(s) on any worker, e.g. {unread[:3]}: "
+                          f"leave them out of the tensor list (a tied lm_head.weight is one such) or check their names")
     return boxes_in_full_tensors(metas, [{n: Box(tuple(o), tuple(s)) for n, (o, s) in rank.items()} for rank in boxes])
 
 

@@ -40,8 +40,19 @@ def _post(base: str, route: str, body: dict[str, Any], timeout: float = 180) -> 
         return dict(json.loads(response.read()))
 
 
-def test_http_server_updates_through_its_weight_transfer_routes(tmp_path: Path) -> None:
-    model = common.save("qwen2", 100, tmp_path / "v0")
+def _completions(base: str, model: Path) -> list[list[int]]:
+    got = []
+    for prompt in common.PROMPTS:
+        out = _post(base, "/v1/completions", {"model": str(model), "prompt": prompt, "max_tokens": common.NEW_TOKENS,
+                                              "temperature": 0.0, "return_token_ids": True})
+        got.append(out["choices"][0]["token_ids"])
+    return got
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3-moe"])
+def test_http_server_updates_through_its_weight_transfer_routes(arch: str, tmp_path: Path) -> None:
+    seeds = [301, 302, 303]
+    model = common.save(arch, 100, tmp_path / "v0")
     port = _port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
@@ -62,23 +73,22 @@ def test_http_server_updates_through_its_weight_transfer_routes(tmp_path: Path) 
                     raise AssertionError(f"vLLM server did not start: {server.stderr.read() if server.stderr else ''}") from None
                 time.sleep(1)
         address = f"tcp://127.0.0.1:{_port()}"
-        tensors = common.trainer.tensors(common.trainer.build("qwen2", 100))
+        tensors = common.trainer.tensors(common.trainer.build(arch, 100))
         _post(base, "/init_weight_transfer_engine", {"init_info": {"address": address, "tensors": tensors}})
-        child = subprocess.Popen([sys.executable, str(common.TRAINER), "--arch", "qwen2", "--address", address, "--seeds", "301"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        _post(base, "/start_weight_update", {})
-        _post(base, "/update_weights", {"update_info": {"version": 1, "timeout": 120.0}})
-        _post(base, "/finish_weight_update", {"weight_version": "1"})
+        child = subprocess.Popen([sys.executable, str(common.TRAINER), "--arch", arch, "--address", address,
+                                  "--seeds", *map(str, seeds)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        got = {}
+        for version in (1, 2, 3):
+            _post(base, "/start_weight_update", {})
+            _post(base, "/update_weights", {"update_info": {"version": version, "timeout": 120.0}})
+            _post(base, "/finish_weight_update", {"weight_version": str(version)})
+            _post(base, "/reset_prefix_cache", {})
+            got[version] = _completions(base, model)
         _, err = child.communicate(timeout=120)
         assert child.returncode == 0, err
-        _post(base, "/reset_prefix_cache", {})
-        got = []
-        for prompt in common.PROMPTS:
-            out = _post(base, "/v1/completions", {"model": str(model), "prompt": prompt, "max_tokens": common.NEW_TOKENS,
-                                                  "temperature": 0.0, "return_token_ids": True})
-            got.append(out["choices"][0]["token_ids"])
-        fresh = common.engine(common.save("qwen2", 301, tmp_path / "v1"))
-        assert got == common.generate(fresh)
+        assert got[1] != got[3]
+        fresh = common.engine(common.save(arch, seeds[-1], tmp_path / "v3"))
+        assert got[3] == common.generate(fresh)
     finally:
         server.terminate()
         try:

@@ -166,6 +166,7 @@ class _Proc:
     """A worker process spoken to in JSON lines (stdin: commands, stdout: one reply each)."""
 
     def __init__(self, *args: str, env: dict[str, str]) -> None:
+        self.role = args[0]
         self.p = subprocess.Popen([sys.executable, "-m", "rlsync.bench._engine", *args], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, env=env)
         self.hello = self.read()
@@ -180,7 +181,7 @@ class _Proc:
         while line := self.p.stdout.readline():
             if line.startswith("{"):  # vLLM prints its own lines too
                 return json.loads(line)  # type: ignore[no-any-return]
-        raise RuntimeError(f"benchmark worker {self.p.args[3]} exited with {self.p.wait()}")
+        raise RuntimeError(f"benchmark {self.role} process exited with {self.p.wait()} (its error is above)")
 
     def close(self) -> None:
         if self.p.stdin is not None:

@@ -174,7 +174,7 @@ def _stand_ins(modules: Sequence[Any]) -> Iterator[list[Any]]:
     from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
 
     saved = [(m, dict(m._parameters), dict(m._buffers)) for m in modules]
-    made: dict[int, Any] = {}  # tied tensors get one shared stand-in
+    made: dict[object, Any] = {}  # tied tensors get one shared stand-in
     scratch: list[Any] = []
 
     def stand_in(key: object, source: Any, module: Any, device: Any) -> Any:

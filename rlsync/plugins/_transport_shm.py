@@ -18,6 +18,29 @@ from rlsync.core._transport import Landing, Link, Run, Transport
 SHM_DIR = "/dev/shm"
 
 
+def remove_stale_regions() -> list[str]:
+    """Unlink the regions of readers that died without closing (SIGKILL, OOM): files named
+    ``rlsync-<pid>-*`` that this user owns and whose process is gone. Returns the paths removed."""
+    removed = []
+    for entry in os.scandir(SHM_DIR):
+        parts = entry.name.split("-")
+        if len(parts) < 3 or parts[0] != "rlsync" or not parts[1].isdigit():
+            continue
+        try:
+            if entry.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(entry.path)
+                removed.append(entry.path)
+            except FileNotFoundError:  # another reader cleaned it up first
+                pass
+        except (PermissionError, FileNotFoundError):  # alive under another user, or already gone
+            continue
+    return removed
+
+
 def _map(path: str, nbytes: int, create: bool) -> tuple[mmap.mmap, np.ndarray]:
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
@@ -40,6 +63,7 @@ class ShmLanding(Landing):
 
     def __init__(self, nbytes: int, slots: int, options: dict[str, Any] | None = None) -> None:
         super().__init__(nbytes, slots, options)
+        remove_stale_regions()  # a killed reader's files would otherwise hold shared memory until reboot
         tag = f"rlsync-{os.getpid()}-{secrets.token_hex(4)}"
         self._paths = [os.path.join(SHM_DIR, f"{tag}-{i}") for i in range(slots)]
         self._maps: list[mmap.mmap] = []

@@ -97,3 +97,22 @@ def test_versions_must_increase() -> None:
         reader.get("w", out)
         assert out.tolist() == list(range(8))
         writer.close()
+
+
+def test_a_killed_readers_shared_memory_is_removed_by_the_next_reader(sync: Any) -> None:
+    """SIGKILL skips a reader's cleanup; the next shm reader on the host unlinks the dead one's files
+    (and only those: a live reader's stay)."""
+    import glob
+
+    from rlsync.plugins._transport_shm import remove_stale_regions
+
+    live, _ = sync.reader("plain", "shm", 0)
+    doomed, _ = sync.reader("plain", "shm", 0)
+    doomed.kill()
+    doomed.wait()
+    assert glob.glob(f"/dev/shm/rlsync-{doomed.pid}-*"), "the killed reader left no files to clean up"
+    removed = remove_stale_regions()
+    assert any(f"rlsync-{doomed.pid}-" in path for path in removed)
+    assert not any(f"rlsync-{live.pid}-" in path for path in removed)
+    assert not glob.glob(f"/dev/shm/rlsync-{doomed.pid}-*")
+    assert glob.glob(f"/dev/shm/rlsync-{live.pid}-*")

@@ -7,6 +7,7 @@ import os
 import shutil
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from rlsync.core import _plugins
@@ -63,6 +64,7 @@ def run() -> None:
     optional.add_column("enables")
     for module, extra, enables in OPTIONAL:
         found = importlib.util.find_spec(module) is not None
-        hint = f"pip install 'rlsync[{extra}]'" if extra else "see docs"
-        optional.add_row(module, "[green]installed[/]" if found else f"[yellow]missing[/] ({hint})", enables)
+        hint = f"pip install 'rlsync[{extra}]'" if extra else "see docs/sglang.md"
+        # escape: rich would take "[vllm]" for a style tag and print the command without its extra
+        optional.add_row(module, "[green]installed[/]" if found else f"[yellow]missing[/] ({escape(hint)})", enables)
     console.print(optional)

@@ -10,3 +10,14 @@ def test_doctor_lists_machine_plugins_and_optional_packages() -> None:
     assert result.exit_code == 0, result.output
     for heading in ("machine", "registered plugins", "optional packages", "cores", "nixl", "vllm"):
         assert heading in result.output
+
+
+def test_doctor_prints_install_commands_with_their_extra() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("verl") is not None:
+        import pytest
+
+        pytest.skip("verl is installed here: no install hint to check")
+    result = CliRunner().invoke(app, ["doctor"], env={"COLUMNS": "200"})
+    assert "pip install 'rlsync[verl]'" in result.output  # not swallowed as a rich style tag

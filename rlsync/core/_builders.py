@@ -70,27 +70,6 @@ def from_state_dict(state: Mapping[str, Any] | Iterable[TensorMeta], rank: int =
     return replicated(metas_of(state), (rank,))
 
 
-def boxes_in_full_tensors(tensors: Iterable[TensorMeta], per_rank: Sequence[Mapping[str, Box]]) -> Layout:
-    """Rank ``r`` holds box ``per_rank[r][name]`` of each tensor named there, in place inside a buffer
-    shaped like the whole tensor: for engines whose loader takes whole checkpoint tensors and reads
-    only its own part of them (vLLM's ``load_weights`` narrows each tensor to the rank's slice)."""
-    tensors = list(tensors)
-    metas = {t.name: t for t in tensors}
-    shards, buffers = [], []
-    for rank, boxes in enumerate(per_rank):
-        for name, box in boxes.items():
-            meta = metas.get(name)
-            if meta is None:
-                raise LayoutError(f"rank {rank} holds a box of unknown tensor {name!r}")
-            if not box.within(meta.shape):
-                raise LayoutError(f"rank {rank}: box {box} is outside tensor {name!r} of shape {meta.shape}")
-            strides = contiguous_strides(meta.shape)
-            offset = sum(o * st for o, st in zip(box.offsets, strides))
-            shards.append(Shard(name, box, rank, name, offset, strides))
-            buffers.append(BufferSpec(rank, name, meta.dtype, meta.numel))
-    return make_layout(tensors, shards, buffers)
-
-
 def fsdp(tensors: Iterable[TensorMeta], world: int, dim: int = 0) -> Layout:
     """FSDP2 / DTensor ``Shard(dim)``: each tensor split along ``dim`` as ``torch.chunk`` does,
     so the last shard may be shorter (uneven) and trailing ranks may hold nothing of a small tensor."""

@@ -22,6 +22,7 @@ _spec.loader.exec_module(procs)
 
 class Sync:
     layouts = staticmethod(procs.layouts)
+    boxes_tp2 = procs.BOXES_TP2
     values = staticmethod(procs.values)
 
     def __init__(self) -> None:

@@ -16,13 +16,9 @@ import time
 import numpy as np
 import torch
 
-from rlsync.core._builders import (
-    boxes_in_full_tensors,
-    from_state_dict,
-    fsdp,
-    replicated,
-)
-from rlsync.core._layout import Box, Layout, TensorMeta
+from rlsync.adapters.vllm import engine_layout
+from rlsync.core._builders import fsdp, from_state_dict, replicated
+from rlsync.core._layout import Layout, TensorMeta
 from rlsync.core._layout_parallel import engine_tp
 from rlsync.core._presets import model_spec
 from rlsync.core._views import allocate, scatter
@@ -31,12 +27,12 @@ TINY_QWEN2 = dict(model_type="qwen2", hidden_size=64, num_hidden_layers=2, num_a
                   num_key_value_heads=2, intermediate_size=128, vocab_size=96)
 PLAIN = [TensorMeta(f"layer{i}.weight", "bfloat16", (96, 64)) for i in range(6)] + [TensorMeta("norm.weight", "float32", (64,))]
 # what a probe of vLLM's loader finds at tensor parallelism 2: row halves (column-parallel), column
-# halves (row-parallel, strided in the full tensor), a replicated norm; layer5 is read by rank 1 only
+# halves (row-parallel), a replicated norm; layer5 is read by rank 1 only
 BOXES_TP2 = [
-    {**{f"layer{i}.weight": Box((0, 0), (48, 64)) for i in range(3)},
-     **{f"layer{i}.weight": Box((0, 0), (96, 32)) for i in range(3, 5)}, "norm.weight": Box((0,), (64,))},
-    {**{f"layer{i}.weight": Box((48, 0), (48, 64)) for i in range(3)},
-     **{f"layer{i}.weight": Box((0, 32), (96, 32)) for i in range(3, 6)}, "norm.weight": Box((0,), (64,))},
+    {**{f"layer{i}.weight": [[0, 0], [48, 64]] for i in range(3)},
+     **{f"layer{i}.weight": [[0, 0], [96, 32]] for i in range(3, 5)}, "norm.weight": [[0], [64]]},
+    {**{f"layer{i}.weight": [[48, 0], [48, 64]] for i in range(3)},
+     **{f"layer{i}.weight": [[0, 32], [96, 32]] for i in range(3, 6)}, "norm.weight": [[0], [64]]},
 ]
 
 
@@ -45,8 +41,8 @@ def layouts(kind: str) -> tuple[Layout, Layout]:
         return from_state_dict(PLAIN), from_state_dict(PLAIN)
     if kind == "fanout":  # one writer, two readers that each need everything
         return from_state_dict(PLAIN), replicated(PLAIN, (0, 1))
-    if kind == "boxes_tp2":  # whole tensors -> two engine ranks that each read a box of them in place
-        return from_state_dict(PLAIN), boxes_in_full_tensors(PLAIN, BOXES_TP2)
+    if kind == "boxes_tp2":  # whole tensors -> two vLLM workers that each hold the box their loader reads
+        return from_state_dict(PLAIN), engine_layout([[t.name, t.dtype, t.shape] for t in PLAIN], BOXES_TP2)
     if kind == "fsdp2_tp2":  # FSDP over 2 trainer ranks -> vLLM-style TP=2 with fused qkv / gate_up
         spec = model_spec(TINY_QWEN2)
         return fsdp(spec.tensors, 2), engine_tp(spec, 2)

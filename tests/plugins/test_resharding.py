@@ -34,32 +34,40 @@ def test_fsdp2_to_tp2_lands_each_ranks_slices_in_fused_buffers(sync: Any, landin
             reader.close()
 
 
-def test_boxes_land_in_place_inside_full_tensor_buffers_and_nothing_else_is_sent(sync: Any) -> None:
-    """The vLLM adapter's layout: each engine rank holds whole-tensor-shaped staging buffers and receives
-    only the box its loader reads (row or strided column halves), every byte once."""
+def test_vllm_workers_get_only_their_boxes_and_the_loader_sees_whole_tensors(sync: Any) -> None:
+    """The vLLM adapter's staging: each worker receives only the box its loader reads, stored compactly,
+    and hands the loader a whole-tensor-shaped view in which the box holds the trainer's values."""
     import numpy as np
+    import torch
 
-    from rlsync.core._views import gather_shards
+    from rlsync.adapters.vllm._staging import SLACK, StagedReceiver
 
-    src, dst = sync.layouts("boxes_tp2")
-    readers = [WeightsReader(src, dst, r, transport="shm", landing="staged") for r in (0, 1)]
+    _, dst = sync.layouts("boxes_tp2")
+    tensors = [[t.name, t.dtype, t.shape] for t in dst.tensors]
+    boxes = sync.boxes_tp2
+    receivers = [StagedReceiver(tensors, boxes=boxes, rank=r) for r in (0, 1)]
     try:
-        w = sync.writer("boxes_tp2", "shm", {r.rank: r.address for r in readers}, [1], wait=False)
+        w = sync.writer("boxes_tp2", "shm", {r: rec.address for r, rec in enumerate(receivers)}, [1], wait=False)
+        expected = sync.values(dst, 1)
+        for rank, receiver in enumerate(receivers):
+            version, views, finish = receiver.next(timeout=60)
+            assert version == 1
+            seen = {}
+            for name, view in views:
+                (o, n) = boxes[rank][name]
+                assert tuple(view.shape) == tuple(next(t[2] for t in tensors if t[0] == name))
+                region = tuple(slice(a, a + b) for a, b in zip(o, n))
+                got = view[region].contiguous().view({2: torch.int16, 4: torch.int32}[view.element_size()]).numpy()
+                np.testing.assert_array_equal(got.view(expected[name].dtype), expected[name][region], err_msg=name)
+                seen[name] = view
+            finish(None)
+            assert set(seen) == set(boxes[rank])  # layer5 reaches rank 1 only
+            buffers = receiver.reader.buffers()
+            assert not buffers[SLACK[0]].any() and not buffers[SLACK[1]].any()  # nothing landed outside the boxes
+            own = sum(s.box.numel * (4 if s.tensor == "norm.weight" else 2) for s in dst.shards if s.rank == rank)
+            assert receiver.reader.plan.stats.bytes_needed == own
         _, err = w.communicate(timeout=120)
         assert w.returncode == 0, err
-        expected = sync.values(dst, 1)
-        for reader in readers:
-            assert reader.version == 1
-            sync.assert_landed("boxes_tp2", reader, 1)
-            buffers = reader.buffers()
-            for shard, _ in gather_shards(dst, reader.rank, buffers):
-                full = buffers[shard.tensor].view(expected[shard.tensor].dtype).reshape(expected[shard.tensor].shape)
-                outside = np.ones(full.shape, bool)
-                outside[tuple(slice(o, o + n) for o, n in zip(shard.box.offsets, shard.box.sizes))] = False
-                assert not full[outside].any(), f"{shard.tensor}: bytes outside rank {reader.rank}'s box"
-            assert "layer5.weight" not in {s.tensor for s in dst.shards if s.rank == 0}
-            assert reader.plan.stats.bytes_needed == sum(
-                s.box.numel * (2 if s.tensor != "norm.weight" else 4) for s in dst.shards if s.rank == reader.rank)
     finally:
-        for reader in readers:
-            reader.close()
+        for receiver in receivers:
+            receiver.close()

@@ -4,6 +4,14 @@ The reader's service thread calls ``_stage`` once every byte of a version has la
 there until the engine thread has taken the version (``next``) and loaded it (``finish``), so the
 trainer's ``complete(v)`` returns only when the engine serves ``v``, and a loader error reaches
 the trainer instead of a silent half-update.
+
+Each worker stores only the box of each checkpoint tensor its loader reads (``rlsync_probe``),
+compactly, yet vLLM's loader wants whole tensors (it narrows them to the worker's slice itself).
+So the loader gets a whole-tensor-shaped view whose strides are the box's: the box's elements are
+exactly where the loader reads, and the elements it never reads alias neighbouring memory of the
+landing region. Two slack buffers, each as large as the largest tensor, open and close every
+worker's region so that such views stay inside it. Host memory per worker is then its share of
+the model plus two tensors, not the whole model.
 """
 
 from __future__ import annotations
@@ -15,15 +23,23 @@ from typing import Any
 
 import numpy as np
 
-from rlsync.core._builders import boxes_in_full_tensors, from_state_dict
+from rlsync.core._builders import from_state_dict, own_buffer_shard
 from rlsync.core._errors import ConfigError, TransferTimeoutError
-from rlsync.core._layout import Box, Layout, TensorMeta
-from rlsync.core._weights import WeightsReader
+from rlsync.core._layout import (
+    Box,
+    BufferSpec,
+    Layout,
+    TensorMeta,
+    contiguous_strides,
+    make_layout,
+)
+from rlsync.core._weights import WeightsReader, region_offsets
 
 Finish = Callable[[BaseException | None], None]
 #: Per engine rank, ``{checkpoint tensor name: [offsets, sizes]}`` of the part that rank loads
 #: (what ``rlsync_probe`` returns, one entry per worker in rank order).
 RankBoxes = Sequence[Mapping[str, Sequence[Sequence[int]]]]
+SLACK = ("rlsync.slack.head", "rlsync.slack.tail")  # first and last buffer of every worker's region
 
 
 def tensor_metas(tensors: Sequence[Sequence[Any]]) -> list[TensorMeta]:
@@ -43,7 +59,32 @@ def engine_layout(tensors: Sequence[Sequence[Any]], boxes: RankBoxes | None = No
     if unread:
         raise ConfigError(f"vLLM's loader reads no part of {len(unread)} tensor(s) on any worker, e.g. {unread[:3]}: "
                           f"leave them out of the tensor list (a tied lm_head.weight is one such) or check their names")
-    return boxes_in_full_tensors(metas, [{n: Box(tuple(o), tuple(s)) for n, (o, s) in rank.items()} for rank in boxes])
+    slack = max(m.nbytes for m in metas)
+    shards, buffers = [], []
+    for rank, held_here in enumerate(boxes):
+        buffers.append(BufferSpec(rank, SLACK[0], "uint8", slack))
+        for meta in metas:
+            if meta.name in held_here:
+                offsets, sizes = held_here[meta.name]
+                box = Box(tuple(offsets), tuple(sizes))
+                shards.append(own_buffer_shard(meta, box, rank))
+                buffers.append(BufferSpec(rank, meta.name, meta.dtype, box.numel))
+        buffers.append(BufferSpec(rank, SLACK[1], "uint8", slack))
+    return make_layout(metas, shards, buffers)
+
+
+def whole_tensor_view(region: np.ndarray, byte_offset: int, meta: TensorMeta, box: Box) -> Any:
+    """A tensor of ``meta``'s whole shape whose ``box`` is the compact buffer at ``byte_offset`` of
+    ``region``; outside the box its elements alias other memory of the region (never read by a loader
+    that narrows to the box)."""
+    import torch
+
+    itemsize = int(getattr(torch, meta.dtype).itemsize)
+    strides = contiguous_strides(box.sizes)
+    start = byte_offset - sum(o * st for o, st in zip(box.offsets, strides)) * itemsize
+    array = np.ndarray(shape=meta.shape, dtype=np.dtype(f"u{itemsize}"), buffer=region, offset=start,
+                       strides=tuple(st * itemsize for st in strides))
+    return torch.from_numpy(array).view(getattr(torch, meta.dtype))
 
 
 class StagedReceiver:
@@ -52,8 +93,9 @@ class StagedReceiver:
     def __init__(self, tensors: Sequence[Sequence[Any]], *, boxes: RankBoxes | None = None, rank: int = 0,
                  transport: str = "shm", host: str = "127.0.0.1", port: int = 0, apply_timeout: float = 600.0) -> None:
         layout = engine_layout(tensors, boxes)
-        mine = {s.tensor for s in layout.shards if s.rank == rank}
-        self.metas = [m for m in layout.tensors if m.name in mine]  # what this rank's loader reads
+        self.boxes = {s.tensor: s.box for s in layout.shards if s.rank == rank}
+        self.metas = [m for m in layout.tensors if m.name in self.boxes]  # what this rank's loader reads
+        self._offsets, self._region_nbytes = region_offsets(layout, rank)
         self._pending: queue.Queue[tuple[int, dict[str, np.ndarray], threading.Event, list[BaseException]]] = queue.Queue(1)
         self._apply_timeout = apply_timeout
         trainer = from_state_dict(layout.tensors)  # one trainer process holding whole checkpoint tensors
@@ -86,7 +128,12 @@ class StagedReceiver:
                 errors.append(error)
             done.set()
 
-        views = ((m.name, torch.from_numpy(buffers[m.name]).view(getattr(torch, m.dtype)).view(m.shape)) for m in self.metas)
+        if SLACK[0] in buffers:  # boxes: whole-tensor views over the region, which starts at the head slack
+            region = np.lib.stride_tricks.as_strided(buffers[SLACK[0]], shape=(self._region_nbytes,), strides=(1,))
+            views = ((m.name, whole_tensor_view(region, self._offsets[m.name], m, self.boxes[m.name])) for m in self.metas)
+        else:
+            views = ((m.name, torch.from_numpy(buffers[m.name]).view(getattr(torch, m.dtype)).view(m.shape))
+                     for m in self.metas)
         return version, views, finish
 
     def close(self) -> None:

@@ -123,6 +123,8 @@ def test_two_workers_receive_their_own_parts_and_generate_like_a_fresh_engine(ro
     whole = sum(t.nbytes for t in layout.tensors)
     per_rank = [sum(2 * s.box.numel for s in layout.shards if s.rank == r) for r in (0, 1)]
     assert all(0.5 * whole < n < 0.75 * whole for n in per_rank), (per_rank, whole)  # about half each, not all
+    staged = [sum(b.numel * (1 if b.dtype == "uint8" else 2) for b in layout.buffers if b.rank == r) for r in (0, 1)]
+    assert all(n < whole for n in staged), (staged, whole)  # each worker stores its part, not the whole model
 
     addresses = sync.start(boxes)
     boxes_file = tmp_path / "boxes.json"

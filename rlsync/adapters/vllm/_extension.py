@@ -10,8 +10,8 @@ Driver side::
     addresses = llm.collective_rpc("rlsync_start", args=(tensors, boxes))
     # the trainer: WeightsWriter(from_state_dict(state), engine_layout(tensors, boxes), 0, addresses)
     #              .multi_put(state); .complete(v)     (each worker receives only what its loader reads)
-    llm.collective_rpc("rlsync_apply")      # between generate calls: load the landed version
-    llm.reset_prefix_cache()                # cached prefixes hold activations of the old weights
+    apply_next_version(llm)   # between generate calls: every worker loads the landed version, then the
+                              # prefix cache is reset and the engine's weight version set
 
 The trainer's ``complete(v)`` returns only after ``rlsync_apply`` has loaded version ``v``: a
 version is live when the engine serves it. A version whose bytes did not all land (the trainer

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from rlsync.adapters.vllm import engine_layout
+from rlsync.adapters.vllm import apply_next_version, engine_layout
 
 pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::FutureWarning"),
               pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -68,7 +68,8 @@ class Extension:
         return self.llm.collective_rpc("rlsync_start", args=(self.tensors, boxes))
 
     def apply(self, version: int) -> None:
-        assert self.llm.collective_rpc("rlsync_apply", args=(120.0,)) == [version, version]
+        assert apply_next_version(self.llm, 120.0) == version
+        assert self.llm.collective_rpc("rlsync_version") == [version, version]
 
     def stop(self) -> None:
         self.llm.collective_rpc("rlsync_stop")

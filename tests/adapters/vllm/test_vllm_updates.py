@@ -15,6 +15,8 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
+from rlsync.adapters.vllm import apply_next_version
+
 # vLLM itself raises deprecation and future warnings on import and at start-up: not ours to fix.
 pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -79,8 +81,7 @@ def test_twenty_versions_each_generate_like_a_fresh_engine(arch: str, tmp_path: 
     outputs = {}
     try:
         for version in range(1, len(seeds) + 1):
-            assert llm.collective_rpc("rlsync_apply", args=(120.0,)) == [version]
-            llm.reset_prefix_cache()
+            assert apply_next_version(llm, 120.0) == version
             outputs[version] = generate(llm)
         out, err = child.communicate(timeout=120)
         assert child.returncode == 0, err
@@ -89,6 +90,7 @@ def test_twenty_versions_each_generate_like_a_fresh_engine(arch: str, tmp_path: 
         if child.poll() is None:
             child.kill()
     assert llm.collective_rpc("rlsync_version") == [20]
+    assert llm.get_weight_version() == "20"
     assert len({json.dumps(o) for o in outputs.values()}) > 1  # the weights really changed the output
     # a fresh engine loaded from each checkpoint's weights generates the same tokens
     for version in (1, 7, 20):

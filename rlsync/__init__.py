@@ -29,7 +29,7 @@ from rlsync.core._plugins import make_plugin_manager
 from rlsync.core._registry import Registry
 from rlsync.core._samples import PolicyVersionClock, Sample
 from rlsync.core._transfer import Transfer
-from rlsync.core._weights import WeightsReader, WeightsWriter
+from rlsync.core._weights import WeightsReader, WeightsWriter, reader_layout
 
 __version__ = "0.1.0"
 
@@ -73,4 +73,5 @@ __all__ = [
     "make_buffer",
     "make_layout",
     "make_plugin_manager",
+    "reader_layout",
 ]

@@ -17,15 +17,32 @@ import msgspec
 import zmq
 
 from rlsync.core._errors import ConfigError, TransportError
+from rlsync.core._layout import Layout
 
 
 class Hello(msgspec.Struct, tag=True):
-    """Writer -> reader: who I am and which plan I will run."""
+    """Writer -> reader: who I am and which plan I will run.
+
+    ``session`` is new for every writer object: a rank whose session changes restarted, so whatever
+    its earlier session did for an unfinished version is void. ``src`` is the writer's layout, for a
+    reader that was not given one (it adopts the first it sees; later writers must match it)."""
 
     writer_rank: int
     src_fingerprint: str
     dst_fingerprint: str
     dst_tensors: dict[str, str]
+    session: str = ""
+    src: Layout | None = None
+
+
+class AskLayout(msgspec.Struct, tag=True):
+    """Writer -> reader: which destination layout do you receive into?"""
+
+
+class LayoutIs(msgspec.Struct, tag=True):
+    """Reader -> writer: the destination layout (every engine rank's buffers and shards)."""
+
+    layout: Layout
 
 
 class Welcome(msgspec.Struct, tag=True):
@@ -42,7 +59,7 @@ class Refuse(msgspec.Struct, tag=True):
     """Reader -> writer: the handshake or a version was refused; ``reason`` says why and what to do."""
 
     reason: str
-    kind: str = "mismatch"  # "mismatch" or "version"
+    kind: str = "mismatch"  # "mismatch", "version", "load" or "restart"
 
 
 class Done(msgspec.Struct, tag=True):
@@ -61,7 +78,7 @@ class Ack(msgspec.Struct, tag=True):
     next_slot: int
 
 
-Message = Union[Hello, Welcome, Refuse, Done, Ack]
+Message = Union[Hello, AskLayout, LayoutIs, Welcome, Refuse, Done, Ack]
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

@@ -14,9 +14,11 @@ descriptions and version notices crosses the control plane. Landing:
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -24,9 +26,21 @@ import numpy as np
 import pluggy
 
 from rlsync.core import _plugins
-from rlsync.core._control import Ack, Channel, Done, Hello, Refuse, Welcome, bind_router, connect_dealer
+from rlsync.core._control import (
+    Ack,
+    AskLayout,
+    Channel,
+    Done,
+    Hello,
+    LayoutIs,
+    Refuse,
+    Welcome,
+    bind_router,
+    connect_dealer,
+)
 from rlsync.core._errors import (
     PeerLostError,
+    RlsyncError,
     TransferTimeoutError,
     TransportError,
     VersionError,
@@ -98,7 +112,7 @@ class WeightsReader:
 
     def __init__(
         self,
-        src: Layout,
+        src: Layout | None,
         dst: Layout,
         rank: int,
         *,
@@ -116,12 +130,16 @@ class WeightsReader:
             raise ValueError(f"landing must be 'direct' or 'staged', not {landing!r}")
         self.rank = rank
         self.landing_mode = landing
-        self.plan: Plan = build_plan(src, dst, dst_ranks=[rank])
+        self.dst = dst
+        self.plan: Plan | None = None
+        self._expected: set[int] = set()
+        self._pair_runs: dict[tuple[int, int], list[tuple[str, list[tuple[int, int, int]]]]] = {}
+        self._dst_fingerprint = dst.fingerprint()
         self._dst_tensors = tensor_fingerprints(dst)
-        self._expected = {t.src_rank for t in self.plan.transfers}
         self._offsets, self._nbytes = region_offsets(dst, rank)
         self._sizes = {b.name: b.numel * dtype_size(b.dtype) for b in dst.buffers if b.rank == rank}
-        self._pair_runs = _runs_by_pair(self.plan.transfers, self._offsets)
+        if src is not None:
+            self._adopt(src)
         self._transport = _resolve(transport, plugins)
         self._landing = self._transport.landing(self._nbytes, 2 if landing == "direct" else 1, transport_options)
         self._checksum = checksum
@@ -132,10 +150,19 @@ class WeightsReader:
         self._version = -1
         self._pending_version: int | None = None
         self._done: dict[int, tuple[bytes, Done]] = {}
+        self._sessions: dict[int, tuple[str, int]] = {}  # writer rank -> (session, epoch it started in)
+        self._epoch = 0  # counts writer restarts
+        self.discarded: list[int] = []  # unfinished versions given up because a writer restarted
         self._cond = threading.Condition()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"rlsync-reader-{rank}", daemon=True)
         self._thread.start()
+
+    def _adopt(self, src: Layout) -> None:
+        """Build this rank's plan from the writers' layout ``src``."""
+        self.plan = build_plan(src, self.dst, dst_ranks=[self.rank])
+        self._expected = {t.src_rank for t in self.plan.transfers}
+        self._pair_runs = _runs_by_pair(self.plan.transfers, self._offsets)
 
     # -- what the engine uses --------------------------------------------------------------
 
@@ -200,14 +227,26 @@ class WeightsReader:
             assert identity is not None  # ROUTER sockets always prefix the sender's identity
             if isinstance(msg, Hello):
                 self._hello(identity, msg)
+            elif isinstance(msg, AskLayout):
+                self._channel.send(LayoutIs(self.dst), identity)
             elif isinstance(msg, Done):
                 self._finish_part(identity, msg)
 
     def _hello(self, identity: bytes, msg: Hello) -> None:
-        if msg.dst_fingerprint != self.plan.dst_fingerprint or msg.src_fingerprint != self.plan.src_fingerprint:
+        if self.plan is None and msg.src is not None and msg.dst_fingerprint == self._dst_fingerprint:
+            try:
+                self._adopt(msg.src)
+            except RlsyncError as exc:
+                self._channel.send(Refuse(f"reader rank {self.rank} cannot receive from the writers' layout: {exc}"), identity)
+                return
+        if self.plan is None:
+            self._channel.send(Refuse(f"reader rank {self.rank} was built without the writers' layout and the writer "
+                                      f"sent none: give WeightsReader the source layout"), identity)
+            return
+        if msg.dst_fingerprint != self._dst_fingerprint or msg.src_fingerprint != self.plan.src_fingerprint:
             side, theirs, ours = (
                 ("destination", msg.dst_tensors, self._dst_tensors)
-                if msg.dst_fingerprint != self.plan.dst_fingerprint
+                if msg.dst_fingerprint != self._dst_fingerprint
                 else ("source", {}, {})
             )
             first = next((n for n in [*ours, *theirs] if ours.get(n) != theirs.get(n)), None)
@@ -215,12 +254,38 @@ class WeightsReader:
             reason = f"writer and reader rank {self.rank} were built with different {side} layouts;{detail}. Build both from the same layouts."
             self._channel.send(Refuse(reason), identity)
             return
+        previous = self._sessions.get(msg.writer_rank)
+        if previous is not None and previous[0] != msg.session:
+            self._epoch += 1
+            self._discard_partners(msg.writer_rank, previous[1])
+        self._sessions[msg.writer_rank] = (msg.session, self._epoch)
         self._done.pop(msg.writer_rank, None)  # a writer that reconnects starts its version over
         self._channel.send(
             Welcome(self.rank, self._transport.name, self._landing.describe(), self._version, self._target_slot), identity
         )
 
+    def _discard_partners(self, restarted: int, epoch: int) -> None:
+        """Writer rank ``restarted`` came back with a new session (its old one died, maybe mid-version). Parts of
+        the unfinished version sent by sessions as old as the dead one may pair with bytes it never finished, so
+        they are discarded and their senders told to send again; parts from sessions that started after an
+        earlier restart (the rest of a restarting trainer) are kept. The slot is not live and the next version
+        overwrites it."""
+        stale = {r: d for r, d in self._done.items() if r != restarted and self._sessions[r][1] <= epoch}
+        if not stale:
+            return
+        version = self._pending_version
+        self._done = {r: d for r, d in self._done.items() if r not in stale}
+        self.discarded.append(-1 if version is None else version)
+        reason = (f"reader rank {self.rank} discarded the parts of unfinished version {version} from writer ranks "
+                  f"{sorted(stale)}: writer rank {restarted} restarted before the version completed; complete it "
+                  f"again from every writer rank")
+        for ident, _ in stale.values():
+            self._channel.send(Refuse(reason, "restart"), ident)
+
     def _finish_part(self, identity: bytes, msg: Done) -> None:
+        if self.plan is None or msg.writer_rank not in self._sessions:
+            self._channel.send(Refuse("send a Hello before Done"), identity)
+            return
         if msg.version <= self._version:
             self._channel.send(Refuse(f"version {msg.version} is not newer than live version {self._version}", "version"), identity)
             return
@@ -234,6 +299,7 @@ class WeightsReader:
         if not self._expected <= self._done.keys():
             return
         done, self._done = self._done, {}
+        self._pending_version = None
         error = self._verify(done) if self._checksum else None
         if error is None and self._on_version is not None:
             try:
@@ -253,6 +319,7 @@ class WeightsReader:
             self._channel.send(Ack(msg.version, self._target_slot), ident)
 
     def _verify(self, done: Mapping[int, tuple[bytes, Done]]) -> str | None:
+        assert self.plan is not None
         region = self._landing.regions[self._target_slot]
         for writer, (_, msg) in done.items():
             groups = self._pair_runs.get((writer, self.rank), [])
@@ -265,16 +332,20 @@ class WeightsReader:
 class WeightsWriter:
     """Trainer side of one rank: ``put``/``multi_put`` this rank's buffers, then ``complete(version)``.
 
-    ``readers`` maps each destination rank to its reader's ``address``. ``complete`` sends this
-    rank's part to every reader, notifies them, and returns once each has the version live; a
-    reader that does not confirm within ``timeout`` raises ``TransferTimeoutError`` naming it,
-    after the others got the version.
+    ``readers`` maps each destination rank to its reader's ``address``. ``dst=None`` asks the
+    first reader for the destination layout (readers know it: an engine derives it from its own
+    loader), so a trainer needs nothing but its own layout and the addresses; tensors of ``src``
+    that the destination does not hold (a tied ``lm_head.weight``, say) are then simply not sent.
+
+    ``complete`` sends this rank's part to every reader at once (one thread per reader), notifies
+    them, and returns once each has the version live; a reader that does not confirm within
+    ``timeout`` raises ``TransferTimeoutError`` naming it, after the others got the version.
     """
 
     def __init__(
         self,
         src: Layout,
-        dst: Layout,
+        dst: Layout | None,
         rank: int,
         readers: Mapping[int, str] | Sequence[str],
         *,
@@ -287,8 +358,14 @@ class WeightsWriter:
     ) -> None:
         self.rank = rank
         self._readers = dict(enumerate(readers)) if not isinstance(readers, Mapping) else dict(readers)
+        if dst is None:
+            if not self._readers:
+                raise WeightMismatchError("WeightsWriter needs the readers' addresses to learn the destination layout")
+            dst = reader_layout(self._readers[min(self._readers)], secret=secret, timeout=timeout)
+        self.src, self.dst = src, dst
         plan = build_plan(src, dst)
         self._fingerprints = (plan.src_fingerprint, plan.dst_fingerprint, plan.dst_tensors)
+        self._session = secrets.token_hex(8)
         mine = plan.for_src_rank(rank)
         self._runs: dict[int, list[tuple[str, list[tuple[int, int, int]]]]] = {}
         for dst_rank in sorted({t.dst_rank for t in mine}):
@@ -339,7 +416,7 @@ class WeightsWriter:
             return
         channel = connect_dealer(self._readers[dst_rank], self._secret)
         src_fp, dst_fp, dst_tensors = self._fingerprints
-        channel.send(Hello(self.rank, src_fp, dst_fp, dst_tensors))
+        channel.send(Hello(self.rank, src_fp, dst_fp, dst_tensors, self._session, self.src))
         got = channel.recv(timeout_ms=int(self.timeout * 1000))
         if got is None:
             channel.close()
@@ -376,25 +453,13 @@ class WeightsWriter:
             self._plugins.hook.rlsync_before_export(version=version, names=names)
         started = time.perf_counter()
         failed: dict[int, str] = {}
-        sent: list[int] = []
-        for dst_rank, groups in self._runs.items():
-            try:
-                self._connect(dst_rank)
-                link, slot = self._links[dst_rank], self._slots[dst_rank]
-                crc = 0
-                for name, runs in groups:
-                    source = self._sources[name]
-                    link.write(source, [(s, slot, d, n) for s, d, n in runs])
-                    if self._checksum:
-                        crc = _crc((source[s : s + n] for s, _, n in runs), crc)
-                    if progress is not None:
-                        progress(sum(n for _, _, n in runs))
-                link.flush()
-                self._channels[dst_rank].send(Done(self.rank, version, slot, {"all": crc} if self._checksum else None))
-                sent.append(dst_rank)
-            except TransportError as exc:
-                failed[dst_rank] = str(exc)
-                self._drop(dst_rank)
+        if len(self._runs) > 1:  # readers get their parts at once: publishing to N readers costs ~one reader
+            with ThreadPoolExecutor(len(self._runs), thread_name_prefix=f"rlsync-writer-{self.rank}") as pool:
+                outcomes = list(pool.map(lambda r: self._post(r, version, progress), self._runs))
+        else:
+            outcomes = [self._post(r, version, progress) for r in self._runs]
+        sent = [r for r, error in zip(self._runs, outcomes) if error is None]
+        failed.update({r: error for r, error in zip(self._runs, outcomes) if error is not None})
         deadline = time.monotonic() + self.timeout
         for dst_rank in sent:
             channel = self._channels[dst_rank]
@@ -407,7 +472,7 @@ class WeightsWriter:
             msg = got[1]
             if isinstance(msg, Ack) and msg.version == version:
                 self._slots[dst_rank] = msg.next_slot
-            elif isinstance(msg, Refuse) and msg.kind == "version":
+            elif isinstance(msg, Refuse) and msg.kind in ("version", "restart"):
                 raise VersionError(f"reader rank {dst_rank} refused version {version}: {msg.reason}")
             else:
                 failed[dst_rank] = getattr(msg, "reason", f"unexpected answer {msg!r}")
@@ -421,6 +486,26 @@ class WeightsWriter:
                 version=version, stats={"bytes": self.bytes_per_version, "seconds": time.perf_counter() - started}
             )
 
+    def _post(self, dst_rank: int, version: int, progress: Callable[[int], None] | None) -> str | None:
+        """Write this rank's part of ``version`` to one reader and notify it; the error, if any."""
+        try:
+            self._connect(dst_rank)
+            link, slot = self._links[dst_rank], self._slots[dst_rank]
+            crc = 0
+            for name, runs in self._runs[dst_rank]:
+                source = self._sources[name]
+                link.write(source, [(s, slot, d, n) for s, d, n in runs])
+                if self._checksum:
+                    crc = _crc((source[s : s + n] for s, _, n in runs), crc)
+                if progress is not None:
+                    progress(sum(n for _, _, n in runs))
+            link.flush()
+            self._channels[dst_rank].send(Done(self.rank, version, slot, {"all": crc} if self._checksum else None))
+        except TransportError as exc:
+            self._drop(dst_rank)
+            return str(exc)
+        return None
+
     def close(self) -> None:
         for dst_rank in list(self._links):
             self._drop(dst_rank)
@@ -430,6 +515,25 @@ class WeightsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def reader_layout(address: str, *, secret: str | None = None, timeout: float = 60.0) -> Layout:
+    """The destination layout the ``WeightsReader`` at ``address`` receives into (every rank's part).
+
+    A writer built with ``dst=None`` calls this; engines derive their layout from their own loader,
+    so the trainer need not know it."""
+    channel = connect_dealer(address, secret)
+    try:
+        channel.send(AskLayout())
+        got = channel.recv(timeout_ms=int(timeout * 1000))
+    finally:
+        channel.close()
+    if got is None:
+        raise TransferTimeoutError(f"the reader at {address} did not answer within {timeout} s: is the engine up, "
+                                   f"and is this its address?")
+    if not isinstance(got[1], LayoutIs):
+        raise TransportError(f"the reader at {address} answered {type(got[1]).__name__} to a layout request")
+    return got[1].layout
 
 
 def _as_bytes(name: str, tensor: Any) -> np.ndarray:

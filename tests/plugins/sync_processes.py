@@ -39,6 +39,8 @@ BOXES_TP2 = [
 def layouts(kind: str) -> tuple[Layout, Layout]:
     if kind == "plain":  # one writer, one reader
         return from_state_dict(PLAIN), from_state_dict(PLAIN)
+    if kind == "two_writers":  # FSDP over 2 trainer ranks -> one reader that holds everything
+        return fsdp(PLAIN, 2), from_state_dict(PLAIN)
     if kind == "fanout":  # one writer, two readers that each need everything
         return from_state_dict(PLAIN), replicated(PLAIN, (0, 1))
     if kind == "boxes_tp2":  # whole tensors -> two vLLM workers that each hold the box their loader reads

@@ -1,0 +1,113 @@
+"""Readers publish their layout and learn the writers'; a restarted writer voids what its dead session
+shared a version with; a writer posts to all its readers at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from rlsync import PlanError, WeightsReader, WeightsWriter, reader_layout
+from rlsync.core._builders import from_state_dict, replicated
+from rlsync.core._layout import TensorMeta
+from rlsync.plugins._transport_shm import ShmTransport
+
+PLAIN = [TensorMeta(f"layer{i}.weight", "bfloat16", (32, 16)) for i in range(3)] + [TensorMeta("norm.weight", "float32", (16,))]
+
+
+def state(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {m.name: torch.randn(m.shape, generator=gen).to(getattr(torch, m.dtype)) for m in PLAIN}
+
+
+def test_a_writer_learns_the_destination_and_leaves_out_what_it_does_not_hold() -> None:
+    """The trainer offers a tied alias (``lm_head.weight`` sharing layer0's storage, as ``state_dict()`` has it);
+    the reader does not receive it, so it is never sent."""
+    dst = from_state_dict(PLAIN)
+    weights = state(1)
+    offered = {**weights, "lm_head.weight": weights["layer0.weight"]}
+    with WeightsReader(None, dst, 0) as reader:
+        assert reader_layout(reader.address) == dst
+        writer = WeightsWriter(from_state_dict(offered), None, 0, [reader.address], timeout=10)
+        assert writer.bytes_per_version == sum(m.nbytes for m in PLAIN)
+        writer.multi_put(offered)
+        writer.complete(1)
+        assert reader.version == 1
+        for name, tensor in weights.items():
+            out = torch.empty_like(tensor)
+            reader.get(name, out.view(torch.uint8).numpy())
+            assert torch.equal(out, tensor), name
+        writer.close()
+
+
+def test_a_destination_tensor_the_trainer_lacks_is_an_error_before_any_byte() -> None:
+    with WeightsReader(None, from_state_dict(PLAIN), 0) as reader:
+        partial = {k: v for k, v in state(1).items() if k != "norm.weight"}
+        with pytest.raises(PlanError, match="'norm.weight' is not in the source layout"):
+            WeightsWriter(from_state_dict(partial), None, 0, [reader.address], timeout=10)
+        assert reader.version == -1
+
+
+def test_a_restarted_writer_voids_its_dead_sessions_version_and_the_next_one_starts_clean(sync: Any) -> None:
+    """Two trainer ranks; rank 0 finished its part of version 1, rank 1 died midway. When rank 1 comes back,
+    rank 0's part is discarded (it may pair with bytes rank 1 never finished) and rank 0 is told; the version
+    goes live only once both ranks of the new sessions sent it, with exactly their bytes."""
+    src, dst = sync.layouts("two_writers")
+    with WeightsReader(src, dst, 0, transport="shm") as reader:
+        first = sync.writer("two_writers", "shm", {0: reader.address}, [1], rank=0, wait=False,
+                            extra=("--timeout", "60"))
+        dying = sync.writer("two_writers", "shm", {0: reader.address}, [1], rank=1, extra=("--die-after-writes", "2"))
+        assert dying.returncode == -9
+        deadline = time.monotonic() + 30
+        while 0 not in reader._done and time.monotonic() < deadline:  # rank 0's part arrived and waits
+            time.sleep(0.05)
+        assert 0 in reader._done
+        again = sync.writer("two_writers", "shm", {0: reader.address}, [1], rank=1, wait=False, extra=("--timeout", "60"))
+        _, err = first.communicate(timeout=60)
+        assert first.returncode != 0 and "discarded the parts of unfinished version 1 from writer ranks [0]" in err, err
+        assert reader.version == -1 and reader.discarded == [1]
+        resent = sync.writer("two_writers", "shm", {0: reader.address}, [1], rank=0)
+        assert resent.returncode == 0, resent.stderr_text
+        _, err = again.communicate(timeout=60)
+        assert again.returncode == 0, err
+        assert reader.version == 1 and reader.discarded == [1]
+        sync.assert_landed("two_writers", reader, 1)
+
+
+class _MeetingTransport(ShmTransport):
+    """shm whose links wait, inside their first write, until every reader's link is writing: a writer that
+    posted to its readers one after another would never get there (the barrier breaks after 10 s)."""
+
+    name = "shm"
+    barrier: threading.Barrier
+
+    @classmethod
+    def open(cls, description: dict[str, Any], options: dict[str, Any] | None = None) -> Any:
+        link = ShmTransport.open(description, options)
+        write = link.write
+
+        def meet_then_write(source: np.ndarray, runs: Any) -> None:
+            cls.barrier.wait()
+            write(source, runs)
+
+        link.write = meet_then_write  # type: ignore[method-assign]
+        return link
+
+
+def test_a_writer_posts_to_all_its_readers_at_once() -> None:
+    readers = [WeightsReader(None, replicated(PLAIN, (0, 1, 2)), r) for r in range(3)]
+    try:
+        _MeetingTransport.barrier = threading.Barrier(3, timeout=10)
+        writer = WeightsWriter(from_state_dict(PLAIN), None, 0, [r.address for r in readers], transport=_MeetingTransport,
+                               timeout=20)
+        writer.multi_put({k: v for k, v in state(2).items()})
+        writer.complete(1)  # raises BrokenBarrierError if the readers were written one at a time
+        assert [r.version for r in readers] == [1, 1, 1]
+        writer.close()
+    finally:
+        for r in readers:
+            r.close()

@@ -8,8 +8,11 @@ while the trainer's ``WeightsWriter.complete(v)`` runs; ``complete`` returns onc
 ``finish_weight_update`` has loaded the version (staged landing, vLLM's layerwise reload).
 
 Worker ``r`` binds port ``PORT + r`` of the address in the init info (the trainer picks it), so the
-trainer knows where to connect before the engine answers. With more than one worker the init info
-carries ``boxes`` (each worker's part of every tensor, from ``probe_worker``).
+trainer knows where to connect before the engine answers, and learns the layout from the workers
+(``WeightsWriter(src, None, 0, addresses)``). At init every worker checks the tensor list against its
+loader and learns its part of each tensor (``learn_parts``): a bad name fails the init, before a byte
+moves. A version is loaded only once all its bytes have landed, all or nothing (``reload_atomically``):
+a trainer that dies, a timeout or a loader error leaves the engine serving the previous version.
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from rlsync.adapters.vllm._probe import _rank_info, probe_boxes
-from rlsync.adapters.vllm._reload import reprocessing_skipped_steps
-from rlsync.adapters.vllm._staging import Finish, StagedReceiver, tensor_metas
-from rlsync.core._errors import ConfigError, VersionError
+from rlsync.adapters.vllm._probe import learn_parts
+from rlsync.adapters.vllm._reload import reload_atomically
+from rlsync.adapters.vllm._staging import Finish, StagedReceiver
+from rlsync.core._errors import VersionError
 
 
 @dataclass
@@ -36,10 +39,8 @@ class RlsyncInitInfo(WeightTransferInitInfo):
     address: str  # tcp://HOST:PORT: worker r's reader binds PORT + r
     tensors: list[Any] = field(default_factory=list)  # [[hf_name, dtype, shape], ...]
     transport: str = "shm"
-    # With more than one worker each receives only its part of every tensor: give ``boxes`` (per worker
-    # {name: [offsets, sizes]}, e.g. from a worker extension's rlsync_probe), or ``boxes_file``: the
-    # workers learn their parts from vLLM's loader and worker 0 writes them there as JSON for the trainer.
-    boxes: list[Any] | None = None
+    # Optional: worker 0 writes every worker's part of each tensor here as JSON ({name: [offsets, sizes]}
+    # per worker). The trainer does not need it (it learns the layout from the workers).
     boxes_file: str | None = None
 
 
@@ -58,28 +59,18 @@ class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpda
         from vllm.distributed.parallel_state import get_world_group
 
         world = get_world_group()
-        boxes = init_info.boxes
-        if boxes is None and init_info.boxes_file is not None:
-            mine = probe_boxes(self.model, tensor_metas(init_info.tensors), _rank_info())
-            boxes = _all_gather_json({n: [list(b.offsets), list(b.sizes)] for n, b in mine.items()}, world.cpu_group)
-            if world.rank == 0:
-                Path(init_info.boxes_file).write_text(json.dumps(boxes))
-        if boxes is None and self.parallel_config.world_size > 1:
-            raise ConfigError("with more than one vLLM worker add 'boxes_file': PATH to the init info (the workers "
-                              "write their parts there) and build the trainer's destination with "
-                              "engine_layout(tensors, json.load(open(PATH)))")
+        tensors, boxes = learn_parts(self.model, init_info.tensors, world.cpu_group)
+        if init_info.boxes_file is not None and world.rank == 0:
+            Path(init_info.boxes_file).write_text(json.dumps(boxes))
         host, port = init_info.address.removeprefix("tcp://").rsplit(":", 1)
-        rank = world.rank
-        self._receiver = StagedReceiver(init_info.tensors, boxes=boxes, rank=rank,
-                                        transport=init_info.transport, host=host, port=int(port) + rank)
+        self._receiver = StagedReceiver(tensors, boxes=boxes, rank=world.rank, transport=init_info.transport,
+                                        host=host, port=int(port) + world.rank)
         self._finish: Finish | None = None
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        self._fixes = reprocessing_skipped_steps(self.model)
-        self._fixes.enter()  # left in finish_weight_update: layers are processed as their weights arrive
-        initialize_layerwise_reload(self.model)
+        # Nothing to prepare: the reload starts only once a version's bytes have all landed (receive_weights),
+        # so a trainer that never sends leaves the engine as it was.
+        self._finish = None
 
     def receive_weights(self, update_info: RlsyncUpdateInfo) -> None:
         version, views, finish = self._receiver.next(update_info.timeout)
@@ -87,40 +78,17 @@ class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpda
             error = VersionError(f"the engine expected version {update_info.version}, the trainer sent {version}")
             finish(error)
             raise error
+        try:
+            reload_atomically(self.model, self.model_config, views)
+        except Exception as exc:
+            finish(exc)
+            raise
         self._finish = finish
-        self.model.load_weights(views)
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         finish, self._finish = self._finish, None
-        try:
-            finalize_layerwise_reload(self.model, self.model_config)
-        except Exception as exc:
-            self._fixes.exit(ok=False)
-            if finish is not None:
-                finish(exc)
-            raise
-        self._fixes.exit(ok=True)
         if finish is not None:
-            finish(None)
+            finish(None)  # the trainer's complete(v) returns: v is what the engine serves
 
     def shutdown(self) -> None:
         self._receiver.close()
-
-
-def _all_gather_json(obj: Any, group: Any) -> list[Any]:
-    """Every worker's ``obj``, in rank order, over vLLM's CPU process group (as JSON bytes, no pickle)."""
-    import torch
-    import torch.distributed as dist
-
-    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    size = torch.tensor([data.numel()])
-    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, size, group=group)
-    longest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: data.numel()] = data
-    chunks = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(chunks, padded, group=group)
-    return [json.loads(bytes(c[: int(s.item())].numpy()).decode()) for c, s in zip(chunks, sizes)]

@@ -6,25 +6,27 @@ linear parameters empty after repacking, so copying into parameters would do not
 Driver side::
 
     llm = LLM(model=path, worker_extension_cls="rlsync.adapters.vllm.RlsyncWorkerExtension", ...)
-    boxes = llm.collective_rpc("rlsync_probe", args=(tensors,))      # [(hf_name, dtype, shape), ...]
-    addresses = llm.collective_rpc("rlsync_start", args=(tensors, boxes))
-    # the trainer: WeightsWriter(from_state_dict(state), engine_layout(tensors, boxes), 0, addresses)
-    #              .multi_put(state); .complete(v)     (each worker receives only what its loader reads)
+    addresses = llm.collective_rpc("rlsync_start", args=(tensors,))   # [(hf_name, dtype, shape), ...]
+    # the trainer: WeightsWriter(from_state_dict(state), None, 0, addresses).multi_put(state); .complete(v)
+    #              (the layout comes from the engine: each worker receives only what its loader reads)
     apply_next_version(llm)   # between generate calls: every worker loads the landed version, then the
                               # prefix cache is reset and the engine's weight version set
 
-The trainer's ``complete(v)`` returns only after ``rlsync_apply`` has loaded version ``v``: a
-version is live when the engine serves it. A version whose bytes did not all land (the trainer
-died) is never applied; the engine keeps serving the previous one.
+``rlsync_start`` checks the tensor list against vLLM's loader on every worker before a byte moves
+(``learn_parts``). The trainer's ``complete(v)`` returns only after ``rlsync_apply`` has loaded version
+``v``: a version is live when the engine serves it. A version whose bytes did not all land (the
+trainer died) is never applied, and a load that fails is rolled back (``reload_atomically``): the
+engine keeps serving the previous version either way.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
-from rlsync.adapters.vllm._probe import probe_worker
-from rlsync.adapters.vllm._reload import reprocessing_skipped_steps
+from rlsync.adapters.vllm._probe import learn_parts, probe_worker
+from rlsync.adapters.vllm._reload import reload_atomically
 from rlsync.adapters.vllm._staging import RankBoxes, StagedReceiver
 from rlsync.core._errors import ConfigError
 
@@ -40,25 +42,36 @@ class RlsyncWorkerExtension:
     def rlsync_start(self, tensors: Sequence[Sequence[Any]], boxes: RankBoxes | None = None, transport: str = "shm",
                      host: str = "127.0.0.1", apply_timeout: float = 600.0) -> str:
         """Start receiving the checkpoint tensors ``[(name, dtype, shape), ...]``; returns the address for the
-        writer. ``boxes``: every worker's ``rlsync_probe`` result, so that each receives only its part
-        (the trainer then writes to ``engine_layout(tensors, boxes)``); without, each gets all of them."""
-        if boxes is None and self.vllm_config.parallel_config.world_size > 1:  # type: ignore[attr-defined]
-            raise ConfigError("with more than one vLLM worker pass boxes=llm.collective_rpc('rlsync_probe', args=(tensors,)) "
-                              "to rlsync_start, and build the trainer's destination with engine_layout(tensors, boxes)")
-        self._rlsync = StagedReceiver(tensors, boxes=boxes, rank=self.rank, transport=transport,  # type: ignore[attr-defined]
+        writer. Every worker checks the list against its loader and learns its part of each tensor (a
+        collective: call it on all workers, as ``collective_rpc`` does); tied aliases are left out. ``boxes``
+        (every worker's ``rlsync_probe``) is optional and must agree with what the workers learn."""
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed.parallel_state import get_world_group
+
+        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            kept, learned = learn_parts(self.model_runner.get_model(), tensors, get_world_group().cpu_group)  # type: ignore[attr-defined]
+        if boxes is not None and json.loads(json.dumps([dict(b) for b in boxes])) != learned:
+            raise ConfigError("the boxes given to rlsync_start differ from what the workers' loaders read: drop the "
+                              "boxes argument (rlsync_start learns them)")
+        self._rlsync = StagedReceiver(kept, boxes=learned, rank=self.rank, transport=transport,  # type: ignore[attr-defined]
                                       host=host, apply_timeout=apply_timeout)
         self._rlsync_version = -1
         return self._rlsync.address
 
     def rlsync_apply(self, timeout: float = 600.0) -> int:
-        """Engine thread: load the next landed version with vLLM's loader; returns its number."""
+        """Engine thread: load the next landed version with vLLM's loader, all or nothing; returns its number."""
+        from vllm.config import set_current_vllm_config
+
         version, views, finish = self._rlsync.next(timeout)
+        runner = self.model_runner  # type: ignore[attr-defined]
         try:
-            with reprocessing_skipped_steps(self.model_runner.get_model()):  # type: ignore[attr-defined]
-                self.reload_weights(weights_iterator=views)  # type: ignore[attr-defined]
+            with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+                reload_atomically(runner.get_model(), self.vllm_config.model_config, views)  # type: ignore[attr-defined]
         except Exception as exc:
             finish(exc)  # the writer's complete() raises it
             raise
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as Worker.reload_weights does
+            getattr(runner, reset, lambda: None)()
         finish(None)
         self._rlsync_version = version
         return version

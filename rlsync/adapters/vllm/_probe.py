@@ -13,6 +13,11 @@ before CPU repacking empties the live linears: ``reload/layerwise.py`` ``LAYERWI
 live parameters are swapped back untouched afterwards, so a probe never disturbs the weights the
 engine serves. Layers are probed one at a time (by the index in their names) to bound memory.
 Results are cached on disk under a fingerprint of everything they depend on.
+
+The same run checks the tensor list before a byte moves (``learn_parts``, on every worker and every
+tensor-parallel size): a tensor the loader refuses, a parameter no tensor fills, or a tensor no worker
+reads is a ``ConfigError`` naming it; a tensor no worker reads because it is another's alias in the
+engine (the ``lm_head.weight`` of a tied model) is left out instead, so it is never sent.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -35,6 +41,9 @@ from rlsync.core._layout import Box, TensorMeta
 log = logging.getLogger(__name__)
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
+# Parameters vLLM never fills from a checkpoint (``reload/meta.py`` ``SKIP_LOAD_TENSORS``, and biases it adds).
+_NEVER_LOADED = {"_expert_map", "expert_mask", "expert_global_to_physical", "expert_physical_to_global",
+                 "expert_local_to_global", "e_score_correction_bias"}
 
 
 def _layer_of(name: str) -> int | None:
@@ -47,8 +56,8 @@ def cache_dir() -> Path:
 
 
 def fingerprint(model: Any, metas: Sequence[TensorMeta], rank_info: Sequence[int]) -> str:
-    """Changes with the vLLM version, the model class, its parameters' loader-side shapes, this rank's
-    place in the parallel layout and the checkpoint tensors offered."""
+    """Changes with the vLLM version, the model class, its parameters' loader-side shapes and which of them
+    are tied, this rank's place in the parallel layout and the checkpoint tensors offered."""
     import vllm
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
@@ -56,7 +65,7 @@ def fingerprint(model: Any, metas: Sequence[TensorMeta], rank_info: Sequence[int
     for qualname, module in model.named_modules():
         restore, _ = get_layerwise_info(module).restore_metadata
         params += [(f"{qualname}.{n}", list(t.shape), str(t.dtype)) for n, t in sorted(restore.items())]
-    blob = json.dumps([vllm.__version__, type(model).__name__, list(rank_info), params,
+    blob = json.dumps(["probe-v2", vllm.__version__, type(model).__name__, list(rank_info), params, sorted(_aliases(model)),
                        [[m.name, m.dtype, list(m.shape)] for m in metas]])
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
@@ -69,8 +78,63 @@ def probe_worker(worker: Any, tensors: Sequence[Sequence[Any]]) -> dict[str, lis
     from rlsync.adapters.vllm._staging import tensor_metas
 
     with set_current_vllm_config(worker.vllm_config):
-        boxes = probe_boxes(worker.model_runner.get_model(), tensor_metas(tensors), _rank_info())
+        boxes, _ = probe_boxes(worker.model_runner.get_model(), tensor_metas(tensors), _rank_info())
     return {name: [list(b.offsets), list(b.sizes)] for name, b in boxes.items()}
+
+
+def learn_parts(model: Any, tensors: Sequence[Sequence[Any]], group: Any) -> tuple[list[list[Any]], list[dict[str, Any]]]:
+    """Every worker's part of every checkpoint tensor, checked: ``(tensors to send, per-rank boxes)``.
+
+    Collective over ``group`` (vLLM's CPU world group): each worker probes its loader, the results are
+    exchanged, and every worker reaches the same verdict. Raises ``ConfigError`` naming a tensor the loader
+    refuses, a parameter no tensor fills, or a tensor no worker reads; leaves out tensors that are aliases of
+    another in the engine (a tied ``lm_head.weight``)."""
+    from rlsync.adapters.vllm._staging import tensor_metas
+
+    boxes, unfilled = probe_boxes(model, tensor_metas(tensors), _rank_info())
+    mine = {"boxes": {n: [list(b.offsets), list(b.sizes)] for n, b in boxes.items()}, "unfilled": unfilled}
+    every = all_gather_json(mine, group)
+    unfilled_anywhere = sorted({name for rank in every for name in rank["unfilled"]})
+    if unfilled_anywhere:
+        raise ConfigError(f"no checkpoint tensor fills the engine's parameter(s) {unfilled_anywhere[:5]}: the trainer must "
+                          f"send them (under the checkpoint's names, as save_pretrained writes them)")
+    read = {name for rank in every for name in rank["boxes"]}
+    aliases = _aliases(model)
+    unread = [str(t[0]) for t in tensors if str(t[0]) not in read]
+    wrong = [name for name in unread if name not in aliases]
+    if wrong:
+        raise ConfigError(f"vLLM's loader reads no part of {wrong[:5]} on any worker: leave them out of the tensor list, "
+                          f"or check their names against the checkpoint's")
+    if unread:
+        log.info("not sending %s: the engine's loader skips them (tied to another tensor)", unread)
+    return [list(t) for t in tensors if str(t[0]) in read], [rank["boxes"] for rank in every]
+
+
+def _aliases(model: Any) -> set[str]:
+    """Names of engine parameters that are another parameter under a second name (tied embeddings)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {name for group in names.values() if len(group) > 1 for name in group[1:]}
+
+
+def all_gather_json(obj: Any, group: Any) -> list[Any]:
+    """Every worker's ``obj``, in rank order, over a CPU process group (as JSON bytes, no pickle)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_world_size(group) == 1:
+        return [json.loads(json.dumps(obj))]
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    size = torch.tensor([data.numel()])
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, size, group=group)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    chunks = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(chunks, padded, group=group)
+    return [json.loads(bytes(c[: int(s.item())].numpy()).decode()) for c, s in zip(chunks, sizes)]
 
 
 def _rank_info() -> tuple[int, ...]:
@@ -81,28 +145,38 @@ def _rank_info() -> tuple[int, ...]:
             parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pp_group().rank_in_group)
 
 
-def probe_boxes(model: Any, metas: Sequence[TensorMeta], rank_info: Sequence[int] = ()) -> dict[str, Box]:
-    """``{tensor name: box of it this rank loads}``, from the cache when this exact setup was probed before."""
+def probe_boxes(model: Any, metas: Sequence[TensorMeta], rank_info: Sequence[int] = ()) -> tuple[dict[str, Box], list[str]]:
+    """``({tensor name: box of it this rank loads}, [parameters of this rank no tensor fills])``, from the cache
+    when this exact setup was probed before."""
     path = cache_dir() / f"{fingerprint(model, metas, rank_info)}.json"
     if path.exists():
-        return {name: Box(tuple(o), tuple(s)) for name, (o, s) in json.loads(path.read_text()).items()}
-    boxes = _probe(model, metas)
+        cached = json.loads(path.read_text())
+        return {name: Box(tuple(o), tuple(s)) for name, (o, s) in cached["boxes"].items()}, cached["unfilled"]
+    boxes, unfilled = _probe(model, metas)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({n: [list(b.offsets), list(b.sizes)] for n, b in boxes.items()}))
+    tmp.write_text(json.dumps({"boxes": {n: [list(b.offsets), list(b.sizes)] for n, b in boxes.items()}, "unfilled": unfilled}))
     tmp.replace(path)  # atomic: ranks sharing a cache directory never read half a file
-    return boxes
+    return boxes, unfilled
 
 
-def _probe(model: Any, metas: Sequence[TensorMeta]) -> dict[str, Box]:
+def _probe(model: Any, metas: Sequence[TensorMeta]) -> tuple[dict[str, Box], list[str]]:
     import torch
 
     groups: dict[int | None, list[TensorMeta]] = {}
     for meta in metas:
         groups.setdefault(_layer_of(meta.name), []).append(meta)
-    modules: dict[int | None, list[Any]] = {}
+    modules: dict[int | None, list[tuple[str, Any]]] = {}
     for qualname, module in model.named_modules():
-        modules.setdefault(_layer_of(qualname + "."), []).append(module)
+        modules.setdefault(_layer_of(qualname + "."), []).append((qualname, module))
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    params: dict[str, bool] = {}  # loadable parameter of this rank (loader-side shape) -> filled by some tensor
+    for qualname, module in model.named_modules():
+        recorded, _ = get_layerwise_info(module).restore_metadata
+        for name, param in {**dict(module.named_parameters(recurse=False)), **recorded}.items():
+            if param.dtype.is_floating_point and math.prod(param.shape) and name not in _NEVER_LOADED:
+                params[f"{qualname}.{name}".lstrip(".")] = False
 
     lows: dict[str, np.ndarray] = {}
     highs: dict[str, np.ndarray] = {}
@@ -117,14 +191,18 @@ def _probe(model: Any, metas: Sequence[TensorMeta]) -> dict[str, Box]:
             except Exception as exc:  # noqa: BLE001 - re-raised below, naming the tensor
                 refused = exc
             if refused is None:
-                _collect(scratch, group, starts, lows, highs, key)
+                _collect([t for _, t in scratch], group, starts, lows, highs, key)
+                for names, tensor in scratch:
+                    if bool((tensor.detach() > 0).any()):
+                        params.update({n: True for n in names if n in params})
         if refused is not None:
             name = _first_refused(model, group, modules.get(key, []))
             raise ConfigError(f"vLLM's loader refused checkpoint tensor {name!r} ({type(refused).__name__}: {refused}); "
                               f"offer tensors under the checkpoint's own names (as save_pretrained writes them), "
                               f"or leave this one out") from refused
-    return {m.name: Box(tuple(int(x) for x in lows[m.name]), tuple(int(x) for x in highs[m.name] - lows[m.name] + 1))
-            for m in metas if m.name in lows}
+    boxes = {m.name: Box(tuple(int(x) for x in lows[m.name]), tuple(int(x) for x in highs[m.name] - lows[m.name] + 1))
+             for m in metas if m.name in lows}
+    return boxes, sorted(name for name, filled in params.items() if not filled)
 
 
 def _first_refused(model: Any, group: Sequence[TensorMeta], modules: Sequence[Any]) -> str:
@@ -166,26 +244,32 @@ def _collect(scratch: Sequence[Any], group: Sequence[TensorMeta], starts: np.nda
 
 
 @contextmanager
-def _stand_ins(modules: Sequence[Any]) -> Iterator[list[Any]]:
+def _stand_ins(named: Sequence[tuple[str, Any]]) -> Iterator[list[tuple[list[str], Any]]]:
     """Swap every tensor of ``modules`` for a zeroed float64 stand-in with the loader-side shape, class
     and attributes (its ``weight_loader`` among them); put the live tensors back afterwards."""
     import torch
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
 
-    saved = [(m, dict(m._parameters), dict(m._buffers)) for m in modules]
+    saved = [(m, dict(m._parameters), dict(m._buffers)) for _, m in named]
+    qualnames = {id(m): q for q, m in named}
     made: dict[object, Any] = {}  # tied tensors get one shared stand-in
-    scratch: list[Any] = []
+    scratch: list[tuple[list[str], Any]] = []  # (the parameter names it stands in for, stand-in)
 
-    def stand_in(key: object, source: Any, module: Any, device: Any) -> Any:
-        if key not in made:
+    def stand_in(key: object, source: Any, module: Any, device: Any, name: str) -> Any:
+        qualified = f"{qualnames[id(module)]}.{name}".lstrip(".")
+        if key in made:
+            for names, tensor in scratch:
+                if tensor is made[key]:
+                    names.append(qualified)
+        else:
             dtype = torch.float64 if source.dtype.is_floating_point else source.dtype
             tensor = torch.zeros(tuple(source.shape), dtype=dtype, device=device if source.is_meta else source.device)
             tensor.__class__ = source.__class__  # vLLM parameter classes carry the loading logic
             tensor.__dict__ = dict(source.__dict__)
             made[key] = restore_layer_refs(tensor, module)
             if dtype == torch.float64:
-                scratch.append(made[key])
+                scratch.append(([qualified], made[key]))
         return made[key]
 
     def swap(module: Any, slots: dict[str, Any], live: dict[str, Any], recorded: dict[str, Any], device: Any) -> None:
@@ -194,7 +278,7 @@ def _stand_ins(modules: Sequence[Any]) -> Iterator[list[Any]]:
             source = recorded.get(name, tensor)  # the loader-side shape when vLLM recorded one
             if source is not None:
                 key = id(tensor) if tensor is not None else (id(module), name)
-                slots[name] = stand_in(key, source, module, device)
+                slots[name] = stand_in(key, source, module, device, name)
 
     try:
         for module, params, buffers in saved:

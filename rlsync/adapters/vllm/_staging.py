@@ -52,8 +52,8 @@ def engine_layout(tensors: Sequence[Sequence[Any]], boxes: RankBoxes | None = No
     part of each checkpoint tensor its loader reads; without, one rank gets every tensor whole.
     The trainer builds its ``WeightsWriter`` with this as the destination layout."""
     metas = tensor_metas(tensors)
-    if boxes is None:
-        return from_state_dict(metas)
+    if boxes is None or (len(boxes) == 1 and all(list(boxes[0].get(m.name, [[], []])[1]) == list(m.shape) for m in metas)):
+        return from_state_dict(metas)  # one worker reading every tensor whole: no views, no slack
     held = {name for rank in boxes for name in rank}
     unread = [m.name for m in metas if m.name not in held]
     if unread:
@@ -88,7 +88,8 @@ def whole_tensor_view(region: np.ndarray, byte_offset: int, meta: TensorMeta, bo
 
 
 class StagedReceiver:
-    """Receives the HF-named ``tensors`` (``[(name, dtype, shape), ...]``) into a staging area."""
+    """Receives the HF-named ``tensors`` (``[(name, dtype, shape), ...]``) into a staging area; the trainer's
+    ``WeightsWriter(src, None, rank, addresses)`` learns this layout from the reader."""
 
     def __init__(self, tensors: Sequence[Sequence[Any]], *, boxes: RankBoxes | None = None, rank: int = 0,
                  transport: str = "shm", host: str = "127.0.0.1", port: int = 0, apply_timeout: float = 600.0) -> None:
@@ -98,8 +99,8 @@ class StagedReceiver:
         self._offsets, self._region_nbytes = region_offsets(layout, rank)
         self._pending: queue.Queue[tuple[int, dict[str, np.ndarray], threading.Event, list[BaseException]]] = queue.Queue(1)
         self._apply_timeout = apply_timeout
-        trainer = from_state_dict(layout.tensors)  # one trainer process holding whole checkpoint tensors
-        self.reader = WeightsReader(trainer, layout, rank, transport=transport, landing="staged", host=host, port=port,
+        # the writers' layout comes with their hello: one trainer process or many, whole tensors or shards
+        self.reader = WeightsReader(None, layout, rank, transport=transport, landing="staged", host=host, port=port,
                                     on_version=self._stage)
 
     @property

@@ -16,6 +16,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from rlsync import reader_layout
 from rlsync.adapters.vllm import apply_next_version, engine_layout
 
 pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::FutureWarning"),
@@ -128,10 +129,9 @@ def test_two_workers_receive_their_own_parts_and_generate_like_a_fresh_engine(ro
     assert all(n < whole for n in staged), (staged, whole)  # each worker stores its part, not the whole model
 
     addresses = sync.start(boxes)
-    boxes_file = tmp_path / "boxes.json"
-    boxes_file.write_text(json.dumps(boxes))
+    assert reader_layout(addresses[0]) == layout  # what the trainer learns from the engine
     child = subprocess.Popen([sys.executable, str(common.TRAINER), "--arch", "qwen2", "--address", *addresses,
-                              "--boxes", str(boxes_file), "--seeds", *map(str, seeds)],
+                              "--seeds", *map(str, seeds)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     outputs = {}
     try:
@@ -150,11 +150,3 @@ def test_two_workers_receive_their_own_parts_and_generate_like_a_fresh_engine(ro
     fresh = tp2_engine(common.save("qwen2", seeds[-1], tmp_path / "v3"))
     assert common.generate(fresh) == outputs[3]
     shut_down(fresh)
-
-
-def test_start_without_boxes_on_two_workers_names_the_fix(tmp_path: Path) -> None:
-    llm = tp2_engine(common.save("qwen2", 100, tmp_path / "v0"))
-    tensors = common.trainer.tensors(common.trainer.build("qwen2", 100))
-    with pytest.raises(Exception, match="rlsync_probe"):
-        llm.collective_rpc("rlsync_start", args=(tensors,))
-    shut_down(llm)

@@ -9,9 +9,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
-from rlsync.adapters.vllm import engine_layout
-from rlsync.core._builders import from_state_dict
-from rlsync.core._weights import WeightsWriter
+from rlsync import WeightsWriter
+from rlsync.layouts import from_state_dict
 
 CONFIGS = {
     "qwen2": dict(model_type="qwen2", vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -53,17 +52,18 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--arch", required=True)
     parser.add_argument("--address", required=True, nargs="+", help="one per engine worker, in rank order")
-    parser.add_argument("--boxes", help="a JSON file with the workers' rlsync_probe results (tensor parallel engines)")
+    parser.add_argument("--alias", action="store_true", help="send a tied model's lm_head.weight too, as state_dict() has it")
     parser.add_argument("--seeds", type=int, nargs="+", required=True)
     parser.add_argument("--first-version", type=int, default=1)
     args = parser.parse_args()
     writer = None
     for i, seed in enumerate(args.seeds):
-        state = checkpoint_state(build(args.arch, seed))
-        if writer is None:
-            boxes = json.loads(open(args.boxes).read()) if args.boxes else None
-            dst = engine_layout([[n, t.dtype, t.shape] for n, t in state.items()], boxes)
-            writer = WeightsWriter(from_state_dict(state), dst, 0, args.address, timeout=600)
+        model = build(args.arch, seed)
+        state = checkpoint_state(model)
+        if args.alias:
+            state["lm_head.weight"] = model.get_output_embeddings().weight.detach()
+        if writer is None:  # the destination layout comes from the engine's workers
+            writer = WeightsWriter(from_state_dict(state), None, 0, args.address, timeout=600)
         writer.multi_put(state)
         writer.complete(args.first_version + i)
         print(json.dumps({"completed": args.first_version + i}), flush=True)

@@ -33,9 +33,10 @@ def module_layout(module: torch.nn.Module) -> Layout:
 class ModuleReceiver:
     """Receives weight versions into ``module``'s parameters; see the module docstring.
 
-    ``src`` is the writer's layout (default: the module's own, i.e. the trainer sends exactly the
-    same named parameters). Other keyword arguments go to ``WeightsReader`` (``transport``,
-    ``host``, ``secret``, ``checksum``, ...).
+    ``src`` is the writer's layout; by default it is learned from the writer's hello, so the trainer
+    may send its whole ``state_dict()`` (a tied ``lm_head.weight`` alias, extra buffers): only what this
+    module holds is sent. Other keyword arguments go to ``WeightsReader`` (``transport``, ``host``,
+    ``secret``, ``checksum``, ...).
     """
 
     def __init__(self, module: torch.nn.Module, src: Layout | None = None, **reader_options: Any) -> None:
@@ -46,7 +47,7 @@ class ModuleReceiver:
                 raise ValueError(f"parameter {name!r} must be a contiguous CPU tensor to receive in place (it is on {p.device})")
         dst = module_layout(module)
         self._serving = threading.RLock()
-        self.reader = WeightsReader(src or dst, dst, 0, landing="direct", on_version=self._switch, **reader_options)
+        self.reader = WeightsReader(src, dst, 0, landing="direct", on_version=self._switch, **reader_options)
         live = self.reader.buffers()
         with torch.no_grad():
             for name, p in self._params.items():  # version "current": the weights the module was built with

@@ -8,8 +8,12 @@ import argparse
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rlsync.adapters.hf import module_layout
-from rlsync.core._weights import WeightsWriter
+import os
+import signal
+
+from rlsync import WeightsWriter
+from rlsync.layouts import from_state_dict
+from rlsync.plugins._transport_shm import ShmLink
 
 
 def tiny_qwen2(seed: int, tied: bool = False) -> Qwen2ForCausalLM:
@@ -26,9 +30,20 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--version", type=int, required=True)
     parser.add_argument("--tied", action="store_true")
+    parser.add_argument("--die-after-writes", type=int, default=0, help="SIGKILL itself after this many writes")
     args = parser.parse_args()
+    if args.die_after_writes:
+        write, calls = ShmLink.write, [0]
+
+        def write_then_die(self, source, runs):  # type: ignore[no-untyped-def]
+            calls[0] += 1
+            if calls[0] > args.die_after_writes:
+                os.kill(os.getpid(), signal.SIGKILL)
+            write(self, source, runs)
+
+        ShmLink.write = write_then_die  # type: ignore[method-assign]
     model = tiny_qwen2(args.seed, args.tied)
-    layout = module_layout(model)
-    with WeightsWriter(layout, layout, 0, [args.address], transport="shm") as writer:
-        writer.multi_put(dict(model.named_parameters()))
+    state = model.state_dict()  # what a trainer has: a tied model's lm_head.weight alias included
+    with WeightsWriter(from_state_dict(state), None, 0, [args.address], transport="shm") as writer:  # layout from the receiver
+        writer.multi_put(state)
         writer.complete(args.version)

@@ -47,3 +47,21 @@ def test_generation_after_each_update_equals_a_model_loaded_with_the_new_weights
             with receiver.serving(), torch.no_grad():
                 assert greedy(model) == greedy(fresh)
     assert not all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+@pytest.mark.multiproc
+def test_a_writer_killed_midway_leaves_the_module_on_its_weights() -> None:
+    model = hf_writer.tiny_qwen2(seed=0)
+    before = greedy(model)
+    with ModuleReceiver(model) as receiver:
+        dying = subprocess.run([sys.executable, str(WRITER), "--address", receiver.address, "--seed", "11",
+                                "--version", "1", "--die-after-writes", "3"], capture_output=True, text=True, timeout=120)
+        assert dying.returncode == -9, dying.stderr
+        assert receiver.version == -1
+        with receiver.serving(), torch.no_grad():
+            assert greedy(model) == before
+        done = subprocess.run([sys.executable, str(WRITER), "--address", receiver.address, "--seed", "11", "--version", "1"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        with receiver.serving(), torch.no_grad():
+            assert greedy(model) == greedy(hf_writer.tiny_qwen2(seed=11))

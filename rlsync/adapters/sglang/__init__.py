@@ -7,14 +7,18 @@ allows (``--custom-weight-loader``; ``ModelRunner.update_weights_from_tensor`` i
 named_tensors)``). rlsync's loader is ``rlsync.adapters.sglang.load_landed``: the named tensors it gets
 carry only a small JSON control message; the weights themselves travel over rlsync (shared memory,
 NIXL, TCP) into the worker and are handed to ``model.load_weights`` once every byte of a version is
-there. A trainer that dies midway leaves the engine on the previous version.
+there. Fail closed: at ``start`` every worker runs its own loader once on NaN-filled stand-ins of the
+offered tensors (then puts its weights back), so a name the loader refuses or a parameter no tensor fills
+is a ``ConfigError`` before a byte moves; a version whose load fails is rolled back (each update keeps a
+host copy of the worker's parameters until it is loaded); a trainer that dies midway leaves the engine on
+the previous version.
 
 Engine side (``sglang.Engine(..., custom_weight_loader=[LOADER])`` or
 ``--custom-weight-loader rlsync.adapters.sglang.load_landed``)::
 
     sync = SglangWeights(engine, tensors, address="tcp://127.0.0.1:PORT")  # [(name, dtype, shape), ...]
     sync.start()                     # each worker binds PORT + its tensor-parallel rank
-    # the trainer: WeightsWriter(from_state_dict(state), engine_layout(tensors), 0, sync.addresses)
+    # the trainer: WeightsWriter(from_state_dict(state), None, 0, sync.addresses)  (layout learned from the engine)
     sync.apply(version)              # pause, load the landed version, set the weight version, continue
 
 Every worker receives whole checkpoint tensors (SGLang's loader narrows them to its slice); learning
@@ -68,6 +72,7 @@ def load_landed(model: Any, named_tensors: Sequence[tuple[str, Any]]) -> None:
     if message["op"] == "start":
         if _receiver is not None:
             _receiver.close()
+        _check_names(model, message["tensors"])
         host, port = _shift_port(message["address"], _tp_rank())
         _receiver = StagedReceiver(message["tensors"], transport=message["transport"], host=host, port=port)
         return
@@ -78,12 +83,65 @@ def load_landed(model: Any, named_tensors: Sequence[tuple[str, Any]]) -> None:
         error = RlsyncError(f"SGLang expected weight version {message['version']}, the trainer sent {version}")
         finish(error)
         raise error
+    previous = _Snapshot(model)
     try:
         model.load_weights(views)
     except Exception as exc:
+        previous.restore()  # the version that was live, whole
         finish(exc)  # the trainer's complete() raises it too
         raise
     finish(None)
+
+
+class _Snapshot:
+    """A host copy of a model's parameters (each shared one once), to put back after a failed load."""
+
+    def __init__(self, model: Any) -> None:
+        params = {id(p): p for p in model.parameters()}
+        self.saved = [(p, p.detach().to("cpu", copy=True)) for p in params.values()]
+
+    def restore(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            for param, old in self.saved:
+                param.copy_(old)
+
+
+def _check_names(model: Any, tensors: Sequence[Sequence[Any]]) -> None:
+    """Run the engine's own loader on NaN stand-ins of ``tensors``, then put the weights back: a tensor it
+    refuses, or a parameter that no tensor reaches, is a ``ConfigError`` naming it."""
+    import torch
+
+    from rlsync.adapters.vllm._staging import tensor_metas
+
+    metas = tensor_metas(tensors)
+
+    def stand_ins(chosen: Sequence[Any]) -> Any:
+        return ((m.name, torch.full(m.shape, float("nan"), dtype=getattr(torch, m.dtype))) for m in chosen)
+
+    snapshot = _Snapshot(model)
+    try:
+        try:
+            model.load_weights(stand_ins(metas))
+        except Exception as exc:  # noqa: BLE001 - re-raised below, naming the tensor
+            refused = next((m.name for m in metas if not _loads(model, stand_ins([m]))), "?")
+            raise ConfigError(f"SGLang's loader refused checkpoint tensor {refused!r} ({type(exc).__name__}: {exc}): "
+                              f"offer tensors under the checkpoint's own names, or leave this one out") from exc
+        unfilled = [n for n, p in model.named_parameters() if p.is_floating_point() and not bool(p.isnan().any())]
+        if unfilled:
+            raise ConfigError(f"no checkpoint tensor fills the engine's parameter(s) {unfilled[:5]}: the trainer must "
+                              f"send them (under the checkpoint's names)")
+    finally:
+        snapshot.restore()
+
+
+def _loads(model: Any, weights: Any) -> bool:
+    try:
+        model.load_weights(weights)
+    except Exception:  # noqa: BLE001 - looking for the tensor the loader refuses
+        return False
+    return True
 
 
 class SglangWeights:

@@ -31,6 +31,12 @@ class FakeModel:
         self.hf = hf_model
         self.params = dict(hf_model.named_parameters())
 
+    def parameters(self) -> Iterable[torch.nn.Parameter]:  # SGLang's models are nn.Modules
+        return self.hf.parameters()
+
+    def named_parameters(self) -> Iterable[tuple[str, torch.nn.Parameter]]:
+        return self.hf.named_parameters()
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
             for name, tensor in weights:

@@ -107,3 +107,45 @@ def test_the_loader_refuses_plain_weights() -> None:
     e = engine(100, [LOADER])
     ok, message = e.update_weights_from_tensor([("model.norm.weight", torch.ones(128))], load_format=LOADER)
     assert not ok and "SglangWeights" in message
+
+
+def test_names_are_checked_at_start_with_the_engines_own_loader() -> None:
+    e = engine(100, [LOADER])
+    before = greedy(e)
+    tensors = trainer.tensors(trainer.build("qwen2", 100))
+    bogus = SglangWeights(e, [*tensors, ["model.layers.1.mlp.not_a_weight.weight", "bfloat16", [4, 4]]], address=free_address())
+    with pytest.raises(RlsyncError, match=r"refused checkpoint tensor 'model\.layers\.1\.mlp\.not_a_weight\.weight'"):
+        bogus.start()
+    missing = SglangWeights(e, [t for t in tensors if t[0] != "model.norm.weight"], address=free_address())
+    with pytest.raises(RlsyncError, match=r"fills the engine's parameter\(s\) \['model\.norm\.weight'\]"):
+        missing.start()
+    assert greedy(e) == before  # the check ran the loader, then put every weight back
+
+
+def test_a_load_that_fails_midway_is_rolled_back_and_the_next_version_loads() -> None:
+    e = engine(100, [LOADER])
+    before = greedy(e)
+    sync = SglangWeights(e, trainer.tensors(trainer.build("qwen2", 100)), address=free_address())
+    addresses = sync.start()
+    real = e.model.load_weights
+
+    def half_then_fail(weights):  # type: ignore[no-untyped-def]
+        weights = list(weights)
+        real(weights[: len(weights) // 2])  # the first half lands in the parameters
+        raise RuntimeError("injected: the loader failed halfway")
+
+    e.model.load_weights = half_then_fail
+    child = subprocess.Popen([sys.executable, str(TRAINER), "--arch", "qwen2", "--address", *addresses, "--seeds", "7"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with pytest.raises(RlsyncError, match="injected: the loader failed halfway"):
+        sync.apply(1, timeout=120)
+    _, err = child.communicate(timeout=120)
+    assert child.returncode != 0 and "injected" in err
+    assert greedy(e) == before and e.get_weight_version() == "default"
+
+    e.model.load_weights = real
+    child = subprocess.Popen([sys.executable, str(TRAINER), "--arch", "qwen2", "--address", *addresses, "--seeds", "8",
+                              "--first-version", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sync.apply(1, timeout=120)
+    assert child.communicate(timeout=120) and child.returncode == 0
+    assert greedy(e) == greedy(engine(8))

@@ -38,10 +38,12 @@ PartialPolicy = Literal["continue", "abort", "drain"]
 
 
 class Storage(Protocol):
-    """Where waiting samples live. ``take`` hands each sample out exactly once, oldest first."""
+    """Where waiting samples live. ``take`` hands samples out oldest policy version first; ``ack`` says the
+    trainer got them (a storage shared by processes may hand out again what a dead client took)."""
 
     def append(self, samples: Sequence[Sample]) -> None: ...
     def take(self, count: int) -> list[Sample]: ...
+    def ack(self, sample_ids: Sequence[str]) -> None: ...
     def __len__(self) -> int: ...
     def load_state(self) -> dict[str, Any]: ...
     def save_state(self, state: dict[str, Any]) -> None: ...
@@ -76,6 +78,9 @@ class MemoryStorage:
                 del self._by_version[version]
         self._count -= len(out)
         return out
+
+    def ack(self, sample_ids: Sequence[str]) -> None:
+        pass  # in-process: what was taken cannot be lost by another process
 
     def __len__(self) -> int:
         return self._count
@@ -259,12 +264,12 @@ class RolloutBuffer:
                 return
             if self.group_size == 1 and self.plugins is None and not self.extra_gates:
                 fresh = [s for s in taken if self.version - s.oldest_version <= self.max_staleness]
-                self.telemetry.dropped += len(taken) - len(fresh)
+                self._drop([s for s in taken if self.version - s.oldest_version > self.max_staleness])
                 self._ready.extend(fresh)
                 continue
             for s in taken:
                 if self._decide(s) is Decision.DROP:
-                    self.telemetry.dropped += 1
+                    self._drop([s])
                     continue
                 if self.group_size == 1:
                     self._ready.append(s)
@@ -273,7 +278,14 @@ class RolloutBuffer:
                 group.append(s)
                 if len(group) >= self.group_size:
                     del self._groups[s.group]
-                    self._ready.extend(freshest_per_group(group, self.group_size))
+                    kept = freshest_per_group(group, self.group_size)
+                    self._drop([g for g in group if all(g is not k for k in kept)])
+                    self._ready.extend(kept)
+
+    def _drop(self, samples: Sequence[Sample]) -> None:
+        if samples:
+            self.telemetry.dropped += len(samples)
+            self.storage.ack([s.sample_id for s in samples])  # done with: never handed out again
 
     def get(self, batch_size: int | None = None, *, max_tokens: int | None = None, timeout: float | None = None) -> Batch | None:
         """The next batch: ``batch_size`` samples (default: the buffer's), or as many whole
@@ -306,6 +318,7 @@ class RolloutBuffer:
                 if self._closed or (deadline is not None and time.monotonic() >= deadline):
                     return None
             self.consumed += len(taken)
+            self.storage.ack([s.sample_id for s in taken])
             self.storage.save_state({"version": self.version, "consumed": self.consumed})
             batch = Batch(taken, self.version)
             self.telemetry.got += len(taken)

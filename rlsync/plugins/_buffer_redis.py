@@ -1,13 +1,17 @@
-"""``redis``: rollout samples in a Redis stream, so they survive a crash of the buffer's process
-or of Redis itself (run Redis with ``appendonly yes`` and ``appendfsync always``).
+"""``redis``: rollout samples in Redis, so they survive a crash of the buffer's process, of a client
+that held some, or of Redis itself (run Redis with ``appendonly yes`` and ``appendfsync always``).
 
-Exactly once: ``append`` is a Lua script that adds a sample only if its id was never seen, and
-``take`` is a Lua script that hands out the entries after a cursor and records their id range
-under the request's id (the entries themselves are trimmed when the next request shows the
-caller got them). Both are atomic, so a call retried after a lost reply (Redis killed and
-restarted) adds or returns exactly what the first attempt did: no sample is lost, none is
-delivered twice.
-Samples are msgpack (never pickle). Order: first in, first out.
+Order: oldest policy version first, then first in, first out (as the memory backend): waiting samples
+sit in a sorted set scored ``(oldest version + 1) * 2**32 + arrival number``.
+
+Delivery: ``take`` leases samples to this client until ``lease_seconds`` from now; ``ack`` (the buffer
+calls it when a batch goes to the trainer) removes them for good. A client that dies holding samples (an
+incomplete group, a batch not yet handed out) lets its leases run out, and the next ``take`` by anyone
+puts those samples back in the queue: at least once. A live client renews the leases of what it holds
+at every ``take``. ``append`` adds a sample only if its id was never seen; a ``take`` retried after a
+lost reply (Redis killed and restarted) returns what the first attempt leased (it is keyed by its
+request id); ``ack`` is idempotent. All three are Lua scripts, atomic in Redis. Samples are msgpack
+(never pickle).
 """
 
 from __future__ import annotations
@@ -22,64 +26,86 @@ from rlsync.core._samples import Sample, decode_sample, encode_sample
 
 T = TypeVar("T")
 
+# KEYS: ids (every id ever added), queue, payload, order, seq. ARGV: id, oldest version, payload, ...
 _APPEND = """
 local added = 0
-for i = 1, #ARGV, 2 do
+for i = 1, #ARGV, 3 do
   if redis.call('SADD', KEYS[1], ARGV[i]) == 1 then
-    redis.call('XADD', KEYS[2], '*', 'd', ARGV[i + 1])
+    local seq = redis.call('INCR', KEYS[5])
+    local score = string.format('%.0f', (tonumber(ARGV[i + 1]) + 1) * 4294967296 + seq)
+    redis.call('ZADD', KEYS[2], score, ARGV[i])
+    redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 2])
+    redis.call('HSET', KEYS[4], ARGV[i], score)
     added = added + 1
   end
 end
 return added
 """
 
+# KEYS: queue, leased, payload, order, this request's record. ARGV: count, lease ms, held ids...
 _TAKE = """
--- KEYS: stream, cursor (id of the last entry handed out), batch (request id -> its id range)
-local range = redis.call('HGET', KEYS[3], ARGV[2])
-if range then
-  local ends = {}
-  for id in string.gmatch(range, '[^ ]+') do table.insert(ends, id) end
+local function payloads(ids)
   local out = {}
-  for _, entry in ipairs(redis.call('XRANGE', KEYS[1], ends[1], ends[2])) do table.insert(out, entry[2][2]) end
+  for _, id in ipairs(ids) do
+    local p = redis.call('HGET', KEYS[3], id)
+    if p then table.insert(out, p) end
+  end
   return out
 end
-local cursor = redis.call('GET', KEYS[2])
--- the caller asking again means it holds the previous batch: drop those entries now
-if cursor then
-  local ms, seq = string.match(cursor, '(%d+)-(%d+)')
-  redis.call('XTRIM', KEYS[1], 'MINID', ms .. '-' .. (tonumber(seq) + 1))
+local done = redis.call('LRANGE', KEYS[5], 0, -1)
+if redis.call('EXISTS', KEYS[5]) == 1 then return payloads(done) end  -- a retry: the same samples
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local deadline = now + tonumber(ARGV[2])
+for i = 3, #ARGV do redis.call('ZADD', KEYS[2], 'XX', deadline, ARGV[i]) end  -- renew what this client holds
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) do  -- leases that ran out come back
+  redis.call('ZREM', KEYS[2], id)
+  redis.call('ZADD', KEYS[1], redis.call('HGET', KEYS[4], id), id)
 end
-redis.call('DEL', KEYS[3])
-local entries = redis.call('XRANGE', KEYS[1], cursor and ('(' .. cursor) or '-', '+', 'COUNT', tonumber(ARGV[1]))
-local out = {}
-for _, entry in ipairs(entries) do table.insert(out, entry[2][2]) end
-if #entries > 0 then
-  local first, last = entries[1][1], entries[#entries][1]
-  redis.call('SET', KEYS[2], last)
-  redis.call('HSET', KEYS[3], ARGV[2], first .. ' ' .. last)
-  redis.call('SET', KEYS[4], #entries)
-else
-  redis.call('SET', KEYS[4], 0)
+local ids = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)
+for _, id in ipairs(ids) do
+  redis.call('ZREM', KEYS[1], id)
+  redis.call('ZADD', KEYS[2], deadline, id)
 end
-return out
+redis.call('RPUSH', KEYS[5], '')  -- exists even when empty
+if #ids > 0 then redis.call('RPUSH', KEYS[5], unpack(ids)) end
+redis.call('EXPIRE', KEYS[5], 3600)
+return payloads(ids)
+"""
+
+# KEYS: queue, leased, payload, order. ARGV: ids
+_ACK = """
+for _, id in ipairs(ARGV) do
+  redis.call('ZREM', KEYS[2], id)
+  redis.call('ZREM', KEYS[1], id)
+  redis.call('HDEL', KEYS[3], id)
+  redis.call('HDEL', KEYS[4], id)
+end
+return #ARGV
 """
 
 
 class RedisStorage:
-    """A ``Storage`` for ``RolloutBuffer`` on a Redis stream; see the module docstring.
+    """A ``Storage`` for ``RolloutBuffer`` in Redis; see the module docstring.
 
     ``retry_seconds``: how long a call keeps retrying while Redis is unreachable (a restart).
+    ``lease_seconds``: how long samples taken by a client that stops renewing (it died) stay with it.
     """
 
-    def __init__(self, url: str = "redis://127.0.0.1:6379/0", *, name: str = "rlsync", retry_seconds: float = 30.0, client: Any = None) -> None:
+    def __init__(self, url: str = "redis://127.0.0.1:6379/0", *, name: str = "rlsync", retry_seconds: float = 30.0,
+                 lease_seconds: float = 600.0, client: Any = None) -> None:
         import redis
 
         self._redis = client if client is not None else redis.Redis.from_url(url, socket_timeout=10)
         self._errors = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
-        self._keys = {k: f"{name}:{k}" for k in ("ids", "stream", "state", "cursor", "batch", "held")}
+        self._name = name
+        self._keys = {k: f"{name}:{k}" for k in ("ids", "queue", "leased", "payload", "order", "seq", "state")}
         self._append = self._redis.register_script(_APPEND)
         self._take = self._redis.register_script(_TAKE)
+        self._ack = self._redis.register_script(_ACK)
         self.retry_seconds = retry_seconds
+        self.lease_seconds = lease_seconds
+        self._held: set[str] = set()  # taken by this client, not yet acknowledged
 
     def _retry(self, call: Callable[[], T]) -> T:
         deadline = time.monotonic() + self.retry_seconds
@@ -94,24 +120,27 @@ class RedisStorage:
     def append(self, samples: Sequence[Sample]) -> None:
         args: list[Any] = []
         for s in samples:
-            args += [s.sample_id, encode_sample(s)]
-        self._retry(lambda: self._append(keys=[self._keys["ids"], self._keys["stream"]], args=args))
+            args += [s.sample_id, s.oldest_version, encode_sample(s)]
+        k = self._keys
+        self._retry(lambda: self._append(keys=[k["ids"], k["queue"], k["payload"], k["order"], k["seq"]], args=args))
 
     def take(self, count: int) -> list[Sample]:
-        request = uuid.uuid4().hex
+        record = f"{self._name}:take:{uuid.uuid4().hex}"
         k = self._keys
-        payloads = self._retry(lambda: self._take(keys=[k["stream"], k["cursor"], k["batch"], k["held"]], args=[count, request]))
-        return [decode_sample(p) for p in payloads]
+        args = [count, int(self.lease_seconds * 1000), *sorted(self._held)]
+        payloads = self._retry(lambda: self._take(keys=[k["queue"], k["leased"], k["payload"], k["order"], record], args=args))
+        samples = [decode_sample(p) for p in payloads]
+        self._held.update(s.sample_id for s in samples)
+        return samples
+
+    def ack(self, sample_ids: Sequence[str]) -> None:
+        k = self._keys
+        ids = list(sample_ids)
+        self._retry(lambda: self._ack(keys=[k["queue"], k["leased"], k["payload"], k["order"]], args=ids))
+        self._held.difference_update(ids)
 
     def __len__(self) -> int:
-        def waiting() -> int:
-            pipe = self._redis.pipeline()
-            pipe.xlen(self._keys["stream"])
-            pipe.get(self._keys["held"])
-            total, held = pipe.execute()
-            return int(total) - int(held or 0)  # minus the last batch, handed out but not yet trimmed
-
-        return self._retry(waiting)
+        return int(self._retry(lambda: self._redis.zcard(self._keys["queue"])))
 
     def load_state(self) -> dict[str, Any]:
         raw = self._retry(lambda: self._redis.hgetall(self._keys["state"]))

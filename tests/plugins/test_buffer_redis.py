@@ -114,3 +114,56 @@ def test_a_retried_put_adds_nothing_twice_and_state_survives_a_restart(redis_ser
     again = RolloutBuffer(batch_size=2, max_staleness=5, storage=RedisStorage(redis_server.url))
     assert (again.version, again.consumed, again.waiting) == (1, 2, 1)
     assert again.capacity() == (1 + 5 + 1) * 2 - 3
+
+
+def versioned(i: int, version: int, group: str | None = None) -> Sample:
+    return Sample(f"p{i}", np.arange(12, dtype=np.int32), 8, np.zeros(4, np.float32), np.full(4, version, np.int32),
+                  sample_id=f"s{i}", group=group)
+
+
+def test_samples_come_oldest_policy_version_first_then_in_arrival_order(redis_server: RedisServer) -> None:
+    from rlsync.core._buffer import MemoryStorage
+    from rlsync.plugins._buffer_redis import RedisStorage
+
+    arrivals = [versioned(i, v) for i, v in enumerate([3, 1, 2, 1, 0, 3, 2])]
+    redis_storage, memory = RedisStorage(redis_server.url), MemoryStorage()
+    for storage in (redis_storage, memory):
+        storage.append(arrivals)
+    got = [s.sample_id for s in redis_storage.take(4)] + [s.sample_id for s in redis_storage.take(10)]
+    assert got == ["s4", "s1", "s3", "s2", "s6", "s0", "s5"]
+    assert got == [s.sample_id for s in memory.take(10)]  # the same order as the embedded backend
+
+
+CLIENT = """
+import os, signal, sys
+import numpy as np
+from rlsync.core._buffer import RolloutBuffer
+from rlsync.core._samples import Sample
+from rlsync.plugins._buffer_redis import RedisStorage
+buf = RolloutBuffer(batch_size=4, group_size=4, max_staleness=10, on_stale="drop",
+                    storage=RedisStorage(sys.argv[1], lease_seconds=1.0))
+assert buf.get(timeout=1.0) is None  # takes the 3 samples of group g, holds them: the group is incomplete
+assert sum(len(g) for g in buf._groups.values()) == 3
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_samples_a_dead_client_held_come_back_once_its_lease_runs_out(redis_server: RedisServer) -> None:
+    import subprocess
+    import sys
+
+    from rlsync.plugins._buffer_redis import RedisStorage
+
+    producer = RedisStorage(redis_server.url)
+    producer.append([versioned(i, 0, group="g") for i in range(3)])
+    dead = subprocess.run([sys.executable, "-c", CLIENT, redis_server.url], capture_output=True, text=True, timeout=60)
+    assert dead.returncode == -9, dead.stderr
+    assert len(producer) == 0  # the 3 samples are leased to the dead client
+    producer.append([versioned(3, 0, group="g")])
+    buf = RolloutBuffer(batch_size=4, group_size=4, max_staleness=10, on_stale="drop",
+                        storage=RedisStorage(redis_server.url, lease_seconds=1.0))
+    batch = buf.get(timeout=10)  # the lease runs out after 1 s: the group is whole again
+    assert batch is not None
+    assert sorted(s.sample_id for s in batch.samples) == ["s0", "s1", "s2", "s3"]
+    time.sleep(1.2)
+    assert buf.storage.take(10) == [] and len(buf.storage) == 0  # handed to the trainer: acknowledged, gone for good

@@ -3,7 +3,9 @@
 Every figure comes from one run: the machine's own memcpy bandwidth, each rlsync transport
 (direct landing: the version is live when ``complete`` returns), and the baselines users would
 otherwise pick: a torch.distributed (gloo) broadcast in 256 MiB buckets, and safetensors saved
-to and loaded from /dev/shm. The worker processes are this module run as a script.
+to and loaded from /dev/shm. Then publishing one version to 1, 2 and 4 readers (engines) at once
+over the first transport, against 1, 2 and 4 times the one-reader time (what posting to readers one
+after another would cost). The worker processes are this module run as a script.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 from rlsync.core._presets import model_spec
 
 BUCKET = 256 * 2**20
+FANOUT = (1, 2, 4)  # readers a version is published to at once
 _UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 
 
@@ -84,16 +87,21 @@ def worker(role: str, config: dict[str, Any], arg: str, versions: int) -> None:
     from rlsync.core._builders import from_state_dict
     from rlsync.core._weights import WeightsReader, WeightsWriter
 
-    state = _state(config)
-    layout = from_state_dict(state)
-    if role == "reader":
-        with WeightsReader(layout, layout, 0, transport=arg, landing="direct") as reader:
+    if role == "reader":  # arg: TRANSPORT or TRANSPORT/RANK/READERS (every reader receives the whole model)
+        from rlsync.core._builders import replicated
+
+        transport, rank, readers = (arg.split("/") + ["0", "1"])[:3]
+        metas = [p.meta for p in model_spec(config).params]
+        dst = replicated(metas, tuple(range(int(readers))))
+        with WeightsReader(None, dst, int(rank), transport=transport, landing="direct") as reader:  # src from the writer
             _emit({"address": reader.address})
             reader.wait_for_version(versions, timeout=600)
         return
-    if role == "writer":
-        transport, address = arg.split("@", 1)
-        with WeightsWriter(layout, layout, 0, [address], transport=transport, timeout=600) as writer:
+    state = _state(config)
+    layout = from_state_dict(state)
+    if role == "writer":  # arg: TRANSPORT@ADDRESS[,ADDRESS...]
+        transport, addresses = arg.split("@", 1)
+        with WeightsWriter(layout, None, 0, addresses.split(","), transport=transport, timeout=600) as writer:
             times = []
             for version in range(1, versions + 1):
                 for t in state.values():
@@ -174,17 +182,19 @@ def _read(child: subprocess.Popen[str]) -> dict[str, Any]:
     raise RuntimeError(f"benchmark worker {child.args[3]} exited with {child.returncode}")
 
 
-def run_transport(name: str, config: dict[str, Any], versions: int) -> list[float]:
-    reader = _spawn("reader", config, name, versions)
+def run_transport(name: str, config: dict[str, Any], versions: int, readers: int = 1) -> list[float]:
+    procs = [_spawn("reader", config, f"{name}/{r}/{readers}", versions) for r in range(readers)]
     try:
-        address = _read(reader)["address"]
-        writer = _spawn("writer", config, f"{name}@{address}", versions)
+        addresses = [_read(p)["address"] for p in procs]
+        writer = _spawn("writer", config, f"{name}@{','.join(addresses)}", versions)
         times = _read(writer)["seconds"]
         writer.wait()
-        reader.wait(timeout=60)
+        for p in procs:
+            p.wait(timeout=60)
         return times
     finally:
-        reader.kill()
+        for p in procs:
+            p.kill()
 
 
 def run_gloo(config: dict[str, Any], versions: int) -> list[float]:
@@ -243,7 +253,15 @@ def measure(nbytes: int, transports: list[str], repeats: int, progress: Any = No
             progress(name)
         seconds = statistics.median(fn()[1:])
         results.append({"name": name, "kind": kind, "seconds": seconds, "gbps": total / seconds / 1e9})
-    return {"memcpy_gbps": mem, "bytes": total, "results": results}
+    fanout = []
+    for readers in FANOUT if transports else ():
+        if progress is not None:
+            progress(f"{transports[0]} to {readers} readers")
+        seconds = statistics.median(run_transport(transports[0], config, versions, readers)[1:])
+        one = fanout[0]["seconds"] if fanout else seconds
+        fanout.append({"readers": readers, "transport": transports[0], "seconds": seconds,
+                       "x_one_reader": seconds / one, "one_after_another_seconds": readers * one})
+    return {"memcpy_gbps": mem, "bytes": total, "results": results, "fanout": fanout}
 
 
 def run(*, size: str, transports: str, repeats: int, json_output: bool) -> None:
@@ -260,7 +278,7 @@ def run(*, size: str, transports: str, repeats: int, json_output: bool) -> None:
             raise SystemExit(f"transport {t!r} is not available here (install its extra, e.g. pip install 'rlsync[{t}]'), or leave it out of --transports")
     console = Console(stderr=True)
     with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("benchmark", total=len(names) + 2)
+        task = bar.add_task("benchmark", total=len(names) + 2 + (len(FANOUT) if names else 0))
         report = measure(parse_size(size), names, repeats, lambda step: bar.update(task, advance=1, description=step))
     if json_output:
         print(json.dumps(report))
@@ -273,6 +291,13 @@ def run(*, size: str, transports: str, repeats: int, json_output: bool) -> None:
         table.add_row(r["name"], f"{r['seconds']:.3f}", f"{r['gbps']:.2f}", f"{r['gbps'] / report['memcpy_gbps']:.2f}",
                       *(f"{b['seconds'] / r['seconds']:.1f}x" for b in baselines))
     Console().print(table)
+    if report["fanout"]:
+        fan = Table(title=f"publishing one version to several readers at once ({report['fanout'][0]['transport']})")
+        for col in ("readers", "seconds to live on all", "x one reader", "one after another would take"):
+            fan.add_column(col)
+        for f in report["fanout"]:
+            fan.add_row(str(f["readers"]), f"{f['seconds']:.3f}", f"{f['x_one_reader']:.2f}", f"{f['one_after_another_seconds']:.3f}")
+        Console().print(fan)
 
 
 if __name__ == "__main__":

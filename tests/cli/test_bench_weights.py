@@ -34,3 +34,7 @@ def test_bench_json_shape() -> None:
     ]
     for r in report["results"]:
         assert r["seconds"] > 0 and abs(r["gbps"] - report["bytes"] / r["seconds"] / 1e9) < 1e-6
+    assert [(f["readers"], f["transport"]) for f in report["fanout"]] == [(1, "shm"), (2, "shm"), (4, "shm")]
+    assert report["fanout"][0]["x_one_reader"] == 1.0
+    assert all(f["seconds"] > 0 and f["one_after_another_seconds"] == f["readers"] * report["fanout"][0]["seconds"]
+               for f in report["fanout"])

@@ -19,6 +19,7 @@ nox.options.error_on_missing_interpreters = True
 # torch 2.13.0 (CPU) is the build every session uses on machines without a GPU; pin it first so
 # that no extra pulls a multi-gigabyte CUDA build instead.
 TORCH = "torch==2.13.0"
+MYPY = "mypy==2.4.1"
 
 
 def _ensure_redis_server(session: nox.Session) -> None:
@@ -34,14 +35,16 @@ def _ensure_redis_server(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def core(session: nox.Session) -> None:
     """The core, the transports (shm, tcp, NIXL, torch.distributed), the rollout buffer with a real
-    Redis and a local Ray, the transformers receiver and the CLI."""
+    Redis and a local Ray, the transformers receiver and the CLI; then strict mypy over ``rlsync/``."""
     _ensure_redis_server(session)
     session.install(TORCH)
-    session.install("-e", ".[nixl,redis,ray,dev]")
+    session.install("-e", ".[nixl,redis,ray,dev]", MYPY)
     session.run(
         "pytest", "tests/core", "tests/plugins", "tests/adapters", "tests/cli", "tests/test_public_api.py",
         "-p", "no:cacheprovider", *session.posargs,
     )
+    if not session.posargs:  # a full run: the whole package type-checks (strict, pyproject's [tool.mypy])
+        session.run("mypy", "rlsync")
 
 
 @nox.session(python="3.11")

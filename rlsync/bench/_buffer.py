@@ -118,7 +118,7 @@ def bench_redis(repeats: int) -> tuple[float, float]:
                 pipe.execute()
 
             def get() -> int:
-                entries = r.xreadgroup("g", "c", {"plain": ">"}, count=BATCH)[0][1]
+                entries: Any = r.xreadgroup("g", "c", {"plain": ">"}, count=BATCH)[0][1]  # type: ignore[index]
                 got = [decode_sample(fields[b"d"]) for _, fields in entries]
                 r.xack("plain", "g", *[i for i, _ in entries])
                 return len(got)

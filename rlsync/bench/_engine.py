@@ -58,7 +58,7 @@ def _states(config: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for seed in (1, 2):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.bfloat16)  # type: ignore[no-untyped-call]
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0, 0.05)
@@ -72,7 +72,7 @@ def _gloo(port: int, rank: int) -> Any:
 
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=300))
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=300))  # type: ignore[attr-defined]  # not re-exported
     return dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=300))
 
 

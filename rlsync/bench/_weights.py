@@ -90,10 +90,10 @@ def worker(role: str, config: dict[str, Any], arg: str, versions: int) -> None:
     if role == "reader":  # arg: TRANSPORT or TRANSPORT/RANK/READERS (every reader receives the whole model)
         from rlsync.core._builders import replicated
 
-        transport, rank, readers = (arg.split("/") + ["0", "1"])[:3]
+        transport, reader_rank, readers = (arg.split("/") + ["0", "1"])[:3]
         metas = [p.meta for p in model_spec(config).params]
         dst = replicated(metas, tuple(range(int(readers))))
-        with WeightsReader(None, dst, int(rank), transport=transport, landing="direct") as reader:  # src from the writer
+        with WeightsReader(None, dst, int(reader_rank), transport=transport, landing="direct") as reader:  # src from the writer
             _emit({"address": reader.address})
             reader.wait_for_version(versions, timeout=600)
         return
@@ -177,9 +177,9 @@ def _read(child: subprocess.Popen[str]) -> dict[str, Any]:
     assert child.stdout is not None
     for line in child.stdout:  # libraries may log to stdout too: our lines are JSON objects
         if line.startswith("{"):
-            return json.loads(line)
+            return dict(json.loads(line))
     child.wait()
-    raise RuntimeError(f"benchmark worker {child.args[3]} exited with {child.returncode}")
+    raise RuntimeError(f"benchmark worker {child.args!r} exited with {child.returncode}")
 
 
 def run_transport(name: str, config: dict[str, Any], versions: int, readers: int = 1) -> list[float]:
@@ -187,7 +187,7 @@ def run_transport(name: str, config: dict[str, Any], versions: int, readers: int
     try:
         addresses = [_read(p)["address"] for p in procs]
         writer = _spawn("writer", config, f"{name}@{','.join(addresses)}", versions)
-        times = _read(writer)["seconds"]
+        times: list[float] = _read(writer)["seconds"]
         writer.wait()
         for p in procs:
             p.wait(timeout=60)
@@ -206,7 +206,8 @@ def run_gloo(config: dict[str, Any], versions: int) -> list[float]:
     sender = _spawn("gloo-send", config, port, versions)
     receiver = _spawn("gloo-recv", config, port, versions)
     try:
-        return _read(sender)["seconds"]
+        times: list[float] = _read(sender)["seconds"]
+        return times
     finally:
         sender.wait(timeout=120)
         receiver.wait(timeout=120)
@@ -253,12 +254,12 @@ def measure(nbytes: int, transports: list[str], repeats: int, progress: Any = No
             progress(name)
         seconds = statistics.median(fn()[1:])
         results.append({"name": name, "kind": kind, "seconds": seconds, "gbps": total / seconds / 1e9})
-    fanout = []
+    fanout: list[dict[str, Any]] = []
     for readers in FANOUT if transports else ():
         if progress is not None:
             progress(f"{transports[0]} to {readers} readers")
         seconds = statistics.median(run_transport(transports[0], config, versions, readers)[1:])
-        one = fanout[0]["seconds"] if fanout else seconds
+        one = float(fanout[0]["seconds"]) if fanout else seconds
         fanout.append({"readers": readers, "transport": transports[0], "seconds": seconds,
                        "x_one_reader": seconds / one, "one_after_another_seconds": readers * one})
     return {"memcpy_gbps": mem, "bytes": total, "results": results, "fanout": fanout}
@@ -274,7 +275,7 @@ def run(*, size: str, transports: str, repeats: int, json_output: bool) -> None:
     names = [t for t in transports.split(",") if t]
     registry = _plugins.transports()
     for t in names:
-        if not registry.get(t).available():
+        if not getattr(registry.get(t), "available")():
             raise SystemExit(f"transport {t!r} is not available here (install its extra, e.g. pip install 'rlsync[{t}]'), or leave it out of --transports")
     console = Console(stderr=True)
     with Progress(console=console, transient=True) as bar:

@@ -139,7 +139,7 @@ class Channel:
 def bind_router(host: str = "127.0.0.1", port: int = 0, secret: str | None = None) -> tuple[Channel, str]:
     """A ROUTER channel for a reader, and the address writers connect to."""
     key = resolve_secret(host, secret)
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     if port:
         sock.bind(f"tcp://{host}:{port}")
@@ -151,7 +151,7 @@ def bind_router(host: str = "127.0.0.1", port: int = 0, secret: str | None = Non
 def connect_dealer(address: str, secret: str | None = None) -> Channel:
     host = address.rsplit(":", 1)[0].removeprefix("tcp://")
     key = resolve_secret(host, secret)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     return Channel(sock, key)

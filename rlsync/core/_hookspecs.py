@@ -56,7 +56,7 @@ def rlsync_configure(config: Mapping[str, Any]) -> None:
 
 
 @hookspec
-def rlsync_register_transports(registry: Registry) -> None:
+def rlsync_register_transports(registry: Registry[Any]) -> None:
     """Add transport classes to ``registry`` (``registry.add("name", TransportClass)``).
 
     .. versionadded:: 0.1
@@ -66,7 +66,7 @@ def rlsync_register_transports(registry: Registry) -> None:
 
 
 @hookspec
-def rlsync_register_buffer_backends(registry: Registry) -> None:
+def rlsync_register_buffer_backends(registry: Registry[Any]) -> None:
     """Add rollout-buffer backends to ``registry`` (``registry.add("name", factory)``).
 
     .. versionadded:: 0.1
@@ -76,7 +76,7 @@ def rlsync_register_buffer_backends(registry: Registry) -> None:
 
 
 @hookspec
-def rlsync_register_gates(registry: Registry) -> None:
+def rlsync_register_gates(registry: Registry[Any]) -> None:
     """Add staleness gates to ``registry`` (``registry.add("name", factory)``).
 
     .. versionadded:: 0.1

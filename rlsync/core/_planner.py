@@ -333,12 +333,12 @@ def _build_plan(src: Layout, dst: Layout, dst_ranks: Iterable[int] | None) -> Pl
     recv: dict[int, int] = {}
     for cls in classes:
         nbytes, inter, holders, dshards = cls
-        chosen = picks.get(id(cls))
+        picked = picks.get(id(cls))
         size = nbytes // inter.numel if inter.numel else 0
         for j, d in enumerate(dshards):
             if wanted is not None and d.rank not in wanted:
                 continue
-            source = holders[0] if chosen is None else chosen[j]
+            source = holders[0] if picked is None else picked[j]
             transfers.append(_transfer(d.tensor, size, inter, source, d))
             recv[d.rank] = recv.get(d.rank, 0) + nbytes
     transfers = _coalesce(transfers)

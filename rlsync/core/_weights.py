@@ -68,7 +68,7 @@ def region_offsets(layout: Layout, rank: int) -> tuple[dict[str, int], int]:
 
 def _resolve(transport: str | type[Transport], pm: pluggy.PluginManager | None) -> type[Transport]:
     if isinstance(transport, str):
-        cls: type[Transport] = _plugins.transports(pm).get(transport)
+        cls: type[Transport] = _plugins.transports(pm).get(transport)  # type: ignore[assignment]  # registered classes
     else:
         cls = transport
     if not cls.available():
@@ -97,7 +97,7 @@ def _runs_by_pair(transfers: Iterable[Transfer], offsets: Mapping[str, int]) -> 
 def _crc(chunks: Iterable[np.ndarray], value: int = 0) -> int:
     """CRC-32 over the chunks in order, continuing from ``value``."""
     for chunk in chunks:
-        value = zlib.crc32(chunk, value)
+        value = zlib.crc32(chunk.data, value)
     return value
 
 
@@ -548,5 +548,5 @@ def _as_bytes(name: str, tensor: Any) -> np.ndarray:
         raise TransportError(f"tensor {name!r} is on {tensor.device}; this transport reads CPU memory: move it or use a GPU-capable transport")
     if not tensor.is_contiguous():
         raise WeightMismatchError(f"tensor {name!r} is not contiguous; call .contiguous() before put()")
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+    return np.asarray(tensor.detach().reshape(-1).view(torch.uint8).numpy())
 

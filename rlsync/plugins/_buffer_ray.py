@@ -50,7 +50,7 @@ class RayRolloutBuffer:
         import ray
 
         actor = ray.remote(_BufferActor).options(name=name, max_concurrency=max_concurrency, num_cpus=0)
-        self._actor = actor.remote(options)
+        self._actor: Any = actor.remote(options)  # a Ray actor handle: its methods gain .remote
         self._ray = ray
 
     @classmethod

@@ -118,7 +118,7 @@ class RedisStorage:
                 time.sleep(0.05)
 
     def append(self, samples: Sequence[Sample]) -> None:
-        args: list[Any] = []
+        args: list[str | int | bytes] = []
         for s in samples:
             args += [s.sample_id, s.oldest_version, encode_sample(s)]
         k = self._keys
@@ -127,7 +127,7 @@ class RedisStorage:
     def take(self, count: int) -> list[Sample]:
         record = f"{self._name}:take:{uuid.uuid4().hex}"
         k = self._keys
-        args = [count, int(self.lease_seconds * 1000), *sorted(self._held)]
+        args: list[str | int] = [count, int(self.lease_seconds * 1000), *sorted(self._held)]
         payloads = self._retry(lambda: self._take(keys=[k["queue"], k["leased"], k["payload"], k["order"], record], args=args))
         samples = [decode_sample(p) for p in payloads]
         self._held.update(s.sample_id for s in samples)
@@ -144,7 +144,7 @@ class RedisStorage:
 
     def load_state(self) -> dict[str, Any]:
         raw = self._retry(lambda: self._redis.hgetall(self._keys["state"]))
-        return {k.decode(): int(v) for k, v in raw.items()}
+        return {(k.decode() if isinstance(k, bytes) else str(k)): int(v) for k, v in raw.items()}
 
     def save_state(self, state: dict[str, Any]) -> None:
         self._retry(lambda: self._redis.hset(self._keys["state"], mapping={k: int(v) for k, v in state.items()}))

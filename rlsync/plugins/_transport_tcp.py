@@ -106,7 +106,7 @@ class TcpLink(Link):
             self._sock.sendall(hmac.new(secret, bytes(nonce), hashlib.sha256).digest())
 
     def write(self, source: np.ndarray, runs: Sequence[Run]) -> None:
-        view = memoryview(source)
+        view = source.data  # a memoryview of the bytes
         try:
             for s, slot, d, n in runs:
                 self._sock.sendall(_HEADER.pack(slot, d, n))

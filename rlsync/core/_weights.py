@@ -38,7 +38,9 @@ from rlsync.core._control import (
     bind_router,
     connect_dealer,
 )
+from rlsync.core._builders import replicated
 from rlsync.core._errors import (
+    ConfigError,
     PeerLostError,
     RlsyncError,
     TransferTimeoutError,
@@ -49,6 +51,7 @@ from rlsync.core._errors import (
 from rlsync.core._layout import Layout, dtype_size, tensor_fingerprints
 from rlsync.core._planner import Plan, build_plan
 from rlsync.core._transfer import Transfer
+from rlsync.core._transport import Landing as TransportLanding
 from rlsync.core._transport import Link, Transport
 
 ALIGN = 64
@@ -113,9 +116,10 @@ class WeightsReader:
     def __init__(
         self,
         src: Layout | None,
-        dst: Layout,
+        dst: Layout | None,
         rank: int,
         *,
+        replicas: int | None = None,
         transport: str | type[Transport] = "shm",
         landing: Landing = "direct",
         host: str = "127.0.0.1",
@@ -128,20 +132,24 @@ class WeightsReader:
     ) -> None:
         if landing not in ("direct", "staged"):
             raise ValueError(f"landing must be 'direct' or 'staged', not {landing!r}")
+        if dst is None and (replicas is None or replicas < 1 or src is not None):
+            raise ConfigError("WeightsReader needs its destination layout, or dst=None with replicas=N (N readers "
+                              "that each hold a whole copy of what the writers send, learned from their layout)")
         self.rank = rank
         self.landing_mode = landing
-        self.dst = dst
+        self.replicas = replicas
+        self.dst: Layout | None = None
         self.plan: Plan | None = None
         self._expected: set[int] = set()
         self._pair_runs: dict[tuple[int, int], list[tuple[str, list[tuple[int, int, int]]]]] = {}
-        self._dst_fingerprint = dst.fingerprint()
-        self._dst_tensors = tensor_fingerprints(dst)
-        self._offsets, self._nbytes = region_offsets(dst, rank)
-        self._sizes = {b.name: b.numel * dtype_size(b.dtype) for b in dst.buffers if b.rank == rank}
+        self._tensors_of: dict[tuple[int, str], str] = {}  # (writer rank, its buffer) -> the tensor it holds
+        self._transport = _resolve(transport, plugins)
+        self._transport_options = transport_options
+        self._landing: TransportLanding | None = None
+        if dst is not None:
+            self._set_dst(dst)
         if src is not None:
             self._adopt(src)
-        self._transport = _resolve(transport, plugins)
-        self._landing = self._transport.landing(self._nbytes, 2 if landing == "direct" else 1, transport_options)
         self._checksum = checksum
         self._on_version = on_version
         self._channel, self.address = bind_router(host, port, secret)
@@ -158,11 +166,23 @@ class WeightsReader:
         self._thread = threading.Thread(target=self._serve, name=f"rlsync-reader-{rank}", daemon=True)
         self._thread.start()
 
+    def _set_dst(self, dst: Layout) -> None:
+        """Receive into ``dst``: this rank's buffers and their landing memory."""
+        self.dst = dst
+        self._dst_fingerprint = dst.fingerprint()
+        self._dst_tensors = tensor_fingerprints(dst)
+        self._offsets, self._nbytes = region_offsets(dst, self.rank)
+        self._sizes = {b.name: b.numel * dtype_size(b.dtype) for b in dst.buffers if b.rank == self.rank}
+        slots = 2 if self.landing_mode == "direct" else 1
+        self._landing = self._transport.landing(self._nbytes, slots, self._transport_options)
+
     def _adopt(self, src: Layout) -> None:
         """Build this rank's plan from the writers' layout ``src``."""
+        assert self.dst is not None
         self.plan = build_plan(src, self.dst, dst_ranks=[self.rank])
         self._expected = {t.src_rank for t in self.plan.transfers}
         self._pair_runs = _runs_by_pair(self.plan.transfers, self._offsets)
+        self._tensors_of = {(t.src_rank, t.src_buffer): t.tensor for t in self.plan.transfers}
 
     # -- what the engine uses --------------------------------------------------------------
 
@@ -172,6 +192,8 @@ class WeightsReader:
 
     def buffers(self, slot: int | None = None) -> dict[str, np.ndarray]:
         """``uint8`` views of this rank's buffers in ``slot`` (default: the live one)."""
+        if self._landing is None:
+            return {}
         region = self._landing.regions[self._live_slot if slot is None else slot]
         return {name: region[off : off + self._sizes[name]] for name, off in self._offsets.items()}
 
@@ -207,7 +229,8 @@ class WeightsReader:
         self._closed.set()
         self._thread.join(timeout=5)
         self._channel.close()
-        self._landing.close()
+        if self._landing is not None:
+            self._landing.close()
 
     def __enter__(self) -> WeightsReader:
         return self
@@ -219,7 +242,8 @@ class WeightsReader:
 
     def _serve(self) -> None:
         while not self._closed.is_set():
-            self._landing.progress()
+            if self._landing is not None:
+                self._landing.progress()
             got = self._channel.recv(timeout_ms=20)
             if got is None:
                 continue
@@ -228,18 +252,32 @@ class WeightsReader:
             if isinstance(msg, Hello):
                 self._hello(identity, msg)
             elif isinstance(msg, AskLayout):
-                self._channel.send(LayoutIs(self.dst), identity)
+                self._layout_asked(identity, msg)
             elif isinstance(msg, Done):
                 self._finish_part(identity, msg)
 
+    def _replicate(self, src: Layout | None) -> None:
+        """A replica reader (``dst=None, replicas=N``) holds a whole copy of the writers' tensors."""
+        if self.dst is None and src is not None and self.replicas is not None:
+            self._set_dst(replicated(src.tensors, tuple(range(self.replicas))))
+            self._adopt(src)
+
+    def _layout_asked(self, identity: bytes, msg: AskLayout) -> None:
+        self._replicate(msg.src)
+        if self.dst is None:
+            self._channel.send(Refuse(f"reader rank {self.rank} learns its layout from the writers: ask with yours"), identity)
+            return
+        self._channel.send(LayoutIs(self.dst, self._version), identity)
+
     def _hello(self, identity: bytes, msg: Hello) -> None:
-        if self.plan is None and msg.src is not None and msg.dst_fingerprint == self._dst_fingerprint:
+        self._replicate(msg.src)
+        if self.plan is None and self.dst is not None and msg.src is not None and msg.dst_fingerprint == self._dst_fingerprint:
             try:
                 self._adopt(msg.src)
             except RlsyncError as exc:
                 self._channel.send(Refuse(f"reader rank {self.rank} cannot receive from the writers' layout: {exc}"), identity)
                 return
-        if self.plan is None:
+        if self.plan is None or self._landing is None:
             self._channel.send(Refuse(f"reader rank {self.rank} was built without the writers' layout and the writer "
                                       f"sent none: give WeightsReader the source layout"), identity)
             return
@@ -301,6 +339,7 @@ class WeightsReader:
         done, self._done = self._done, {}
         self._pending_version = None
         error = self._verify(done) if self._checksum else None
+        kind = "checksum" if error is not None else "load"
         if error is None and self._on_version is not None:
             try:
                 self._on_version(msg.version, self.buffers(self._target_slot))
@@ -308,7 +347,7 @@ class WeightsReader:
                 error = f"the engine failed to load version {msg.version}: {exc!r}"
         if error is not None:
             for ident, _ in done.values():
-                self._channel.send(Refuse(error, "load"), ident)
+                self._channel.send(Refuse(error, kind), ident)
             return
         with self._cond:
             if self.landing_mode == "direct":
@@ -319,13 +358,17 @@ class WeightsReader:
             self._channel.send(Ack(msg.version, self._target_slot), ident)
 
     def _verify(self, done: Mapping[int, tuple[bytes, Done]]) -> str | None:
-        assert self.plan is not None
+        """Each writer's per-buffer CRC-32 against the bytes that landed; the first mismatch, named."""
+        assert self.plan is not None and self._landing is not None
         region = self._landing.regions[self._target_slot]
         for writer, (_, msg) in done.items():
-            groups = self._pair_runs.get((writer, self.rank), [])
-            got = _crc(region[d : d + n] for _, runs in groups for _, d, n in runs)
-            if msg.checksums is None or msg.checksums.get("all") != got:
-                return f"checksum mismatch for the bytes from writer rank {writer}: version refused, previous stays live"
+            for buffer, runs in self._pair_runs.get((writer, self.rank), []):
+                got = _crc(region[d : d + n] for _, d, n in runs)
+                sent = None if msg.checksums is None else msg.checksums.get(buffer)
+                if sent != got:
+                    tensor = self._tensors_of.get((writer, buffer), buffer)
+                    return (f"checksum mismatch in tensor {tensor!r} (from writer rank {writer}) for version {msg.version}: "
+                            f"what landed differs from what was sent; version refused, the previous one stays live")
         return None
 
 
@@ -358,10 +401,12 @@ class WeightsWriter:
     ) -> None:
         self.rank = rank
         self._readers = dict(enumerate(readers)) if not isinstance(readers, Mapping) else dict(readers)
+        self.next_version = 1  # with dst=None: the first reader's live version + 1
         if dst is None:
             if not self._readers:
                 raise WeightMismatchError("WeightsWriter needs the readers' addresses to learn the destination layout")
-            dst = reader_layout(self._readers[min(self._readers)], secret=secret, timeout=timeout)
+            dst, live = _ask_layout(self._readers[min(self._readers)], src, secret, timeout)
+            self.next_version = live + 1
         self.src, self.dst = src, dst
         plan = build_plan(src, dst)
         self._fingerprints = (plan.src_fingerprint, plan.dst_fingerprint, plan.dst_tensors)
@@ -474,6 +519,8 @@ class WeightsWriter:
                 self._slots[dst_rank] = msg.next_slot
             elif isinstance(msg, Refuse) and msg.kind in ("version", "restart"):
                 raise VersionError(f"reader rank {dst_rank} refused version {version}: {msg.reason}")
+            elif isinstance(msg, Refuse) and msg.kind == "checksum":
+                raise WeightMismatchError(f"reader rank {dst_rank}: {msg.reason}")
             else:
                 failed[dst_rank] = getattr(msg, "reason", f"unexpected answer {msg!r}")
         if failed:
@@ -491,16 +538,16 @@ class WeightsWriter:
         try:
             self._connect(dst_rank)
             link, slot = self._links[dst_rank], self._slots[dst_rank]
-            crc = 0
+            crcs: dict[str, int] = {}
             for name, runs in self._runs[dst_rank]:
                 source = self._sources[name]
                 link.write(source, [(s, slot, d, n) for s, d, n in runs])
                 if self._checksum:
-                    crc = _crc((source[s : s + n] for s, _, n in runs), crc)
+                    crcs[name] = _crc((source[s : s + n] for s, _, n in runs), crcs.get(name, 0))
                 if progress is not None:
                     progress(sum(n for _, _, n in runs))
             link.flush()
-            self._channels[dst_rank].send(Done(self.rank, version, slot, {"all": crc} if self._checksum else None))
+            self._channels[dst_rank].send(Done(self.rank, version, slot, crcs if self._checksum else None))
         except TransportError as exc:
             self._drop(dst_rank)
             return str(exc)
@@ -520,20 +567,29 @@ class WeightsWriter:
 def reader_layout(address: str, *, secret: str | None = None, timeout: float = 60.0) -> Layout:
     """The destination layout the ``WeightsReader`` at ``address`` receives into (every rank's part).
 
-    A writer built with ``dst=None`` calls this; engines derive their layout from their own loader,
+    A writer built with ``dst=None`` asks for it; engines derive their layout from their own loader,
     so the trainer need not know it."""
+    return _ask_layout(address, None, secret, timeout)[0]
+
+
+def _ask_layout(address: str, src: Layout | None, secret: str | None, timeout: float) -> tuple[Layout, int]:
+    """``(destination layout, live version)`` of the reader at ``address``; ``src`` lets a replica reader
+    (``dst=None, replicas=N``) derive its layout from the writers'."""
     channel = connect_dealer(address, secret)
     try:
-        channel.send(AskLayout())
+        channel.send(AskLayout(src))
         got = channel.recv(timeout_ms=int(timeout * 1000))
     finally:
         channel.close()
     if got is None:
         raise TransferTimeoutError(f"the reader at {address} did not answer within {timeout} s: is the engine up, "
                                    f"and is this its address?")
-    if not isinstance(got[1], LayoutIs):
-        raise TransportError(f"the reader at {address} answered {type(got[1]).__name__} to a layout request")
-    return got[1].layout
+    msg = got[1]
+    if isinstance(msg, Refuse):
+        raise WeightMismatchError(f"the reader at {address} refused: {msg.reason}")
+    if not isinstance(msg, LayoutIs):
+        raise TransportError(f"the reader at {address} answered {type(msg).__name__} to a layout request")
+    return msg.layout, msg.live_version
 
 
 def _as_bytes(name: str, tensor: Any) -> np.ndarray:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlsync import PlanError, WeightsReader, WeightsWriter, reader_layout
+from rlsync import PlanError, WeightMismatchError, WeightsReader, WeightsWriter, reader_layout
 from rlsync.core._builders import from_state_dict, replicated
 from rlsync.core._layout import TensorMeta
 from rlsync.plugins._transport_shm import ShmTransport
@@ -111,3 +111,76 @@ def test_a_writer_posts_to_all_its_readers_at_once() -> None:
     finally:
         for r in readers:
             r.close()
+
+
+def test_replica_readers_take_their_layout_from_the_writers() -> None:
+    """Readers that do not know the tensors yet (a verl rollout worker before the first sync): each holds a
+    whole copy of what the writers send; two writer ranks each send half of every tensor."""
+    from rlsync.layouts import fsdp
+
+    readers = [WeightsReader(None, None, r, replicas=2) for r in range(2)]
+    try:
+        weights = state(3)
+        src = fsdp(PLAIN, 2)
+        writers = [WeightsWriter(src, None, w, [r.address for r in readers], timeout=20) for w in range(2)]
+        assert {writer.next_version for writer in writers} == {0}  # nothing live yet
+        for w, writer in enumerate(writers):
+            writer.multi_put({m.name: weights[m.name].chunk(2)[w].contiguous() for m in PLAIN})
+        threads = [threading.Thread(target=writer.complete, args=(1,)) for writer in writers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        for reader in readers:
+            assert reader.version == 1
+            for name, tensor in weights.items():
+                out = torch.empty_like(tensor)
+                reader.get(name, out.view(torch.uint8).numpy())
+                assert torch.equal(out, tensor), name
+        later = WeightsWriter(src, None, 0, [r.address for r in readers], timeout=20)
+        assert later.next_version == 2  # a restarted trainer continues after the live version
+        for writer in (*writers, later):
+            writer.close()
+    finally:
+        for r in readers:
+            r.close()
+
+
+class _CorruptingTransport(ShmTransport):
+    """shm that flips one bit of tensor ``layer1.weight`` on the way (a bad NIC, a bug in a copy)."""
+
+    name = "shm"
+    target: np.ndarray
+
+    @classmethod
+    def open(cls, description: dict[str, Any], options: dict[str, Any] | None = None) -> Any:
+        link = ShmTransport.open(description, options)
+        write = link.write
+
+        def corrupt_then_write(source: np.ndarray, runs: Any) -> None:
+            if source is cls.target:
+                source = source.copy()
+                source[3] ^= 1
+            write(source, runs)
+
+        link.write = corrupt_then_write  # type: ignore[method-assign]
+        return link
+
+
+def test_checksums_name_the_tensor_that_arrived_wrong_and_the_version_stays_out() -> None:
+    with WeightsReader(None, from_state_dict(PLAIN), 0, checksum=True) as reader:
+        writer = WeightsWriter(from_state_dict(PLAIN), None, 0, [reader.address], checksum=True, timeout=10)
+        writer.multi_put(state(1))
+        writer.complete(1)
+        writer.close()
+        bad = WeightsWriter(from_state_dict(PLAIN), None, 0, [reader.address], checksum=True, timeout=10,
+                            transport=_CorruptingTransport)
+        bad.multi_put(state(2))
+        _CorruptingTransport.target = bad._sources["layer1.weight"]
+        with pytest.raises(WeightMismatchError, match=r"checksum mismatch in tensor 'layer1.weight' .*version 2"):
+            bad.complete(2)
+        assert reader.version == 1
+        out = torch.empty_like(state(1)["layer1.weight"])
+        reader.get("layer1.weight", out.view(torch.uint8).numpy())
+        assert torch.equal(out, state(1)["layer1.weight"])
+        bad.close()

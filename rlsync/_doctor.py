@@ -43,11 +43,11 @@ def broken_vllm() -> str | None:
     present = [p for p in CUDA_BUILDS_ON_PYPI if importlib.util.find_spec(p) is not None]
     if torch.version.cuda is not None or not present:
         return None
-    probe = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=600)
+    probe = subprocess.run([sys.executable, "-c", "from vllm import LLM"], capture_output=True, text=True, timeout=600)
     if probe.returncode == 0:
         return None
     why = (probe.stderr.strip().splitlines() or ["no message"])[-1]
-    return (f"`import vllm` fails ({why}): {', '.join(present)} from PyPI are CUDA builds and this torch "
+    return (f"`from vllm import LLM` fails ({why}): {', '.join(present)} from PyPI are CUDA builds and this torch "
             f"({torch.__version__}) has no CUDA. Fix: pip uninstall -y {' '.join(present)}")
 
 

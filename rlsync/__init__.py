@@ -21,6 +21,7 @@ from rlsync.core._errors import (
 )
 from rlsync.core._buffer import Batch, MemoryStorage, RolloutBuffer, Ticket
 from rlsync.core._gates import Decision, MaxStaleness, importance_weights
+from rlsync.core._handoff import LandedVersions
 from rlsync.core._hookspecs import hookimpl, hookspec
 from rlsync.core._make_buffer import make_buffer
 from rlsync.core._layout import Box, BufferSpec, Layout, Shard, TensorMeta, make_layout
@@ -40,6 +41,7 @@ __all__ = [
     "BufferSpec",
     "ConfigError",
     "Decision",
+    "LandedVersions",
     "Layout",
     "LayoutError",
     "MaxStaleness",

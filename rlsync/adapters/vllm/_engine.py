@@ -30,7 +30,8 @@ from vllm.distributed.weight_transfer.base import (
 
 from rlsync.adapters.vllm._probe import learn_parts
 from rlsync.adapters.vllm._reload import reload_atomically
-from rlsync.adapters.vllm._staging import Finish, StagedReceiver
+from rlsync.adapters.vllm._staging import StagedReceiver
+from rlsync.core._handoff import Finish
 from rlsync.core._errors import VersionError
 
 

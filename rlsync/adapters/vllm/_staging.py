@@ -1,9 +1,7 @@
 """Staged landing for vLLM: a ``WeightsReader`` whose complete versions wait for the engine.
 
-The reader's service thread calls ``_stage`` once every byte of a version has landed; it blocks
-there until the engine thread has taken the version (``next``) and loaded it (``finish``), so the
-trainer's ``complete(v)`` returns only when the engine serves ``v``, and a loader error reaches
-the trainer instead of a silent half-update.
+Complete versions reach the engine thread through ``LandedVersions``: the trainer's ``complete(v)``
+returns only when the engine serves ``v``, and a loader error reaches the trainer.
 
 Each worker stores only the box of each checkpoint tensor its loader reads (``rlsync_probe``),
 compactly, yet vLLM's loader wants whole tensors (it narrows them to the worker's slice itself).
@@ -16,15 +14,14 @@ the model plus two tensors, not the whole model.
 
 from __future__ import annotations
 
-import queue
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from rlsync.core._builders import from_state_dict, own_buffer_shard
-from rlsync.core._errors import ConfigError, TransferTimeoutError
+from rlsync.core._errors import ConfigError
+from rlsync.core._handoff import Finish, LandedVersions
 from rlsync.core._layout import (
     Box,
     BufferSpec,
@@ -35,7 +32,6 @@ from rlsync.core._layout import (
 )
 from rlsync.core._weights import WeightsReader, region_offsets
 
-Finish = Callable[[BaseException | None], None]
 #: Per engine rank, ``{checkpoint tensor name: [offsets, sizes]}`` of the part that rank loads
 #: (what ``rlsync_probe`` returns, one entry per worker in rank order).
 RankBoxes = Sequence[Mapping[str, Sequence[Sequence[int]]]]
@@ -97,38 +93,20 @@ class StagedReceiver:
         self.boxes = {s.tensor: s.box for s in layout.shards if s.rank == rank}
         self.metas = [m for m in layout.tensors if m.name in self.boxes]  # what this rank's loader reads
         self._offsets, self._region_nbytes = region_offsets(layout, rank)
-        self._pending: queue.Queue[tuple[int, dict[str, np.ndarray], threading.Event, list[BaseException]]] = queue.Queue(1)
-        self._apply_timeout = apply_timeout
+        self._landed = LandedVersions(apply_timeout)
         # the writers' layout comes with their hello: one trainer process or many, whole tensors or shards
         self.reader = WeightsReader(None, layout, rank, transport=transport, landing="staged", host=host, port=port,
-                                    on_version=self._stage)
+                                    on_version=self._landed.on_version)
 
     @property
     def address(self) -> str:
         return self.reader.address
 
-    def _stage(self, version: int, buffers: dict[str, np.ndarray]) -> None:
-        done, errors = threading.Event(), []  # type: ignore[var-annotated]
-        self._pending.put((version, buffers, done, errors))
-        if not done.wait(self._apply_timeout):
-            raise TransferTimeoutError(f"vLLM did not load version {version} within {self._apply_timeout} s")
-        if errors:
-            raise errors[0]
-
     def next(self, timeout: float) -> tuple[int, Iterator[tuple[str, Any]], Finish]:
         """Engine thread: the next landed version, its tensors as views, and ``finish(error or None)``."""
         import torch
 
-        try:
-            version, buffers, done, errors = self._pending.get(timeout=timeout)
-        except queue.Empty:
-            raise TransferTimeoutError(f"no weight version arrived within {timeout} s") from None
-
-        def finish(error: BaseException | None) -> None:
-            if error is not None:
-                errors.append(error)
-            done.set()
-
+        version, buffers, finish = self._landed.next(timeout)
         if SLACK[0] in buffers:  # boxes: whole-tensor views over the region, which starts at the head slack
             region = np.lib.stride_tricks.as_strided(buffers[SLACK[0]], shape=(self._region_nbytes,), strides=(1,))
             views = ((m.name, whole_tensor_view(region, self._offsets[m.name], m, self.boxes[m.name])) for m in self.metas)

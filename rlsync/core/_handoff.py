@@ -1,0 +1,54 @@
+"""Complete versions, handed from a ``WeightsReader`` (staged landing) to the thread that loads them.
+
+The reader's service thread calls ``on_version`` once every byte of a version has landed; it blocks
+there until the engine thread has taken the version (``next``) and loaded it (``finish``), so the
+writers' ``complete(v)`` returns only when the engine serves ``v``, and a loader error reaches the
+writers instead of a silent half-update.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from rlsync.core._errors import TransferTimeoutError
+
+Finish = Callable[[BaseException | None], None]
+
+
+class LandedVersions:
+    """Pass ``on_version`` to a staged ``WeightsReader``; the engine thread calls ``next``.
+
+    ``load_timeout``: how long a landed version may wait to be loaded before the writers hear it failed.
+    """
+
+    def __init__(self, load_timeout: float = 600.0) -> None:
+        self._pending: queue.Queue[tuple[int, dict[str, np.ndarray], threading.Event, list[BaseException]]] = queue.Queue(1)
+        self.load_timeout = load_timeout
+
+    def on_version(self, version: int, buffers: dict[str, np.ndarray]) -> None:
+        """Reader thread: wait until the engine loaded ``version`` (raises what the engine raised)."""
+        done, errors = threading.Event(), []  # type: ignore[var-annotated]
+        self._pending.put((version, buffers, done, errors))
+        if not done.wait(self.load_timeout):
+            raise TransferTimeoutError(f"the engine did not load version {version} within {self.load_timeout} s")
+        if errors:
+            raise errors[0]
+
+    def next(self, timeout: float) -> tuple[int, dict[str, np.ndarray], Finish]:
+        """Engine thread: the next landed version, its buffers (``uint8``, by buffer name) and ``finish(error or
+        None)``, to call once it is loaded (None) or failed to load (the error): the version goes live only then."""
+        try:
+            version, buffers, done, errors = self._pending.get(timeout=timeout)
+        except queue.Empty:
+            raise TransferTimeoutError(f"no weight version arrived within {timeout} s (did the trainer die?)") from None
+
+        def finish(error: BaseException | None) -> None:
+            if error is not None:
+                errors.append(error)
+            done.set()
+
+        return version, buffers, finish

@@ -51,6 +51,27 @@ def broken_vllm() -> str | None:
             f"({torch.__version__}) has no CUDA. Fix: pip uninstall -y {' '.join(present)}")
 
 
+_VERL_PROBE = """
+import verl  # loads the verl.plugins entry points, as every verl process does
+from verl.checkpoint_engine import CheckpointEngineRegistry
+print("registered" if "rlsync" in CheckpointEngineRegistry._registry else "missing")
+"""
+
+
+def verl_backend() -> str | None:
+    """Whether a fresh ``import verl`` registers checkpoint-engine backend ``rlsync`` (None: verl not installed)."""
+    if importlib.util.find_spec("verl") is None:
+        return None
+    probe = subprocess.run([sys.executable, "-c", _VERL_PROBE], capture_output=True, text=True, timeout=600)
+    if probe.returncode != 0:
+        why = (probe.stderr.strip().splitlines() or ["no message"])[-1]
+        return f"import verl fails: {why}"
+    if probe.stdout.strip().endswith("registered"):
+        return "registered"
+    return ("NOT registered: verl did not load rlsync's entry point (reinstall rlsync in this environment), or set "
+            "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=rlsync.adapters.verl")
+
+
 def _machine_rows() -> list[tuple[str, str]]:
     shm = shutil.disk_usage("/dev/shm") if os.path.isdir("/dev/shm") else None
     rows = [("cores", str(os.cpu_count())), ("/dev/shm free", f"{shm.free / 2**30:.1f} GiB" if shm else "absent")]
@@ -94,6 +115,9 @@ def run() -> int:
         # escape: rich would take "[vllm]" for a style tag and print the command without its extra
         optional.add_row(module, "[green]installed[/]" if found else f"[yellow]missing[/] ({escape(hint)})", enables)
     console.print(optional)
+    verl = verl_backend()
+    if verl is not None:
+        console.print(f"verl checkpoint-engine backend 'rlsync': {escape(verl)}", soft_wrap=True)
     fix = broken_vllm()
     if fix is not None:
         console.print(f"[red]vLLM is broken here[/]: {escape(fix)}", soft_wrap=True)

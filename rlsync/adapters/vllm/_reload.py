@@ -29,7 +29,7 @@ of the weights are not redone there, and an engine then computes with the old or
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Self
+from typing import Any
 
 from rlsync.core._errors import ConfigError
 
@@ -125,11 +125,8 @@ def _experts_kernel(module: Any) -> Any:
 
 
 class reprocessing_skipped_steps:
-    """Wrap one layerwise reload of ``model`` (vLLM's or ours): redo what it skips on an update.
-
-    ``with reprocessing_skipped_steps(model): <reload>``; or ``enter()`` before the reload starts and
-    ``exit(ok)`` after it ends when the two happen in different calls (vLLM's weight-transfer API).
-    """
+    """Around one layerwise reload of ``model``: redo what it skips on an update. ``enter()`` before the reload
+    starts, ``exit(ok)`` after it ends (``reload_atomically`` does both)."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -156,13 +153,6 @@ class reprocessing_skipped_steps:
         self._wrapped.clear()
         if ok:
             _reprocess_tied(self.model)
-
-    def __enter__(self) -> Self:
-        self.enter()
-        return self
-
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        self.exit(ok=exc_type is None)
 
 
 def _reprocess_tied(model: Any) -> None:

@@ -23,23 +23,15 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
 import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
+from verl.workers.rollout.utils import ensure_async_iterator
 
 from rlsync import LandedVersions, TensorMeta, WeightMismatchError, WeightsReader, WeightsWriter
 from rlsync.layouts import fsdp
-
-
-async def _items(weights: Any) -> AsyncIterator[tuple[str, torch.Tensor]]:
-    if hasattr(weights, "__aiter__"):
-        async for item in weights:
-            yield item
-    else:
-        for item in weights:
-            yield item
 
 
 def _free_port(host: str) -> int:
@@ -111,7 +103,7 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
                            global_steps: int | None = None) -> dict[str, Any]:
         started = time.perf_counter()
         metas: list[TensorMeta] = []
-        async for name, tensor in _items(weights):  # drain it all: every rank takes part in each full_tensor()
+        async for name, tensor in ensure_async_iterator(weights):  # drain it all: every rank takes part in each full_tensor()
             metas.append(TensorMeta(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)))
             self._keep_my_chunk(metas[-1], tensor)  # and the full tensor can go
         src = fsdp(metas, self._world)

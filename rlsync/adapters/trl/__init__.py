@@ -1,0 +1,17 @@
+"""TRL adapter (``pip install 'rlsync[trl]'``). Importing it applies ``rlsync.patches.trl`` (version-guarded).
+
+- ``AsyncGRPOTrainer(..., weight_transfer=RlsyncWeightTransfer())`` for ``trl.experimental.async_grpo``;
+- ``trainer.add_callback(RlsyncSyncCallback(trainer))`` for ``GRPOTrainer`` in vLLM server mode.
+
+The vLLM server is a stock one: ``VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config
+'{"backend": "rlsync"}'`` with rlsync installed beside vLLM.
+"""
+
+from rlsync.patches import trl as _patches
+
+_patches.apply()
+
+from rlsync.adapters.trl._callback import VERSIONS, RlsyncSyncCallback  # noqa: E402  (after the patches)
+from rlsync.adapters.trl._weight_transfer import RlsyncWeightTransfer  # noqa: E402
+
+__all__ = ["VERSIONS", "RlsyncSyncCallback", "RlsyncWeightTransfer"]

@@ -1,0 +1,120 @@
+"""rlsync for TRL's ``GRPOTrainer`` with ``use_vllm=True, vllm_mode="server"``: ``trainer.add_callback(RlsyncSyncCallback(trainer))``.
+
+``GRPOTrainer`` has no injection point for its weight sync: it calls ``trainer.vllm_generation.sync_weights()``
+before generating whenever the optimizer stepped. The callback takes that call over on this trainer only:
+every rank walks TRL's own parameter iterator (``VLLMGeneration._iter_named_params``: TRL's PEFT merge and
+FSDP/ZeRO-3 gathering stay), and the main process makes the result live on the server through
+``rlsync.adapters.vllm.VllmServer``. TRL's constructor needs CUDA only to join vLLM's NCCL group, which an
+rlsync server does not have: ``import rlsync.adapters.trl`` patches that away (``rlsync.patches.trl``).
+
+Versions: the weights after ``global_step`` optimizer steps go live as version ``base + global_step + 1``
+(``base`` is the server's live version at the first sync, 0 on a fresh server). Every generated token is
+stamped with the version that produced it (GRPOTrainer never generates during a sync, so the version live at
+generation), ``rlsync_versions`` beside ``completion_ids``. With ``max_staleness=N``, rlsync's ``MaxStaleness``
+gate runs on each sample before the loss: a sample whose oldest token lags the trainer by more than ``N`` steps
+(``steps_per_generation`` or ``num_iterations`` above 1 reuse generations) is masked out of the loss entirely.
+TRL's truncated importance weights (``vllm_importance_sampling_correction``) stay as TRL computes them.
+Logged per step: ``rlsync/sync_seconds``, ``rlsync/bytes``, ``rlsync/version``, ``rlsync/staleness_mean``,
+``rlsync/dropped_stale``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import TrainerCallback
+
+from rlsync import ConfigError, Decision, MaxStaleness, Sample
+from rlsync.adapters.vllm import VllmServer
+from rlsync.patches.trl import rlsync_owns_sync
+
+VERSIONS = "rlsync_versions"  # per generated token: the policy version that produced it
+
+
+class RlsyncSyncCallback(TrainerCallback):  # type: ignore[misc]  # transformers is untyped where mypy runs
+    """Takes over ``trainer``'s weight sync (``trainer.add_callback(RlsyncSyncCallback(trainer))``).
+
+    ``max_staleness``: drop samples whose oldest token is more than this many optimizer steps behind
+    (``None``: keep all, as TRL does). ``transport``: ``shm`` (same host) or ``tcp``. ``timeout``: seconds
+    one sync may take.
+    """
+
+    def __init__(self, trainer: Any, *, max_staleness: int | None = None, transport: str = "shm", timeout: float = 600.0) -> None:
+        generation = getattr(trainer, "vllm_generation", None)
+        if generation is None or getattr(generation, "mode", None) != "server":
+            raise ConfigError("RlsyncSyncCallback needs a GRPOTrainer generating with a vLLM server: "
+                              "GRPOConfig(use_vllm=True, vllm_mode='server', vllm_server_base_url=...)")
+        self.trainer, self.generation = trainer, generation
+        self.gate = MaxStaleness(max_staleness) if max_staleness is not None else None
+        self.server: VllmServer | None = None
+        if trainer.accelerator.is_main_process:
+            client = generation.vllm_client
+            if not rlsync_owns_sync(client):
+                raise ConfigError(f"the vLLM server at {client.base_url} does not receive weights through rlsync: start it "
+                                  "with --weight-transfer-config '{\"backend\": \"rlsync\"}' and import rlsync.adapters.trl "
+                                  "before building the trainer")
+            self.server = VllmServer(client.base_url, transport=transport, timeout=timeout)
+        self._base: int | None = None
+        self.live_version = 0  # the version the server serves (main process), stamped on what it generates
+        self.history: list[tuple[int, int]] = []  # (version, global_step) of each sync, oldest first
+        generation.sync_weights = self._sync
+        self._generate = trainer._generate_and_score_completions
+        trainer._generate_and_score_completions = self._generate_and_stamp
+        self._compute_loss = trainer.compute_loss
+        trainer.compute_loss = self._gated_loss
+
+    def _version_of(self, step: int) -> int:
+        return (self._base or 0) + step + 1
+
+    def _sync(self) -> None:
+        """TRL's ``sync_weights``, through rlsync: every rank walks the parameters, the main process publishes."""
+        step = self.trainer.state.global_step
+        named = self.generation._iter_named_params()
+        if self.server is None:
+            for _ in named:  # take part in the gather collectives (FSDP, ZeRO-3)
+                pass
+            self.live_version = self._version_of(step)
+            return
+        if self._base is None:
+            stats = self.server.publish(named)  # the next version after the server's live one
+            self._base = stats.version - step - 1
+        else:
+            stats = self.server.publish(named, self._version_of(step))
+        self.server.reset_prefix_cache()  # cached prefixes were computed with the previous weights
+        self.live_version = stats.version
+        self.history.append((stats.version, step))
+        metrics = self.trainer._metrics["train"]
+        metrics["rlsync/sync_seconds"].append(stats.seconds)
+        metrics["rlsync/bytes"].append(float(stats.bytes))
+        metrics["rlsync/version"].append(float(stats.version))
+
+    def _generate_and_stamp(self, inputs: Any) -> Any:
+        output = self._generate(inputs)  # syncs first when the optimizer stepped (TRL's schedule)
+        ids = output["completion_ids"]
+        # the version live since the sync above; every rank computes it alike (staleness is a difference of two)
+        output[VERSIONS] = torch.full(ids.shape, self._version_of(self.trainer.state.global_step), dtype=torch.long, device=ids.device)
+        return output
+
+    def _gated_loss(self, model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        versions = inputs.get(VERSIONS)
+        if versions is not None:
+            trainer_version = self._version_of(self.trainer.state.global_step)
+            mask = inputs["completion_mask"]
+            keep = [self._keep(versions[i], mask[i], trainer_version) for i in range(len(versions))]
+            kept = torch.tensor(keep, dtype=mask.dtype, device=mask.device)
+            inputs = {**inputs, "completion_mask": mask * kept[:, None]}  # a dropped sample adds nothing to the loss
+            oldest = versions.min(dim=1).values.float()
+            lag = (trainer_version - oldest)[kept.bool()]
+            metrics = self.trainer._metrics["train"]
+            metrics["rlsync/staleness_mean"].append(float(lag.mean()) if len(lag) else float("nan"))
+            metrics["rlsync/dropped_stale"].append(float(len(keep) - sum(keep)))
+        return self._compute_loss(model, inputs, *args, **kwargs)
+
+    def _keep(self, versions: torch.Tensor, mask: torch.Tensor, trainer_version: int) -> bool:
+        if self.gate is None:
+            return True
+        generated = versions[mask.bool()].cpu().numpy() if mask.any() else versions.cpu().numpy()
+        sample = Sample("", np.zeros(len(generated), np.int64), 0, np.zeros(len(generated), np.float32), generated)
+        return self.gate(sample, trainer_version) is Decision.TRAIN

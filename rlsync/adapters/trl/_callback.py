@@ -33,7 +33,7 @@ from rlsync.patches.trl import rlsync_owns_sync
 VERSIONS = "rlsync_versions"  # per generated token: the policy version that produced it
 
 
-class RlsyncSyncCallback(TrainerCallback):  # type: ignore[misc]  # transformers is untyped where mypy runs
+class RlsyncSyncCallback(TrainerCallback):
     """Takes over ``trainer``'s weight sync (``trainer.add_callback(RlsyncSyncCallback(trainer))``).
 
     ``max_staleness``: drop samples whose oldest token is more than this many optimizer steps behind

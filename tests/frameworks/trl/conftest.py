@@ -25,16 +25,24 @@ def vllm_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
+def tokenizer_dir(tmp_path: Path) -> Path:
+    example.build_tokenizer(tmp_path / "tokenizer")
+    return tmp_path / "tokenizer"
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path, tokenizer_dir: Path) -> Path:
+    from transformers import PreTrainedTokenizerFast
+
     where = tmp_path / "model"
-    tokenizer = example.build_tokenizer(where)
-    example.build_model(where, tokenizer, init_std=0.2)  # wide weights: greedy output follows every change
+    # wide weights: greedy output follows every change
+    example.build_model(where, PreTrainedTokenizerFast.from_pretrained(tokenizer_dir), init_std=0.2)
     return where
 
 
 @pytest.fixture
-def server(model_dir: Path, tmp_path: Path) -> Iterator[Any]:
-    running = example.Server(model_dir, tmp_path / "server.log")
+def server(model_dir: Path, tokenizer_dir: Path, tmp_path: Path) -> Iterator[Any]:
+    running = example.Server(model_dir, tokenizer_dir, tmp_path / "server.log")
     yield running
     running.stop()
 

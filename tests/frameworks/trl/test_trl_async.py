@@ -25,7 +25,7 @@ def _trainer(model_dir: Path, server: Any, tmp_path: Path, weight_transfer: Any)
                            bf16=False, use_cpu=True)
     return AsyncGRPOTrainer(model=str(model_dir), reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
                             train_dataset=Dataset.from_dict({"prompt": ["w1 w2", "w3"]}),
-                            processing_class=AutoTokenizer.from_pretrained(model_dir), weight_transfer=weight_transfer)
+                            processing_class=AutoTokenizer.from_pretrained(model_dir.parent / "tokenizer"), weight_transfer=weight_transfer)
 
 
 def test_async_trainer_sync_weight_lands_in_the_server(model_dir: Path, server: Any, tmp_path: Path) -> None:

@@ -58,16 +58,17 @@ def build_tokenizer(where: Path) -> Any:
     return fast
 
 
-def build_model(where: Path, tokenizer: Any, *, seed: int = 0, init_std: float | None = None) -> Any:
-    """A tiny Qwen2 (2 layers, hidden 128, head_dim 64: vLLM's CPU attention has no kernel below 32);
+def build_model(where: Path, tokenizer: Any, *, seed: int = 0, init_std: float | None = None, hidden: int = 128,
+                layers: int = 2) -> Any:
+    """A tiny Qwen2 (by default 2 layers, hidden 128; head_dim 64: vLLM's CPU attention has no kernel below 32);
     ``init_std`` widens the random init. The tokenizer lives in a folder of its own: beside a Qwen2 config,
     transformers' AutoTokenizer would rebuild it as Qwen2's byte-level BPE, which knows none of its words."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=32, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=False,
+    config = Qwen2Config(vocab_size=32, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 128), max_position_embeddings=128, tie_word_embeddings=False,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if init_std is not None:
@@ -175,7 +176,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="rlsync-trl-grpo-"))
     shm = Path(tempfile.mkdtemp(prefix="rlsync-trl-reload-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     tokenizer = build_tokenizer(work / "tokenizer")
-    build_model(work / "model", tokenizer)
+    build_model(work / "model", tokenizer, hidden=args.hidden, layers=args.layers)
     server = Server(work / "model", work / "tokenizer", out / "vllm-server.log")
     try:
         rng = random.Random(1)
@@ -223,7 +224,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     rewards = [s["reward"] for s in steps]
     report: dict[str, Any] = {
         "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]), "weight_sync": args.weight_sync,
-        "steps": steps, "train_seconds": seconds,
+        "model_parameters": sum(p.numel() for p in trainer.model.parameters()), "steps": steps, "train_seconds": seconds,
         "reward_first6": sum(rewards[:6]) / max(1, len(rewards[:6])), "reward_last6": sum(rewards[-6:]) / max(1, len(rewards[-6:])),
     }
     for key in ("rlsync_sync_seconds", "reload_sync_seconds"):
@@ -265,6 +266,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--hidden", type=int, default=128, help="model width (a multiple of 128)")
+    parser.add_argument("--layers", type=int, default=2, help="model depth")
     parser.add_argument("--weight-sync", choices=["rlsync", "compare", "reload"], default="compare")
     parser.add_argument("--out", default="trl_grpo_report")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")

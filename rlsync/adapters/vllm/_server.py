@@ -18,12 +18,13 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from rlsync.core._builders import from_state_dict
-from rlsync.core._errors import ConfigError, PeerLostError
+from rlsync.core._errors import ConfigError, PeerLostError, RlsyncWarning
 from rlsync.core._weights import WeightsWriter
 
 _SERVER_FLAGS = "VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{\"backend\": \"rlsync\"}'"
@@ -126,8 +127,15 @@ class VllmServer:
     def resume(self) -> None:
         self.call("/resume")
 
-    def reset_prefix_cache(self) -> None:
-        self.call("/reset_prefix_cache")
+    def reset_prefix_cache(self) -> bool:
+        """Drop cached prefixes (computed with the previous weights). vLLM refuses while requests hold KV
+        blocks (requests frozen by ``pause``, say): then it warns and returns False, the engine unchanged."""
+        answer = self.call("/reset_prefix_cache")
+        done = bool(answer.get("success", True)) if isinstance(answer, dict) else True
+        if not done:
+            warnings.warn(f"the vLLM server at {self.url} kept its prefix cache (requests in flight hold KV blocks): "
+                          "new requests may reuse prefixes computed with the previous weights", RlsyncWarning, stacklevel=2)
+        return done
 
     # --- weights ------------------------------------------------------------------------------------------
     def publish(self, named_tensors: Iterable[tuple[str, Any]], version: int | None = None) -> PublishStats:

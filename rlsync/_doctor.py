@@ -72,6 +72,25 @@ def verl_backend() -> str | None:
             "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=rlsync.adapters.verl")
 
 
+def trl_support(version: str | None = None) -> str | None:
+    """Whether rlsync's TRL adapter supports the installed TRL (None: TRL not installed)."""
+    from importlib import metadata
+
+    from rlsync.core._errors import ConfigError
+    from rlsync.patches.trl import check_version
+
+    if version is None:
+        try:
+            version = metadata.version("trl")
+        except metadata.PackageNotFoundError:
+            return None
+    try:
+        check_version(version)
+    except ConfigError as exc:
+        return f"NOT supported: {exc}"
+    return f"TRL {version}: supported (RlsyncWeightTransfer, RlsyncSyncCallback)"
+
+
 def _machine_rows() -> list[tuple[str, str]]:
     shm = shutil.disk_usage("/dev/shm") if os.path.isdir("/dev/shm") else None
     rows = [("cores", str(os.cpu_count())), ("/dev/shm free", f"{shm.free / 2**30:.1f} GiB" if shm else "absent")]
@@ -118,6 +137,9 @@ def run() -> int:
     verl = verl_backend()
     if verl is not None:
         console.print(f"verl checkpoint-engine backend 'rlsync': {escape(verl)}", soft_wrap=True)
+    trl = trl_support()
+    if trl is not None:
+        console.print(f"TRL adapter: {escape(trl)}", soft_wrap=True)
     fix = broken_vllm()
     if fix is not None:
         console.print(f"[red]vLLM is broken here[/]: {escape(fix)}", soft_wrap=True)

@@ -21,3 +21,11 @@ def test_doctor_prints_install_commands_with_their_extra() -> None:
         pytest.skip("verl is installed here: no install hint to check")
     result = CliRunner().invoke(app, ["doctor"], env={"COLUMNS": "200"})
     assert "pip install 'rlsync[verl]'" in result.output  # not swallowed as a rich style tag
+
+
+def test_doctor_names_the_trl_versions_the_adapter_supports() -> None:
+    from rlsync._doctor import trl_support
+
+    assert trl_support("1.16.0") == "TRL 1.16.0: supported (RlsyncWeightTransfer, RlsyncSyncCallback)"
+    verdict = trl_support("1.17.2")
+    assert verdict is not None and verdict.startswith("NOT supported") and "this is TRL 1.17.2" in verdict

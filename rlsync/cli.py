@@ -62,6 +62,19 @@ def bench(
         _weights.run(size=size, transports=transports, repeats=repeats, json_output=json_output)
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def launch(
+    ctx: typer.Context,
+    framework: Annotated[str, typer.Argument(help="The framework whose entry point to run: 'openrlhf'.")],
+) -> None:
+    """Run a framework's own entry point with rlsync's weight sync: rlsync launch openrlhf [--max-staleness N] -- <its arguments>."""
+    if framework != "openrlhf":
+        raise typer.BadParameter(f"no launcher for {framework!r}: verl and TRL take rlsync as a flag or an object (see the README)")
+    from rlsync.adapters.openrlhf import main as launch_openrlhf
+
+    launch_openrlhf(ctx.args)
+
+
 @app.command()
 def doctor() -> None:
     """Report which transports, backends and adapters can run on this machine (exit 1: an installed engine

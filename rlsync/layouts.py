@@ -5,7 +5,7 @@
     plan = rlsync.build_plan(fsdp(spec.tensors, 8), engine_tp(spec, tp=4, replicas=2))
 """
 
-from rlsync.core._builders import data_parallel, from_state_dict, fsdp, replicated, zero3
+from rlsync.core._builders import data_parallel, flat_partitions, from_state_dict, fsdp, replicated, zero3
 from rlsync.core._layout_parallel import engine_tp, megatron
 from rlsync.core._presets import PRESETS, ModelSpec, Param, load_model_spec, model_spec
 
@@ -14,6 +14,7 @@ __all__ = [
     "ModelSpec",
     "Param",
     "data_parallel",
+    "flat_partitions",
     "engine_tp",
     "from_state_dict",
     "fsdp",

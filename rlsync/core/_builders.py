@@ -131,6 +131,28 @@ def zero3(tensors: Iterable[TensorMeta], world: int) -> Layout:
     return make_layout(tensors, shards, buffers)
 
 
+def flat_partitions(tensors: Iterable[TensorMeta], world: int) -> Layout:
+    """Each tensor flattened and cut into ``world`` parts of ``ceil(numel / world)`` elements (the last
+    shorter, trailing ranks maybe empty); rank ``r``'s buffer ``name`` holds part ``r``, contiguous. This is
+    one DeepSpeed ZeRO-3 parameter's ``ds_tensor`` on each rank (its padding left out), and the way to split a
+    replicated state (ZeRO-1/2, DDP) so that every rank sends a different ``1/world`` of every tensor."""
+    tensors = list(tensors)
+    shards: list[Shard] = []
+    buffers: list[BufferSpec] = []
+    for t in tensors:
+        part = -(-t.numel // world)
+        strides = contiguous_strides(t.shape)
+        for rank in range(world):
+            lo, hi = min(rank * part, t.numel), min((rank + 1) * part, t.numel)
+            if hi <= lo:
+                continue
+            for box in flat_range_boxes(t.shape, lo, hi):
+                flat = sum(o * s for o, s in zip(box.offsets, strides))
+                shards.append(Shard(t.name, box, rank, t.name, flat - lo, strides))
+            buffers.append(BufferSpec(rank, t.name, t.dtype, hi - lo))
+    return make_layout(tensors, shards, buffers)
+
+
 def data_parallel(layout: Layout, replicas: int) -> Layout:
     """``replicas`` copies of ``layout``; copy ``k`` lives on ranks shifted by ``k * world_size``."""
     world = layout.world_size

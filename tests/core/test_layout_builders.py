@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rlsync import LayoutError
-from rlsync.core._builders import chunk_bounds, data_parallel, flat_range_boxes, fsdp, replicated, zero3
+from rlsync.core._builders import chunk_bounds, data_parallel, flat_partitions, flat_range_boxes, fsdp, replicated, zero3
 from rlsync.core._layout import Box, TensorMeta
 from rlsync.core._layout_parallel import engine_tp, megatron
 from rlsync.core._presets import PRESETS, load_model_spec, model_spec
@@ -45,6 +45,28 @@ def test_zero3_flat_partitions_are_boxes_at_the_right_offsets() -> None:
     ]
     assert [(s.rank, s.box, s.offset) for s in _by(layout, "b")] == [(0, Box((0,), (3,)), 6), (1, Box((3,), (2,)), 6)]
     assert {(buf.rank, buf.numel) for buf in layout.buffers} == {(0, 9), (1, 9)}
+
+
+def test_flat_partitions_put_each_ranks_part_in_a_buffer_of_its_own() -> None:
+    a, b = TensorMeta("a", "float32", (3, 4)), TensorMeta("b", "float32", (2,))
+    layout = flat_partitions([a, b], 3)
+    # a: 12 elements -> 4 per rank; b: 2 elements -> 1 per rank, rank 2 holds none of it
+    assert [(s.rank, s.box, s.buffer, s.offset) for s in _by(layout, "a")] == [
+        (0, Box((0, 0), (1, 4)), "a", 0), (1, Box((1, 0), (1, 4)), "a", 0), (2, Box((2, 0), (1, 4)), "a", 0),
+    ]
+    assert [(s.rank, s.box, s.buffer, s.offset) for s in _by(layout, "b")] == [(0, Box((0,), (1,)), "b", 0), (1, Box((1,), (1,)), "b", 0)]
+    assert sorted((buf.rank, buf.name, buf.numel) for buf in layout.buffers) == [
+        (0, "a", 4), (0, "b", 1), (1, "a", 4), (1, "b", 1), (2, "a", 4)]
+    # a part that starts mid-row: the second box sits after the first in the rank's buffer
+    odd = flat_partitions([TensorMeta("c", "float32", (3, 4))], 2)
+    assert [(s.rank, s.box, s.offset) for s in _by(odd, "c")] == [
+        (0, Box((0, 0), (1, 4)), 0), (0, Box((1, 0), (1, 2)), 4), (1, Box((1, 2), (1, 2)), 0), (1, Box((2, 0), (1, 4)), 2)]
+    whole = np.arange(12, dtype=np.float32).reshape(3, 4)
+    parts = {r: whole.ravel()[r * 6:(r + 1) * 6] for r in range(2)}
+    for s in _by(odd, "c"):  # each box's elements are where the shard says in the rank's part
+        got = np.lib.stride_tricks.as_strided(parts[s.rank][s.offset:], shape=s.box.sizes, strides=[4 * x for x in s.strides])
+        region = tuple(slice(o, o + n) for o, n in zip(s.box.offsets, s.box.sizes))
+        assert np.array_equal(got, whole[region])
 
 
 def test_flat_range_boxes_cover_exactly_the_range() -> None:

@@ -1,0 +1,80 @@
+"""``rlsync launch openrlhf [OPTIONS] -- <OpenRLHF's usual arguments>`` (also ``python -m rlsync.adapters.openrlhf``).
+
+Starts OpenRLHF's own entry point (``openrlhf.cli.train_ppo_ray``: its parser, its checks, its ``train``)
+with the user's arguments, unchanged except for the weight sync: before that, it starts Ray itself with
+``worker_process_setup_hook`` = ``rlsync.patches.openrlhf.setup_worker`` and the environment OpenRLHF's own
+``ray.init`` would set, so that every Ray worker applies rlsync's trainer-side patches (``train`` calls
+``ray.init`` only when Ray is not running), and exports ``RLSYNC_OPENRLHF`` so that vLLM's engine processes
+(which are not Ray workers) apply the engine side through rlsync's vLLM plugin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+
+from rlsync import ConfigError, __version__
+from rlsync.patches.openrlhf import OPTIONS_ENV, apply_trainer_side, check_version, installed_version
+
+ENTRY = "openrlhf.cli.train_ppo_ray"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlsync launch openrlhf",
+                                description="Run OpenRLHF's train_ppo_ray with rlsync's weight sync. Put OpenRLHF's own "
+                                            "arguments after `--`.")
+    p.add_argument("--weight-sync", choices=["rlsync", "openrlhf"], default="rlsync",
+                   help="rlsync (every trainer rank sends its share) or OpenRLHF's own broadcast, unpatched")
+    p.add_argument("--transport", default="shm", help="shm (one machine, the default), tcp or nixl")
+    p.add_argument("--host", default="127.0.0.1", help="where engine workers listen (loopback unless told otherwise)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one sync may take")
+    p.add_argument("--max-staleness", type=int, default=None,
+                   help="async mode: drop samples generated more than N weight versions ago (rlsync's MaxStaleness)")
+    return p
+
+
+def split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(rlsync's options, OpenRLHF's arguments): OpenRLHF's come after ``--``."""
+    argv = list(argv)
+    if "--" not in argv:
+        raise ConfigError("put OpenRLHF's arguments after `--`: rlsync launch openrlhf [--max-staleness N] -- --pretrain ...")
+    at = argv.index("--")
+    return argv[:at], argv[at + 1:]
+
+
+def ray_env(opts: dict[str, object]) -> dict[str, str]:
+    """The environment every process of the run gets: OpenRLHF's own ``ray.init`` defaults, and rlsync's options."""
+    return {
+        "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "true"),
+        "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"),
+        "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1"),
+        OPTIONS_ENV: json.dumps(opts),
+    }
+
+
+def start_ray(opts: dict[str, object]) -> None:
+    import ray
+
+    if ray.is_initialized():
+        raise ConfigError("Ray is already initialised in this process: the launcher must start it (with its worker hook)")
+    env = ray_env(opts)
+    os.environ.update(env)  # this process and what it spawns; Ray workers get it from the runtime env too
+    ray.init(runtime_env={"env_vars": env, "worker_process_setup_hook": "rlsync.patches.openrlhf.setup_worker"})
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    own, theirs = split(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(own)
+    version = installed_version()
+    check_version(version)
+    if args.weight_sync == "rlsync":
+        opts = {"rlsync": __version__, "openrlhf": version, "transport": args.transport, "host": args.host,
+                "timeout": args.timeout, "max_staleness": args.max_staleness}
+        start_ray(opts)
+        apply_trainer_side()  # the driver too: the trainer classes it hands to Ray are patched before they are sent
+    sys.argv = [ENTRY, *theirs]
+    runpy.run_module(ENTRY, run_name="__main__", alter_sys=True)

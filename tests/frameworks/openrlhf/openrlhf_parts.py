@@ -1,0 +1,118 @@
+"""What the OpenRLHF tests run inside Ray: trainer ranks holding OpenRLHF's real ``ActorPPOTrainer`` (patched by
+the launcher's worker hook), and OpenRLHF's real vLLM engine actor (``RolloutRayActor``).
+
+Stand-ins, each a FAKE named as such, for what needs CUDA:
+- ``FakeStrategy`` stands for ``openrlhf.utils.deepspeed.DeepspeedStrategy`` (its ``setup_distributed`` and
+  ``deepspeed.initialize`` need CUDA): it carries ``args`` (the fields the sync reads: ``args.vllm.*``,
+  ``args.ds.zero_stage``) and the process group is plain gloo ``torch.distributed``.
+- ``ActorPPOTrainer.__init__`` is not run (it builds the loss, the replay buffer and ends in
+  ``torch_dist_barrier_and_cuda_sync``, which calls ``torch.cuda.synchronize``): the trainer object gets the
+  attributes its ``_init_vllm_sync_group`` and ``broadcast_to_vllm`` read (``strategy``, ``actor.model.module``,
+  ``vllm_engines``), as ``ActorPPOTrainer.__init__`` sets them.
+- ``fake_zero3`` partitions parameters as DeepSpeed ZeRO-3 does (``deepspeed/runtime/zero/partition_parameters.py``:
+  ``param.data`` emptied, ``ds_shape``/``ds_numel`` the full shape and size, ``ds_tensor`` this rank's flat
+  partition of ``ceil(numel / world)`` elements, zero-padded at the end).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+_spec = importlib.util.spec_from_file_location("rlsync_test_vllm_trainer", Path(__file__).parents[2] / "adapters" / "vllm" / "trainer.py")
+assert _spec is not None and _spec.loader is not None
+models = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(models)
+
+PROMPTS = [[5, 17, 42, 99, 3], [200, 1, 77]]
+NEW_TOKENS = 8
+
+
+class FakeStrategy:
+    def __init__(self, zero_stage: int) -> None:
+        self.args = SimpleNamespace(vllm=SimpleNamespace(enable_prefix_caching=False, sync_backend="nccl"),
+                                    ds=SimpleNamespace(zero_stage=zero_stage, tensor_parallel_size=1))
+
+
+def fake_zero3(model: torch.nn.Module, rank: int, world: int) -> None:
+    for p in model.parameters():
+        full = p.data.reshape(-1)
+        size = -(-full.numel() // world)
+        part = torch.zeros(size, dtype=p.dtype)
+        piece = full[rank * size:(rank + 1) * size]
+        part[: piece.numel()] = piece
+        p.ds_shape, p.ds_numel, p.ds_tensor = p.shape, full.numel(), part  # type: ignore[attr-defined]
+        p.data = torch.empty(0, dtype=p.dtype)
+
+
+class TrainerRank:
+    """One DeepSpeed rank of OpenRLHF's policy actor, as far as the weight sync sees it."""
+
+    def __init__(self, rank: int, world: int, init_method: str, engines: list[Any], zero_stage: int) -> None:
+        import torch.distributed as dist
+        from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+        self.rank, self.world, self.zero_stage = rank, world, zero_stage
+        self.trainer = ActorPPOTrainer.__new__(ActorPPOTrainer)
+        self.trainer.strategy = FakeStrategy(zero_stage)
+        self.trainer.args = self.trainer.strategy.args
+        self.trainer.vllm_engines = engines
+        self.trainer.actor = SimpleNamespace(model=SimpleNamespace(module=None), is_vlm=False)
+
+    def patched(self) -> dict[str, str]:
+        from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+
+        return {name: getattr(ActorPPOTrainer, name).__module__ for name in ("_init_vllm_sync_group", "broadcast_to_vllm")}
+
+    def load(self, seed: int) -> None:
+        model = models.build("qwen2", seed)
+        if self.zero_stage == 3:
+            fake_zero3(model, self.rank, self.world)
+        self.trainer.actor.model.module = model
+
+    def init_sync(self) -> None:
+        if self.rank == 0:  # as ActorPPOTrainer.__init__ calls it
+            self.trainer._init_vllm_sync_group("nccl")
+
+    def sync(self) -> int:
+        self.trainer.broadcast_to_vllm()
+        return int(self.trainer._rlsync_version)
+
+
+def engine_kwargs(model: str) -> dict[str, Any]:
+    """The keyword arguments ``openrlhf.trainer.ray.vllm_engine.create_vllm_engines`` gives ``RolloutRayActor`` for
+    one TP=1 engine with OpenRLHF's defaults, on CPU (no placement group of GPU bundles, ``num_gpus=0``)."""
+    return {"model": model, "enforce_eager": True, "worker_extension_cls": "openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap",
+            "tensor_parallel_size": 1, "seed": 0, "distributed_executor_backend": "uni", "max_model_len": 128,
+            "enable_prefix_caching": False, "dtype": "bfloat16", "trust_remote_code": True, "full_determinism": False,
+            "bundle_indices": None, "num_gpus": 0, "enable_sleep_mode": False, "agent_func_path": None,
+            "remote_rm_url": None, "mm_pad_token_ids": set(), "skip_tokenizer_init": True}
+
+
+def greedy_of_engine(engine: Any) -> list[list[int]]:
+    import ray
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
+    outs = ray.get([engine.generate.remote(p, params) for p in PROMPTS])
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def fresh_greedy(model_dir: str) -> list[list[int]]:
+    """A new in-process vLLM engine loading ``model_dir`` from disk."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+              distributed_executor_backend="uni", max_model_len=128, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
+    got = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    return got

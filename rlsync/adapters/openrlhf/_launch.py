@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from rlsync import ConfigError, __version__
+from rlsync.adapters.openrlhf._versions import clock
 from rlsync.patches.openrlhf import OPTIONS_ENV, apply_trainer_side, check_version, installed_version
 
 ENTRY = "openrlhf.cli.train_ppo_ray"
@@ -64,6 +65,7 @@ def start_ray(opts: dict[str, object]) -> None:
     env = ray_env(opts)
     os.environ.update(env)  # this process and what it spawns; Ray workers get it from the runtime env too
     ray.init(runtime_env={"env_vars": env, "worker_process_setup_hook": "rlsync.patches.openrlhf.setup_worker"})
+    clock()  # the run's version clock, owned by this process: it lives as long as the run
 
 
 def main(argv: Sequence[str] | None = None) -> None:

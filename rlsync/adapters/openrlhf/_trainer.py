@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rlsync import ConfigError, TensorMeta, WeightsWriter, __version__
+from rlsync.adapters.openrlhf._versions import clock
 from rlsync.adapters.openrlhf._worker import APPLY, HANDSHAKE
 from rlsync.layouts import flat_partitions
 from rlsync.patches.openrlhf import installed_version, options
@@ -112,6 +113,7 @@ def broadcast_to_vllm(self: Any) -> None:
         list(pool.map(lambda w: w.complete(version), self._rlsync_writers))
     if rank == 0:
         ray.get(refs)
+        ray.get(clock().set.remote(version))  # what the samples generated from now on are stamped with
         if getattr(self.strategy.args.vllm, "enable_prefix_caching", False):
             ray.get([engine.reset_prefix_cache.remote() for engine in self.vllm_engines])
         sent = sum(w.bytes_per_version for w in self._rlsync_writers)

@@ -6,6 +6,8 @@ OpenRLHF has no plugin point for weight sync. The launcher puts the options in t
 - the trainer side (``apply_trainer_side``; in the driver and, through Ray's ``worker_process_setup_hook``
   ``setup_worker``, in every Ray worker): ``ActorPPOTrainer._init_vllm_sync_group`` and
   ``ActorPPOTrainer.broadcast_to_vllm`` become rlsync's (``rlsync.adapters.openrlhf._trainer``);
+  ``SamplesGenerator.generate_samples`` stamps each sample with the weight version that generated it and
+  ``BasePPOTrainer.train_step`` drops the stale ones first (``rlsync.adapters.openrlhf._versions``);
 - the vLLM side (``apply_engine_side``; from rlsync's ``vllm.general_plugins`` entry point, which every vLLM
   process runs before it resolves ``worker_extension_cls``: vLLM's engine processes are not Ray workers):
   ``openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap``, the ``worker_extension_cls`` OpenRLHF passes to vLLM,
@@ -60,11 +62,20 @@ def apply_trainer_side() -> None:
 
     from rlsync.adapters.openrlhf import _trainer
 
+    from openrlhf.trainer import ppo_trainer
+    from openrlhf.trainer.ppo_utils import samples_generator
+
+    from rlsync.adapters.openrlhf import _versions
+
     trainer = ppo_actor.ActorPPOTrainer
     if getattr(trainer, "_rlsync_patched", False):
         return
     trainer._init_vllm_sync_group = _trainer.init_vllm_sync_group
     trainer.broadcast_to_vllm = _trainer.broadcast_to_vllm
+    generator = samples_generator.SamplesGenerator
+    generator.generate_samples = _versions.tag_samples(generator.generate_samples)
+    base = ppo_trainer.BasePPOTrainer
+    base.train_step = _versions.gate_samples(base.train_step, (options() or {}).get("max_staleness"))
     trainer._rlsync_patched = True
 
 
@@ -74,4 +85,4 @@ def apply_engine_side() -> None:
 
     from rlsync.adapters.openrlhf._worker import RlsyncWorkerWrap
 
-    vllm_worker_wrap.WorkerWrap = RlsyncWorkerWrap  # type: ignore[misc]  # what worker_extension_cls resolves to
+    vllm_worker_wrap.WorkerWrap = RlsyncWorkerWrap  # what worker_extension_cls resolves to

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 import openrlhf_parts as parts
+from rlsync.adapters.openrlhf._versions import gate_samples, live_version, tag_samples
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -77,6 +79,7 @@ def test_two_trainer_ranks_sync_three_versions_into_openrlhfs_engine(launched_ra
     for version, seed in enumerate((201, 202, 203), start=1):
         ray.get([r.load.remote(seed) for r in ranks])
         assert ray.get([r.sync.remote() for r in ranks]) == [version, version]
+        assert live_version() == version  # what OpenRLHF's samples are stamped with from now on
         got = parts.greedy_of_engine(engine)
         parts.models.build("qwen2", seed).save_pretrained(tmp_path / f"v{version}")
         assert got == parts.fresh_greedy(str(tmp_path / f"v{version}")), f"version {version}"
@@ -106,3 +109,26 @@ def test_a_half_patched_pair_fails_at_init_naming_the_side(launched_ray: dict[st
         ray.get(patched.init_process_group.remote("127.0.0.1", 29500, 1, 2, "openrlhf", "nccl", False), timeout=120)
     for actor in (*ranks, unpatched, patched):
         ray.kill(actor)
+
+
+def test_samples_carry_the_version_that_generated_them_and_stale_ones_never_train(launched_ray: dict[str, object]) -> None:
+    import ray
+
+    from rlsync.adapters.openrlhf._versions import clock
+
+    ray.get(clock().set.remote(5))
+    generated = tag_samples(lambda self, **_: ([SimpleNamespace(), SimpleNamespace()], None, 2, False))(None)
+    assert [s.rlsync_versions for s in generated[0]] == [(5, 5), (5, 5)]
+    samples = [SimpleNamespace(rlsync_versions=v, n=i) for i, v in enumerate([(5, 5), (4, 4), (3, 3), (3, 4)])]
+    received: list[list[int]] = []
+
+    def experience_maker_and_ppo(self: Any, kept: list[Any], step: int) -> tuple[dict[str, float], int]:
+        received.append([s.n for s in kept])  # stands for OpenRLHF's train_step: experiences, then the loss
+        return {"policy_loss": 0.0}, step + 1
+
+    status, step = gate_samples(experience_maker_and_ppo, 1)(None, samples, 7)
+    assert received == [[0, 1]] and step == 8  # versions 3 (two behind the live 5) never reached it
+    assert status["rlsync/dropped_stale"] == 2 and status["rlsync/staleness_mean"] == 0.5
+    status, step = gate_samples(experience_maker_and_ppo, 1)(None, samples[2:], 8)
+    assert received == [[0, 1]] and step == 8 and status["rlsync/dropped_stale"] == 2  # no step on stale samples only
+    assert len(gate_samples(experience_maker_and_ppo, None)(None, samples, 8)[0]) > 0 and received[-1] == [0, 1, 2, 3]

@@ -1,0 +1,94 @@
+"""Policy versions on OpenRLHF's samples, and rlsync's staleness gate before training (launcher ``--max-staleness``).
+
+OpenRLHF's samples carry no version. A named Ray actor (``VersionClock``) holds the version the engines serve:
+trainer rank 0 sets it after every sync (``_trainer.broadcast_to_vllm``). The patched
+``SamplesGenerator.generate_samples`` reads it before and after generating and stamps every sample
+(``Experience.rlsync_versions = (oldest, newest)``: with ``--train.partial_rollout_enable`` a sync may land
+mid-generation, otherwise OpenRLHF's lock keeps both equal). The patched ``BasePPOTrainer.train_step`` drops,
+with rlsync's ``MaxStaleness`` gate, every sample whose oldest token lags the live version by more than
+``max_staleness`` before OpenRLHF turns the samples into experiences, and reports ``rlsync/staleness_mean`` and
+``rlsync/dropped_stale`` in the step's status.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+from rlsync import Decision, MaxStaleness, Sample
+
+CLOCK = "rlsync-openrlhf-version-clock"
+
+
+class VersionClock:
+    """The weight version OpenRLHF's vLLM engines serve (0: the checkpoint they started from)."""
+
+    def __init__(self) -> None:
+        self.version = 0
+
+    def set(self, version: int) -> None:  # trainer rank 0 only, after each sync
+        self.version = int(version)
+
+    def get(self) -> int:
+        return self.version
+
+
+_handle: list[Any] = []  # held for the life of this process: Ray collects an actor no handle refers to
+
+
+def clock() -> Any:
+    """The run's clock (created by whoever asks first)."""
+    import ray
+
+    if not _handle:
+        _handle.append(ray.remote(num_cpus=0)(VersionClock).options(name=CLOCK, get_if_exists=True).remote())
+    return _handle[0]
+
+
+def live_version() -> int:
+    import ray
+
+    return int(ray.get(clock().get.remote()))
+
+
+def tag_samples(original: Any) -> Any:
+    """Wraps ``SamplesGenerator.generate_samples``: every returned sample gets ``rlsync_versions``."""
+
+    @functools.wraps(original)
+    def generate_samples(self: Any, **kwargs: Any) -> Any:
+        oldest = live_version()
+        result = original(self, **kwargs)
+        newest = live_version()
+        for sample in result[0]:
+            sample.rlsync_versions = (oldest, newest)
+        return result
+
+    return generate_samples
+
+
+def gate_samples(original: Any, max_staleness: int | None) -> Any:
+    """Wraps ``BasePPOTrainer.train_step``: stale samples never reach the experience maker (nor the loss)."""
+    gate = MaxStaleness(max_staleness) if max_staleness is not None else None
+
+    @functools.wraps(original)
+    def train_step(self: Any, rollout_samples: Any, global_step: int) -> Any:
+        live = live_version()
+        kept, lags = [], []
+        for sample in rollout_samples:
+            oldest, newest = getattr(sample, "rlsync_versions", (live, live))
+            stamp = Sample("", np.zeros(2, np.int64), 0, np.zeros(2, np.float32), np.array([oldest, newest]))
+            if gate is None or gate(stamp, live) is Decision.TRAIN:
+                kept.append(sample)
+                lags.append(live - oldest)
+        dropped = len(rollout_samples) - len(kept)
+        extra = {"rlsync/dropped_stale": float(dropped), "rlsync/version": float(live)}
+        if not kept:  # nothing fresh enough: no step, the weights stay as they are
+            return {**extra, "rlsync/staleness_mean": float("nan")}, global_step
+        status, step = original(self, kept, global_step)
+        status.update(extra)
+        status["rlsync/staleness_mean"] = float(np.mean(lags))
+        return status, step
+
+    return train_step

@@ -132,3 +132,18 @@ def test_samples_carry_the_version_that_generated_them_and_stale_ones_never_trai
     status, step = gate_samples(experience_maker_and_ppo, 1)(None, samples[2:], 8)
     assert received == [[0, 1]] and step == 8 and status["rlsync/dropped_stale"] == 2  # no step on stale samples only
     assert len(gate_samples(experience_maker_and_ppo, None)(None, samples, 8)[0]) > 0 and received[-1] == [0, 1, 2, 3]
+
+
+def test_the_launcher_hands_the_users_arguments_to_openrlhfs_own_parser(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    shown = subprocess.run([sys.executable, "-m", "rlsync.adapters.openrlhf", "--max-staleness", "2", "--", "--help"],
+                           capture_output=True, text=True, timeout=300, env=env)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert "--vllm.sync_backend" in shown.stdout and "--train.async_enable" in shown.stdout  # OpenRLHF's parser
+    refused = subprocess.run([sys.executable, "-m", "rlsync.adapters.openrlhf", "--", "--no.such_flag", "1"],
+                             capture_output=True, text=True, timeout=300, env=env)
+    assert refused.returncode == 2 and "unrecognized arguments: --no.such_flag" in refused.stderr

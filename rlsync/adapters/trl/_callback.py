@@ -65,6 +65,11 @@ class RlsyncSyncCallback(TrainerCallback):
         self._compute_loss = trainer.compute_loss
         trainer.compute_loss = self._gated_loss
 
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The server keeps serving the last version; its receiving side is released (a later train() opens it again)."""
+        if self.server is not None:
+            self.server.close()
+
     def _version_of(self, step: int) -> int:
         return (self._base or 0) + step + 1
 

@@ -77,6 +77,7 @@ class VllmServer:
             self.host = "127.0.0.1"
         self._writer: WeightsWriter | None = None
         self._names: list[str] = []
+        self._dtype: Any = None
         self.version = 0  # the last version this object made live
 
     # --- HTTP ---------------------------------------------------------------------------------------------
@@ -163,8 +164,9 @@ class VllmServer:
                                   "the server's tensor list is fixed at the first publish")
         writer = self._writer
         assert writer is not None
-        # version 0 is the checkpoint the server started from: a fresh server's first published version is 1
-        version = max(writer.next_version, 1) if version is None else version
+        # version 0 is the checkpoint the server started from: a fresh server's first published version is 1; after
+        # close() and a new receiver, numbering goes on from what this object last made live
+        version = max(writer.next_version, self.version + 1) if version is None else version
         writer.multi_put(state)  # checks names, dtypes and sizes before the server waits for anything
         self.call("/start_weight_update", {})
         failure: list[BaseException] = []

@@ -10,7 +10,8 @@ rlsync server does not have: ``import rlsync.adapters.trl`` patches that away (`
 Versions: the weights after ``global_step`` optimizer steps go live as version ``base + global_step + 1``
 (``base`` is the server's live version at the first sync, 0 on a fresh server). Every generated token is
 stamped with the version that produced it (GRPOTrainer never generates during a sync, so the version live at
-generation), ``rlsync_versions`` beside ``completion_ids``. With ``max_staleness=N``, rlsync's ``MaxStaleness``
+generation, checked against the weight version vLLM reports after each sync), ``rlsync_versions`` beside
+``completion_ids``. With ``max_staleness=N``, rlsync's ``MaxStaleness``
 gate runs on each sample before the loss: a sample whose oldest token lags the trainer by more than ``N`` steps
 (``steps_per_generation`` or ``num_iterations`` above 1 reuse generations) is masked out of the loss entirely.
 TRL's truncated importance weights (``vllm_importance_sampling_correction``) stay as TRL computes them.
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from rlsync import ConfigError, Decision, MaxStaleness, Sample
+from rlsync import ConfigError, Decision, MaxStaleness, Sample, VersionError
 from rlsync.adapters.vllm import VllmServer
 from rlsync.patches.trl import rlsync_owns_sync
 
@@ -88,6 +89,9 @@ class RlsyncSyncCallback(TrainerCallback):
         else:
             stats = self.server.publish(named, self._version_of(step))
         self.server.reset_prefix_cache()  # cached prefixes were computed with the previous weights
+        reported = self.server.weight_version()  # what vLLM stamps on its outputs from now on
+        if reported != str(stats.version):
+            raise VersionError(f"the vLLM server reports weight version {reported!r} after rlsync made {stats.version} live")
         self.live_version = stats.version
         self.history.append((stats.version, step))
         metrics = self.trainer._metrics["train"]

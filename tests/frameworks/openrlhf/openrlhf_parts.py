@@ -85,11 +85,13 @@ class TrainerRank:
         return int(self.trainer._rlsync_version)
 
 
-def engine_kwargs(model: str) -> dict[str, Any]:
+def engine_kwargs(model: str, tp: int = 1) -> dict[str, Any]:
     """The keyword arguments ``openrlhf.trainer.ray.vllm_engine.create_vllm_engines`` gives ``RolloutRayActor`` for
-    one TP=1 engine with OpenRLHF's defaults, on CPU (no placement group of GPU bundles, ``num_gpus=0``)."""
+    one engine with OpenRLHF's defaults, on CPU (no placement group of GPU bundles, ``num_gpus=0``). For TP>1
+    OpenRLHF picks vLLM's Ray executor; here it is vLLM's multiprocessing one (no GPU bundles to place Ray workers
+    on): the workers and the worker extension they run are the same."""
     return {"model": model, "enforce_eager": True, "worker_extension_cls": "openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap",
-            "tensor_parallel_size": 1, "seed": 0, "distributed_executor_backend": "uni", "max_model_len": 128,
+            "tensor_parallel_size": tp, "seed": 0, "distributed_executor_backend": "uni" if tp == 1 else "mp", "max_model_len": 128,
             "enable_prefix_caching": False, "dtype": "bfloat16", "trust_remote_code": True, "full_determinism": False,
             "bundle_indices": None, "num_gpus": 0, "enable_sleep_mode": False, "agent_func_path": None,
             "remote_rm_url": None, "mm_pad_token_ids": set(), "skip_tokenizer_init": True}

@@ -24,12 +24,14 @@ def _init_method() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-def _engine(model_dir: Path, **env: str) -> Any:
+def _engine(model_dir: Path, tp: int = 1, **env: str) -> Any:
     import ray
     from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
 
-    runtime_env = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", **env}}
-    engine = RolloutRayActor.options(num_cpus=0, runtime_env=runtime_env).remote(**parts.engine_kwargs(str(model_dir)))
+    # two CPU workers on one NUMA node: vLLM binds their threads only when told where ("Not enough allowed NUMA nodes")
+    binds = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp == 2 else {}
+    runtime_env = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", **binds, **env}}
+    engine = RolloutRayActor.options(num_cpus=0, runtime_env=runtime_env).remote(**parts.engine_kwargs(str(model_dir), tp))
     ray.get(engine.get_num_unfinished_requests.remote(), timeout=300)  # constructed
     return engine
 
@@ -64,14 +66,15 @@ def test_an_unsupported_openrlhf_is_refused_by_name() -> None:
         main(["--max-staleness", "2"])
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("zero_stage", "tp"), [(2, 1), (3, 1), (3, 2)])
 def test_two_trainer_ranks_sync_three_versions_into_openrlhfs_engine(launched_ray: dict[str, object], tmp_path: Path,
-                                                                     zero_stage: int) -> None:
+                                                                     zero_stage: int, tp: int) -> None:
     import ray
 
     model_dir = tmp_path / "v0"
     parts.models.build("qwen2", 100).save_pretrained(model_dir)
-    engine = _engine(model_dir)
+    engine = _engine(model_dir, tp)
     ranks = _ranks([engine], zero_stage)
     ray.get([r.load.remote(100) for r in ranks])
     ray.get([r.init_sync.remote() for r in ranks])

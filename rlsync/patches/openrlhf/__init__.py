@@ -23,7 +23,8 @@ import os
 from importlib import metadata
 from typing import Any
 
-from rlsync.core._errors import ConfigError
+from rlsync import ConfigError
+from rlsync.patches import minor_supported
 
 SUPPORTED = ("0.11",)  # OpenRLHF major.minor versions whose code these patches were written against
 OPTIONS_ENV = "RLSYNC_OPENRLHF"
@@ -31,7 +32,7 @@ OPTIONS_ENV = "RLSYNC_OPENRLHF"
 
 def check_version(version: str) -> None:
     """Raise ``ConfigError`` unless ``version`` (OpenRLHF's) is one the patches were written for."""
-    if ".".join(version.split(".")[:2]) not in SUPPORTED:
+    if not minor_supported(version, SUPPORTED):
         raise ConfigError(f"rlsync's OpenRLHF launcher supports OpenRLHF {', '.join(v + '.x' for v in SUPPORTED)}; this "
                           f"is OpenRLHF {version}. Install a supported one (pip install 'openrlhf=={SUPPORTED[-1]}.*' "
                           "--no-deps) or run without rlsync.")

@@ -24,7 +24,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from rlsync.core._errors import ConfigError
+from rlsync import ConfigError
+from rlsync.patches import minor_supported
 
 SUPPORTED = ("1.16",)  # TRL major.minor versions whose code these patches were written against
 _APPLIED = "_rlsync_patched"
@@ -32,7 +33,7 @@ _APPLIED = "_rlsync_patched"
 
 def check_version(version: str) -> None:
     """Raise ``ConfigError`` unless ``version`` (TRL's ``__version__``) is one the patches were written for."""
-    if ".".join(version.split(".")[:2]) not in SUPPORTED:
+    if not minor_supported(version, SUPPORTED):
         raise ConfigError(f"rlsync's TRL adapter supports TRL {', '.join(v + '.x' for v in SUPPORTED)}; this is TRL "
                           f"{version}. Install a supported one (pip install 'trl=={SUPPORTED[-1]}.*') or an rlsync that "
                           "names yours.")

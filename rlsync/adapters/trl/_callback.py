@@ -58,8 +58,6 @@ class RlsyncSyncCallback(TrainerCallback):
                                   "before building the trainer")
             self.server = VllmServer(client.base_url, transport=transport, timeout=timeout)
         self._base: int | None = None
-        self.live_version = 0  # the version the server serves (main process), stamped on what it generates
-        self.history: list[tuple[int, int]] = []  # (version, global_step) of each sync, oldest first
         generation.sync_weights = self._sync
         self._generate = trainer._generate_and_score_completions
         trainer._generate_and_score_completions = self._generate_and_stamp
@@ -81,7 +79,6 @@ class RlsyncSyncCallback(TrainerCallback):
         if self.server is None:
             for _ in named:  # take part in the gather collectives (FSDP, ZeRO-3)
                 pass
-            self.live_version = self._version_of(step)
             return
         if self._base is None:
             stats = self.server.publish(named)  # the next version after the server's live one
@@ -92,8 +89,6 @@ class RlsyncSyncCallback(TrainerCallback):
         reported = self.server.weight_version()  # what vLLM stamps on its outputs from now on
         if reported != str(stats.version):
             raise VersionError(f"the vLLM server reports weight version {reported!r} after rlsync made {stats.version} live")
-        self.live_version = stats.version
-        self.history.append((stats.version, step))
         metrics = self.trainer._metrics["train"]
         metrics["rlsync/sync_seconds"].append(stats.seconds)
         metrics["rlsync/bytes"].append(float(stats.bytes))

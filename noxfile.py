@@ -45,7 +45,7 @@ def core(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("-e", ".[nixl,redis,ray,dev]", MYPY)
     session.run(
-        "pytest", "tests/core", "tests/plugins", "tests/adapters", "tests/cli", "tests/test_public_api.py",
+        "pytest", "tests/core", "tests/plugins", "tests/adapters", "tests/cli", "tests/wire", "tests/test_public_api.py",
         "-p", "no:cacheprovider", *session.posargs,
     )
     if not session.posargs:  # a full run: the whole package type-checks (strict, pyproject's [tool.mypy])

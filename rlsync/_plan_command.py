@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 
 from rich.console import Console
@@ -10,10 +11,11 @@ from rich.table import Table
 
 from rlsync.core._builders import fsdp, replicated, zero3
 from rlsync.core._errors import ConfigError
-from rlsync.core._layout import Layout
+from rlsync.core._layout import Box, Layout, dtype_size
 from rlsync.core._layout_parallel import engine_tp, megatron
 from rlsync.core._planner import build_plan
 from rlsync.core._presets import PRESETS, ModelSpec, load_model_spec
+from rlsync.wire._fp8 import fp8_model_spec
 
 TRAINERS = {"fsdp": ("dp",), "zero3": ("dp",), "megatron": ("tp", "pp", "dp", "ep", "etp")}
 ENGINES = {"vllm": ("tp", "replicas"), "sglang": ("tp", "replicas"), "hf": ("replicas",)}
@@ -49,15 +51,65 @@ def engine_layout(spec: ModelSpec, infer: str) -> Layout:
     return engine_tp(spec, v.get("tp", 1), v.get("replicas", 1))
 
 
-def plan_report(model: str, train: str, infer: str, nic_gbps: float, rank: int | None = None) -> dict[str, object]:
-    """Everything ``rlsync plan`` prints, as a dict (the ``--json`` output)."""
+#: bytes on the wire per changed value of a delta (an int32 index and the 2-byte value), per value of a full send
+DELTA_BYTES_PER_CHANGE = (4 + 2) / 2
+
+
+def parse_wire(wire: str) -> tuple[str, float]:
+    """``"bf16"``, ``"fp8"`` or ``"delta=0.02"`` -> ``(kind, changed fraction)``."""
+    kind, _, value = wire.partition("=")
+    if kind in ("bf16", "fp8") and not value:
+        return kind, 1.0
+    if kind == "delta":
+        try:
+            fraction = float(value)
+        except ValueError:
+            fraction = -1.0
+        if 0.0 <= fraction <= 1.0:
+            return kind, fraction
+    raise ConfigError(f"--wire {wire!r}: use 'bf16' (the model's dtype), 'fp8' (an fp8 block-quantized engine) or "
+                      f"'delta=FRACTION' (the share of values that changed since the last version, e.g. delta=0.02)")
+
+
+def receiver_nic_bytes(dst: Layout, gpus_per_node: int) -> dict[int, int]:
+    """Bytes each destination rank takes in over its NIC when a piece that several ranks of one node
+    hold (a TP-replicated norm, router or MLA down projection) crosses the node's NICs once, a share
+    through each holder, and reaches the other holders over NVLink. Nodes are consecutive ranks."""
+    holders: dict[tuple[int, str, Box], list[int]] = {}
+    for s in dst.shards:
+        holders.setdefault((s.rank // gpus_per_node, s.tensor, s.box), []).append(s.rank)
+    itemsize = {t.name: dtype_size(t.dtype) for t in dst.tensors}
+    out = dict.fromkeys(sorted({s.rank for s in dst.shards}), 0)
+    for (_, tensor, box), ranks in holders.items():
+        nbytes = math.prod(box.sizes) * itemsize[tensor]
+        for i, rank in enumerate(ranks):  # an even split, the remainder to the first holders
+            out[rank] += nbytes // len(ranks) + (i < nbytes % len(ranks))
+    return out
+
+
+def plan_report(model: str, train: str, infer: str, nic_gbps: float, rank: int | None = None, wire: str = "bf16",
+                gpus_per_node: int = 8) -> dict[str, object]:
+    """Everything ``rlsync plan`` prints, as a dict (the ``--json`` output).
+
+    ``wire``: ``fp8`` plans for an engine that serves the fp8 block-quantized checkpoint format
+    (the trainer quantizes, half the bytes plus scales); ``delta=F`` scales the plan's bytes by
+    what an index+value delta of a changed share ``F`` costs, capped at a full send (what the writer does).
+    ``gpus_per_node`` > 1: the prediction counts a receiver's NIC bytes with node fan-out of shared
+    pieces (``receiver_nic_bytes``); 1: every rank takes all its bytes over its own NIC."""
+    kind, fraction = parse_wire(wire)
     spec = load_model_spec(model)
+    if kind == "fp8":
+        spec = fp8_model_spec(spec)
     started = time.perf_counter()
     src, dst = trainer_layout(spec, train), engine_layout(spec, infer)
     layouts_done = time.perf_counter()
     plan = build_plan(src, dst, dst_ranks=None if rank is None else [rank])
     done = time.perf_counter()
     st = plan.stats
+    factor = min(1.0, fraction * DELTA_BYTES_PER_CHANGE) if kind == "delta" else 1.0
+    nic = receiver_nic_bytes(dst, gpus_per_node)
+    max_nic = max(nic[r] for r in ([rank] if rank is not None else nic))
+    seconds = max(st.max_sender_bytes, max_nic) * factor * 8 / (nic_gbps * 1e9)
     return {
         "model": spec.name,
         "train": train,
@@ -73,14 +125,18 @@ def plan_report(model: str, train: str, infer: str, nic_gbps: float, rank: int |
         "receivers": st.receivers,
         "max_sender_bytes": st.max_sender_bytes,
         "max_receiver_bytes": st.max_receiver_bytes,
+        "gpus_per_node": gpus_per_node,
+        "max_receiver_nic_bytes": max_nic,
         "sender_lower_bound": st.sender_lower_bound,
         "redundancy": st.redundancy,
         "imbalance": st.imbalance if rank is None else None,
         "layout_seconds": layouts_done - started,
         "plan_seconds": done - layouts_done,
         "build_seconds": done - started,
+        "wire": wire,
+        "wire_bytes_factor": factor,
         "nic_gbps": nic_gbps,
-        "predicted_seconds": st.predicted_seconds(nic_gbps),
+        "predicted_seconds": seconds,
     }
 
 
@@ -88,14 +144,15 @@ def _gb(n: object) -> str:
     return f"{int(n) / 1e9:,.2f} GB"  # type: ignore[call-overload]
 
 
-def run(*, model: str, train: str, infer: str, nic_gbps: float, rank: int | None, list_models: bool, json_output: bool) -> None:
+def run(*, model: str, train: str, infer: str, nic_gbps: float, rank: int | None, list_models: bool, json_output: bool,
+        wire: str = "bf16", gpus_per_node: int = 8) -> None:
     console = Console()
     if list_models:
         for name in sorted(PRESETS):
             s = load_model_spec(name)
             console.print(f"{name:16} {s.numel / 1e9:8.2f}B parameters  {len(s.params):5} tensors")
         return
-    report = plan_report(model, train, infer, nic_gbps, rank)
+    report = plan_report(model, train, infer, nic_gbps, rank, wire, gpus_per_node)
     if json_output:
         print(json.dumps(report))
         return
@@ -108,12 +165,14 @@ def run(*, model: str, train: str, infer: str, nic_gbps: float, rank: int | None
         ("transfers", f"{report['transfers']:,}"),
         ("senders / receivers", f"{report['senders']} / {report['receivers']}"),
         ("max per sender", _gb(report["max_sender_bytes"])),
-        ("max per receiver", _gb(report["max_receiver_bytes"])),
+        ("max per receiver", f"{_gb(report['max_receiver_bytes'])} ({_gb(report['max_receiver_nic_bytes'])} over its NIC, "
+                             f"{gpus_per_node} GPUs per node)"),
     ]
     if report["imbalance"] is not None:
         rows.append(("sender lower bound", f"{_gb(report['sender_lower_bound'])} (imbalance {report['imbalance']:.3f})"))
     rows += [
         ("build time", f"{report['build_seconds']:.2f} s (layouts {report['layout_seconds']:.2f} s, plan {report['plan_seconds']:.2f} s)"),
+        ("wire", wire if report["wire_bytes_factor"] == 1.0 else f"{wire} (bytes x {report['wire_bytes_factor']:.3f})"),
         ("predicted transfer", f"{report['predicted_seconds']:.2f} s at {nic_gbps:g} Gbit/s per NIC"),
     ]
     for key, value in rows:

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from typer.testing import CliRunner
 
 from rlsync.cli import app
@@ -32,3 +34,41 @@ def test_bad_spec_is_one_clear_line_and_exit_2() -> None:
     out = subprocess.run([sys.executable, "-m", "rlsync.cli", "plan", "--train", "megatron:tp=x"], capture_output=True, text=True)
     assert out.returncode == 2
     assert "bad item 'tp=x'" in out.stderr and "Traceback" not in out.stderr
+
+
+KIMI = ["plan", "--model", "kimi-k2", "--train", "megatron:tp=8,pp=4,dp=8,ep=8", "--infer", "vllm:tp=16,replicas=8",
+        "--nic-gbps", "400", "--json"]
+
+
+def _report(*extra: str) -> dict:
+    result = CliRunner().invoke(app, [*KIMI, *extra])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_fp8_wire_puts_the_1t_moe_under_1_3_seconds() -> None:
+    bf16, fp8 = _report("--wire", "bf16"), _report("--wire", "fp8")
+    assert fp8["predicted_seconds"] <= 1.3 < bf16["predicted_seconds"]
+    assert fp8["imbalance"] <= 1.05 and fp8["redundancy"] == 1.0
+    # fp8 weights + fp32 block scales + the bf16 embedding, head, router and norms: a bit over half
+    assert 0.5 < fp8["max_receiver_bytes"] / bf16["max_receiver_bytes"] < 0.51
+    # node fan-out: the TP-replicated pieces cross a node's NICs once, so less than all of a rank's bytes
+    assert fp8["max_receiver_nic_bytes"] < fp8["max_receiver_bytes"]
+
+
+def test_one_gpu_per_node_is_every_byte_over_the_rank_nic() -> None:
+    report = _report("--gpus-per-node", "1")
+    assert report["max_receiver_nic_bytes"] == report["max_receiver_bytes"]
+    assert report["predicted_seconds"] == max(report["max_receiver_bytes"], report["max_sender_bytes"]) * 8 / 400e9
+
+
+def test_delta_wire_scales_the_bytes_and_caps_at_a_full_send() -> None:
+    full = _report()
+    assert _report("--wire", "delta=0.02")["predicted_seconds"] == pytest.approx(full["predicted_seconds"] * 0.06)
+    assert _report("--wire", "delta=0.9")["predicted_seconds"] == full["predicted_seconds"]
+
+
+def test_bad_wire_names_the_choices() -> None:
+    out = subprocess.run([sys.executable, "-m", "rlsync.cli", "plan", "--wire", "int4"], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "--wire 'int4'" in out.stderr and "delta=FRACTION" in out.stderr

@@ -1,0 +1,94 @@
+"""fp8 on the wire for fp8 engines: the block-quantized checkpoint format of DeepSeek-V3 and
+Kimi-K2, which vLLM and SGLang load (``quantization_config = {"quant_method": "fp8",
+"weight_block_size": [128, 128]}``).
+
+A quantized weight ``w`` of shape ``[..., out, in]`` travels as ``w`` in ``float8_e4m3fn`` and
+``w_scale_inv`` (``name + "_scale_inv"``) in ``float32`` of shape ``[..., ceil(out/128),
+ceil(in/128)]``: each 128x128 block is ``q * scale_inv`` with ``scale_inv = amax(|block|) / 448``
+(448: the largest finite e4m3 value). Which weights are quantized follows those checkpoints: the
+linear layers' 2-D (and stacked-expert 3-D) weights; embeddings, ``lm_head``, the MoE router
+(``mlp.gate.weight``), norms and biases stay in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Final
+
+import msgspec
+import torch
+
+from rlsync.core._errors import WeightMismatchError
+from rlsync.core._layout import TensorMeta
+from rlsync.core._presets import ModelSpec, Param
+
+BLOCK: Final = 128
+FP8_MAX: Final = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+SCALE_SUFFIX: Final = "_scale_inv"
+_KEPT: Final = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight")
+
+
+def is_quantized(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether the fp8 checkpoint format holds tensor ``name`` (of ``shape``) as fp8 + block scales."""
+    return name.endswith(".weight") and len(shape) >= 2 and not name.endswith(_KEPT)
+
+
+def scale_shape(shape: tuple[int, ...], block: int = BLOCK) -> tuple[int, ...]:
+    """Shape of the block scales of a weight of ``shape``: the last two dims in blocks."""
+    return (*shape[:-2], math.ceil(shape[-2] / block), math.ceil(shape[-1] / block))
+
+
+def quantize(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fp8 weight, float32 scale_inv)`` of ``weight`` in 128x128 blocks over its last two dims,
+    as a DeepSeek-V3 fp8 checkpoint stores it. Computed in float32, on ``weight``'s device."""
+    if weight.ndim < 2:
+        raise WeightMismatchError(f"fp8 block quantization needs a weight of 2 or more dims, not shape {tuple(weight.shape)}")
+    *lead, rows, cols = weight.shape
+    pr, pc = -rows % block, -cols % block
+    w = torch.nn.functional.pad(weight.float(), (0, pc, 0, pr)) if pr or pc else weight.float()
+    blocks = w.reshape(*lead, (rows + pr) // block, block, (cols + pc) // block, block)
+    scale = blocks.abs().amax(dim=(-3, -1)) / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block: any scale is exact
+    q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = q.reshape(*lead, rows + pr, cols + pc)[..., :rows, :cols].contiguous()
+    return q, scale.contiguous()
+
+
+def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.bfloat16, block: int = BLOCK) -> torch.Tensor:
+    """The weight an fp8 checkpoint loader computes: each block ``q * scale_inv``, in ``dtype``."""
+    rows, cols = q.shape[-2:]
+    expanded = scale_inv.repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)[..., :rows, :cols]
+    return (q.float() * expanded).to(dtype)
+
+
+def fp8_tensors(named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors an fp8 engine loads for these model-dtype tensors: each quantized weight as
+    ``(name, fp8)`` and ``(name + "_scale_inv", scales)``, every other tensor unchanged.
+
+    Each shard quantizes on its own, so a trainer rank may pass its TP shard only when the shard's
+    bounds fall on 128-element block bounds (true of Megatron and engine TP splits of the models
+    these checkpoints exist for)."""
+    items = named.items() if isinstance(named, Mapping) else named
+    for name, tensor in items:
+        if is_quantized(name, tuple(tensor.shape)):
+            q, scale = quantize(tensor)
+            yield name, q
+            yield name + SCALE_SUFFIX, scale
+        else:
+            yield name, tensor
+
+
+def fp8_model_spec(spec: ModelSpec) -> ModelSpec:
+    """The tensor list an fp8 engine holds for ``spec``: quantized weights in ``float8_e4m3fn``,
+    each followed by its ``float32`` block scales, sharded and fused the way the weight is (vLLM's
+    ``qkv_proj.weight_scale_inv``, ``w13_weight_scale_inv``, ...)."""
+    params: list[Param] = []
+    for p in spec.params:
+        if not is_quantized(p.meta.name, p.meta.shape):
+            params.append(p)
+            continue
+        params.append(msgspec.structs.replace(p, meta=TensorMeta(p.meta.name, "float8_e4m3fn", p.meta.shape)))
+        scale = TensorMeta(p.meta.name + SCALE_SUFFIX, "float32", scale_shape(p.meta.shape))
+        params.append(Param(scale, p.role, p.layer, None if p.fused is None else p.fused + SCALE_SUFFIX))
+    return msgspec.structs.replace(spec, name=f"{spec.name} (fp8)", params=tuple(params))

@@ -48,10 +48,20 @@ def bench(
     buffer: Annotated[bool, typer.Option("--buffer", help="Benchmark the rollout buffer backends instead.")] = False,
     engine: Annotated[Optional[str], typer.Option(help="Sync into a running engine ('vllm') instead of a plain process.")] = None,
     engine_model: Annotated[str, typer.Option(help="Model for --engine: '125m' (a Qwen2 of 125M parameters) or 'tiny' (a quick check).")] = "125m",
+    wire: Annotated[Optional[str], typer.Option(help="Compare full versions with 'delta' versions over real AdamW steps, over the first of --transports (needs transformers).")] = None,
+    steps: Annotated[int, typer.Option(min=1, help="Optimizer steps (versions) for --wire.")] = 8,
+    lr: Annotated[float, typer.Option(help="AdamW learning rate for --wire (RL post-training uses ~1e-6).")] = 1e-6,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ) -> None:
     """Measure weight sync (or the rollout buffer) against the baselines, in one run."""
-    if buffer:
+    if wire is not None:
+        if wire != "delta":
+            raise typer.BadParameter(f"--wire {wire!r}: the bench compares 'delta' with full versions (fp8 is a tensor "
+                                     f"list, see `rlsync plan --wire fp8`)")
+        from rlsync.bench import _wire
+
+        _wire.run(size=size, steps=steps, lr=lr, transport=transports.split(",")[0], json_output=json_output)
+    elif buffer:
         from rlsync.bench import _buffer
 
         _buffer.run(json_output=json_output, repeats=repeats)

@@ -5,11 +5,18 @@ The parameters are re-pointed at the reader's landing memory (two slots, direct 
 version is written into the slot the model is not using and, once all its bytes are there, the
 parameters switch to it between two forward passes (``with receiver.serving(): model(...)``).
 No copy, no ``load_state_dict``, and a writer dying midway leaves the model as it was.
+
+``wire="fp8"``: the module receives the fp8 block-quantized checkpoint format (``rlsync.wire``;
+the writer uses ``wire="fp8"`` too) into a staging slot and loads it as transformers loads an
+fp8 checkpoint where no fp8 kernel runs: each weight dequantized to its parameter's dtype. That
+is lossy against the trainer's weights (equal to a fresh load of the same fp8 checkpoint), so it
+is only done when asked for, and says so.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -18,6 +25,7 @@ import numpy as np
 import torch
 
 from rlsync.core._builders import from_state_dict
+from rlsync.core._errors import ConfigError, RlsyncWarning
 from rlsync.core._layout import Layout
 from rlsync.core._weights import WeightsReader
 
@@ -35,18 +43,30 @@ class ModuleReceiver:
 
     ``src`` is the writer's layout; by default it is learned from the writer's hello, so the trainer
     may send its whole ``state_dict()`` (a tied ``lm_head.weight`` alias, extra buffers): only what this
-    module holds is sent. Other keyword arguments go to ``WeightsReader`` (``transport``, ``host``,
-    ``secret``, ``checksum``, ...).
+    module holds is sent. ``wire``: ``"full"`` (the parameters' own dtypes, in place) or ``"fp8"``
+    (lossy; see the module docstring). Other keyword arguments go to ``WeightsReader`` (``transport``,
+    ``host``, ``secret``, ``checksum``, ...).
     """
 
-    def __init__(self, module: torch.nn.Module, src: Layout | None = None, **reader_options: Any) -> None:
+    def __init__(self, module: torch.nn.Module, src: Layout | None = None, *, wire: str = "full", **reader_options: Any) -> None:
+        if wire not in ("full", "fp8"):
+            raise ConfigError(f"ModuleReceiver(wire={wire!r}): use 'full' or 'fp8' (a delta is the writer's choice alone)")
         self.module = module
+        self.wire = wire
         self._params = dict(module.named_parameters())
         for name, p in self._params.items():
             if p.device.type != "cpu" or not p.is_contiguous():
                 raise ValueError(f"parameter {name!r} must be a contiguous CPU tensor to receive in place (it is on {p.device})")
-        dst = module_layout(module)
         self._serving = threading.RLock()
+        if wire == "fp8":
+            from rlsync.wire._fp8 import fp8_metas
+
+            warnings.warn("ModuleReceiver(wire='fp8'): the module gets the fp8-dequantized weights (lossy against the "
+                          "trainer's; what transformers loads from an fp8 checkpoint without fp8 kernels)", RlsyncWarning, stacklevel=2)
+            dst = from_state_dict(fp8_metas(module_layout(module).tensors))
+            self.reader = WeightsReader(src, dst, 0, landing="staged", on_version=self._dequantize, **reader_options)
+            return
+        dst = module_layout(module)
         self.reader = WeightsReader(src, dst, 0, landing="direct", on_version=self._switch, **reader_options)
         live = self.reader.buffers()
         with torch.no_grad():
@@ -79,11 +99,28 @@ class ModuleReceiver:
         with self._serving:
             self._point_at(buffers)
 
+    def _dequantize(self, version: int, buffers: dict[str, np.ndarray]) -> None:
+        """Load an fp8-format version: the new weights are built beside the live ones, then swapped in."""
+        from rlsync.wire._fp8 import SCALE_SUFFIX, dequantize, is_quantized
+
+        new: dict[str, torch.Tensor] = {}
+        for name, p in self._params.items():
+            raw = torch.from_numpy(buffers[name])
+            if is_quantized(name, tuple(p.shape)):
+                scale = torch.from_numpy(buffers[name + SCALE_SUFFIX]).view(torch.float32).view(*p.shape[:-2], -1, -(-p.shape[-1] // 128))
+                new[name] = dequantize(raw.view(torch.float8_e4m3fn).view(p.shape), scale, p.dtype)
+            else:
+                new[name] = raw.view(p.dtype).view(p.shape).clone()
+        with self._serving:
+            for name, p in self._params.items():
+                p.data = new[name]
+
     def close(self) -> None:
         """Stop receiving; the parameters keep the live version (copied out of the landing memory)."""
         with self._serving:
-            for p in self._params.values():
-                p.data = p.data.clone()
+            if self.wire == "full":
+                for p in self._params.values():
+                    p.data = p.data.clone()
         self.reader.close()
 
     def __enter__(self) -> ModuleReceiver:

@@ -33,6 +33,8 @@ class Hello(msgspec.Struct, tag=True):
     dst_tensors: dict[str, str]
     session: str = ""
     src: Layout | None = None
+    #: the writer may send deltas (``rlsync.core._delta``): the reader gives it an inbox
+    delta: bool = False
 
 
 class AskLayout(msgspec.Struct, tag=True):
@@ -57,6 +59,10 @@ class Welcome(msgspec.Struct, tag=True):
     description: dict[str, Any]
     live_version: int
     next_slot: int
+    #: for a delta writer: the inbox landing's description, and this writer's part of it
+    inbox: dict[str, Any] | None = None
+    inbox_offset: int = 0
+    inbox_capacity: int = 0
 
 
 class Refuse(msgspec.Struct, tag=True):
@@ -73,6 +79,9 @@ class Done(msgspec.Struct, tag=True):
     version: int
     slot: int
     checksums: dict[str, int] | None = None
+    #: a delta against version ``delta_base`` (what the slot held), ``delta_nbytes`` long in the inbox
+    delta_base: int | None = None
+    delta_nbytes: int = 0
 
 
 class Ack(msgspec.Struct, tag=True):

@@ -10,6 +10,11 @@ descriptions and version notices crosses the control plane. Landing:
   slot untouched.
 * ``staged``: one staging slot; when a version is complete the reader hands views of it to
   ``on_version`` (the engine's loader, a local copy) before the version counts as live.
+
+A writer built with ``wire="delta"`` sends, where it can, only the values that changed since the
+version its part of the target slot holds (``rlsync.core._delta``): into an inbox the reader
+allocates for it, from which the reader writes them into the slot. It sends in full when it does
+not know what the slot holds, or when the delta would not fit the inbox.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from rlsync.core._control import (
     connect_dealer,
 )
 from rlsync.core._builders import replicated
+from rlsync.core._delta import INBOX_SHARE, ChangeLog, apply as apply_delta, encode as encode_delta
 from rlsync.core._errors import (
     ConfigError,
     PeerLostError,
@@ -56,6 +62,8 @@ from rlsync.core._transport import Link, Transport
 
 ALIGN = 64
 Landing = Literal["direct", "staged"]
+#: what a writer may put on the wire (``WeightsWriter(wire=...)``)
+WIRES = ("full", "delta", "fp8", "fp8+delta")
 
 
 def region_offsets(layout: Layout, rank: int) -> tuple[dict[str, int], int]:
@@ -164,6 +172,9 @@ class WeightsReader:
         self._sessions: dict[int, tuple[str, int]] = {}  # writer rank -> (session, epoch it started in)
         self._epoch = 0  # counts writer restarts
         self.discarded: list[int] = []  # unfinished versions given up because a writer restarted
+        self._held: dict[int, dict[int, int]] = {}  # writer rank -> {slot: the version its part of that slot holds}
+        self._inbox: TransportLanding | None = None  # where delta writers put their deltas
+        self._inbox_parts: dict[int, tuple[int, int]] = {}  # writer rank -> (offset, capacity) in the inbox
         self._cond = threading.Condition()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"rlsync-reader-{rank}", daemon=True)
@@ -234,6 +245,8 @@ class WeightsReader:
         self._channel.close()
         if self._landing is not None:
             self._landing.close()
+        if self._inbox is not None:
+            self._inbox.close()
 
     def __enter__(self) -> WeightsReader:
         return self
@@ -301,9 +314,25 @@ class WeightsReader:
             self._discard_partners(msg.writer_rank, previous[1])
         self._sessions[msg.writer_rank] = (msg.session, self._epoch)
         self._done.pop(msg.writer_rank, None)  # a writer that reconnects starts its version over
-        self._channel.send(
-            Welcome(self.rank, self._transport.name, self._landing.describe(), self._version, self._target_slot), identity
-        )
+        self._held.get(msg.writer_rank, {}).pop(self._target_slot, None)  # it may have written part of the slot
+        welcome = Welcome(self.rank, self._transport.name, self._landing.describe(), self._version, self._target_slot)
+        if msg.delta:
+            inbox = self._open_inbox()
+            welcome.inbox = inbox.describe()
+            welcome.inbox_offset, welcome.inbox_capacity = self._inbox_parts.get(msg.writer_rank, (0, 0))
+        self._channel.send(welcome, identity)
+
+    def _open_inbox(self) -> TransportLanding:
+        """The inbox for delta writers: each writer a part of ``INBOX_SHARE`` times its bytes for this rank."""
+        if self._inbox is None:
+            at = 0
+            for writer in sorted(self._expected):
+                nbytes = sum(n for _, runs in self._pair_runs.get((writer, self.rank), []) for _, _, n in runs)
+                capacity = -(-int(nbytes * INBOX_SHARE) // ALIGN) * ALIGN
+                self._inbox_parts[writer] = (at, capacity)
+                at += capacity
+            self._inbox = self._transport.landing(max(at, ALIGN), 1, self._transport_options)
+        return self._inbox
 
     def _discard_partners(self, restarted: int, epoch: int) -> None:
         """Writer rank ``restarted`` came back with a new session (its old one died, maybe mid-version). Parts of
@@ -333,6 +362,12 @@ class WeightsReader:
         if msg.slot != self._target_slot:
             self._channel.send(Refuse(f"wrote slot {msg.slot}, expected {self._target_slot}; reconnect", "version"), identity)
             return
+        held = self._held.get(msg.writer_rank, {}).pop(msg.slot, None)  # from here its part holds the new bytes
+        if msg.delta_base is not None:
+            error = self._land_delta(msg, held)
+            if error is not None:
+                self._channel.send(Refuse(error, "delta"), identity)
+                return
         if self._pending_version != msg.version:
             self._pending_version = msg.version
             self._done = {r: d for r, d in self._done.items() if d[1].version == msg.version}
@@ -354,6 +389,8 @@ class WeightsReader:
             for ident, _ in done.values():
                 self._channel.send(Refuse(error, kind), ident)
             return
+        for writer in done:
+            self._held.setdefault(writer, {})[self._target_slot] = msg.version
         with self._cond:
             if self.landing_mode == "direct":
                 self._live_slot, self._target_slot = self._target_slot, self._live_slot
@@ -361,6 +398,21 @@ class WeightsReader:
             self._cond.notify_all()
         for ident, _ in done.values():
             self._channel.send(Ack(msg.version, self._target_slot), ident)
+
+    def _land_delta(self, msg: Done, held: int | None) -> str | None:
+        """Write a writer's delta from its inbox part into the target slot; what went wrong, if anything."""
+        offset, capacity = self._inbox_parts.get(msg.writer_rank, (0, 0))
+        if self._inbox is None or msg.delta_nbytes > capacity:
+            return f"reader rank {self.rank} has no inbox of {msg.delta_nbytes} bytes for writer rank {msg.writer_rank}: send in full"
+        if held != msg.delta_base:
+            return (f"writer rank {msg.writer_rank} sent a delta against version {msg.delta_base}, but its part of slot "
+                    f"{msg.slot} on reader rank {self.rank} holds {'unknown bytes' if held is None else f'version {held}'}: send in full")
+        assert self._landing is not None
+        try:
+            apply_delta(self._inbox.regions[0][offset : offset + msg.delta_nbytes], self._landing.regions[msg.slot])
+        except ValueError as exc:
+            return f"reader rank {self.rank}: a bad delta from writer rank {msg.writer_rank} ({exc}): send in full"
+        return None
 
     def _verify(self, done: Mapping[int, tuple[bytes, Done]]) -> str | None:
         """Each writer's per-buffer CRC-32 against the bytes that landed; the first mismatch, named."""
@@ -390,6 +442,17 @@ class WeightsWriter:
     ``complete`` sends this rank's part to every reader at once (one thread per reader), notifies
     them, and returns once each has the version live; a reader that does not confirm within
     ``timeout`` raises ``TransferTimeoutError`` naming it, after the others got the version.
+
+    ``wire`` chooses what crosses (off by default: ``"full"``, every byte of every version):
+
+    * ``"delta"``: only what changed since the version a reader's slot holds (see the module
+      docstring); the writer keeps a copy of its last version's bytes to find the changes.
+    * ``"fp8"``: for an engine that serves the fp8 block-quantized checkpoint format
+      (``rlsync.wire``): ``src`` stays the trainer's layout, ``put`` takes the model-dtype tensors
+      and quantizes the weights that format quantizes (each shard on 128-element block bounds).
+    * ``"fp8+delta"``: both.
+
+    ``last_bytes`` is what the last ``complete`` moved to all readers.
     """
 
     def __init__(
@@ -405,7 +468,18 @@ class WeightsWriter:
         timeout: float = 60.0,
         transport_options: dict[str, Any] | None = None,
         plugins: pluggy.PluginManager | None = None,
+        wire: str = "full",
     ) -> None:
+        if wire not in WIRES:
+            raise ConfigError(f"wire={wire!r}: use one of {', '.join(WIRES)}")
+        self._quantized: dict[str, tuple[int, ...]] = {}  # fp8 on the wire: buffer -> the shape of the box it holds
+        if "fp8" in wire:
+            from rlsync.wire._fp8 import fp8_layout, is_quantized
+
+            metas = src.tensor_map()
+            self._quantized = {s.buffer: s.box.sizes for s in src.shards if s.rank == rank and is_quantized(s.tensor, metas[s.tensor].shape)}
+            src = fp8_layout(src)
+        delta = "delta" in wire
         self.rank = rank
         self._readers = dict(enumerate(readers)) if not isinstance(readers, Mapping) else dict(readers)
         self.next_version = 1  # with dst=None: the first reader's live version + 1
@@ -439,12 +513,30 @@ class WeightsWriter:
         self._links: dict[int, Link] = {}
         self._slots: dict[int, int] = {}
         self.bytes_per_version = sum(n for groups in self._runs.values() for _, runs in groups for _, _, n in runs)
+        self._itemsizes = {name: dtype_size(b.dtype) for name, b in self._specs.items()}
+        self._changes = ChangeLog(self._itemsizes) if delta else None
+        self._inboxes: dict[int, tuple[Link, int, int]] = {}  # reader rank -> (link, offset, capacity)
+        self._held: dict[int, dict[int, int]] = {}  # reader rank -> {slot: version this rank's part of it holds}
+        self._sent: dict[int, int] = {}  # reader rank -> bytes the last version moved to it
+        self.last_bytes = 0
 
     def put(self, name: str, tensor: Any) -> None:
         """Bind this rank's buffer ``name`` (for plain and FSDP layouts: the parameter name) to ``tensor``.
 
         The tensor is read when ``complete`` runs: keep it alive and unchanged until then.
         """
+        if name in self._quantized:  # fp8 on the wire: the weight and its block scales
+            from rlsync.wire._fp8 import SCALE_SUFFIX, quantize
+
+            if str(getattr(tensor, "dtype", "")) == "torch.float8_e4m3fn":
+                raise WeightMismatchError(f"tensor {name!r} is already fp8: with wire='fp8' put the model-dtype weight; "
+                                          f"rlsync quantizes it (with its {name + SCALE_SUFFIX!r})")
+            if tuple(tensor.shape) != self._quantized[name]:
+                raise WeightMismatchError(f"tensor {name!r}: shape {tuple(tensor.shape)}, but its shard is {self._quantized[name]}: "
+                                          f"with wire='fp8' put the shard in its shape (its 128x128 blocks are quantized)")
+            q, scale = quantize(tensor)
+            self.put(name + SCALE_SUFFIX, scale)
+            tensor = q
         spec = self._specs.get(name)
         if spec is None:
             near = sorted(self._specs)[:5]
@@ -469,7 +561,7 @@ class WeightsWriter:
             return
         channel = connect_dealer(self._readers[dst_rank], self._secret)
         src_fp, dst_fp, dst_tensors = self._fingerprints
-        channel.send(Hello(self.rank, src_fp, dst_fp, dst_tensors, self._session, self.src))
+        channel.send(Hello(self.rank, src_fp, dst_fp, dst_tensors, self._session, self.src, delta=self._changes is not None))
         got = channel.recv(timeout_ms=int(self.timeout * 1000))
         if got is None:
             channel.close()
@@ -485,12 +577,17 @@ class WeightsWriter:
         self._links[dst_rank] = self._transport.open(msg.description, self._options)
         self._channels[dst_rank] = channel
         self._slots[dst_rank] = msg.next_slot
+        self._held[dst_rank] = {}  # what its slots hold is unknown until a version of ours goes live there
+        if self._changes is not None and msg.inbox is not None:
+            self._inboxes[dst_rank] = (self._transport.open(msg.inbox, self._options), msg.inbox_offset, msg.inbox_capacity)
 
     def _drop(self, dst_rank: int) -> None:
         link, channel = self._links.pop(dst_rank, None), self._channels.pop(dst_rank, None)
-        if link is not None:
+        inbox = self._inboxes.pop(dst_rank, None)
+        for one in (link, None if inbox is None else inbox[0]):
             try:
-                link.close()
+                if one is not None:
+                    one.close()
             except Exception:  # noqa: BLE001 - the peer is gone; nothing to release cleanly
                 pass
         if channel is not None:
@@ -505,6 +602,9 @@ class WeightsWriter:
         if self._plugins is not None:
             self._plugins.hook.rlsync_before_export(version=version, names=names)
         started = time.perf_counter()
+        if self._changes is not None:
+            self._changes.record(version, self._sources)
+        self._sent = {}
         failed: dict[int, str] = {}
         if len(self._runs) > 1:  # readers get their parts at once: publishing to N readers costs ~one reader
             with ThreadPoolExecutor(len(self._runs), thread_name_prefix=f"rlsync-writer-{self.rank}") as pool:
@@ -518,12 +618,16 @@ class WeightsWriter:
             channel = self._channels[dst_rank]
             remaining = max(0.0, deadline - time.monotonic())
             got = channel.recv(timeout_ms=int(remaining * 1000))
+            if got is not None and isinstance(got[1], Refuse) and got[1].kind == "delta":  # it cannot take our delta
+                resent = self._post(dst_rank, version, progress, full=True)
+                got = None if resent is not None else channel.recv(timeout_ms=int(max(0.0, deadline - time.monotonic()) * 1000))
             if got is None:
                 failed[dst_rank] = f"did not confirm version {version} within {self.timeout} s (it may have died)"
                 self._drop(dst_rank)
                 continue
             msg = got[1]
             if isinstance(msg, Ack) and msg.version == version:
+                self._held[dst_rank][self._slots[dst_rank]] = version
                 self._slots[dst_rank] = msg.next_slot
             elif isinstance(msg, Refuse) and msg.kind in ("version", "restart"):
                 raise VersionError(f"reader rank {dst_rank} refused version {version}: {msg.reason}")
@@ -536,26 +640,48 @@ class WeightsWriter:
             detail = "; ".join(f"reader rank {r} ({self._readers[r]}): {why}" for r, why in sorted(failed.items()))
             error = TransferTimeoutError if all("did not confirm" in why for why in failed.values()) else PeerLostError
             raise error(f"version {version} is not live everywhere: {detail}. Live on reader ranks {ok}.")
+        self.last_bytes = sum(self._sent.values())
         if self._plugins is not None:
             self._plugins.hook.rlsync_after_export(
-                version=version, stats={"bytes": self.bytes_per_version, "seconds": time.perf_counter() - started}
+                version=version, stats={"bytes": self.last_bytes, "seconds": time.perf_counter() - started}
             )
 
-    def _post(self, dst_rank: int, version: int, progress: Callable[[int], None] | None) -> str | None:
+    def _delta_for(self, dst_rank: int, slot: int) -> tuple[int, np.ndarray] | None:
+        """``(base version, encoded delta)`` of this rank's part for what ``slot`` of ``dst_rank`` holds, if one fits."""
+        base = self._held[dst_rank].get(slot)
+        if self._changes is None or base is None or dst_rank not in self._inboxes:
+            return None
+        groups = self._runs[dst_rank]
+        changed = {name: self._changes.since(base, name) for name, _ in groups}
+        full = sum(n for _, runs in groups for _, _, n in runs)
+        payload = encode_delta(groups, changed, self._sources, self._itemsizes, min(self._inboxes[dst_rank][2], full - 1))
+        return None if payload is None else (base, payload)
+
+    def _post(self, dst_rank: int, version: int, progress: Callable[[int], None] | None, full: bool = False) -> str | None:
         """Write this rank's part of ``version`` to one reader and notify it; the error, if any."""
         try:
             self._connect(dst_rank)
             link, slot = self._links[dst_rank], self._slots[dst_rank]
+            delta = None if full else self._delta_for(dst_rank, slot)
+            self._held[dst_rank].pop(slot, None)  # overwritten from here on
             crcs: dict[str, int] = {}
             for name, runs in self._runs[dst_rank]:
                 source = self._sources[name]
-                link.write(source, [(s, slot, d, n) for s, d, n in runs])
-                if self._checksum:
+                if delta is None:
+                    link.write(source, [(s, slot, d, n) for s, d, n in runs])
+                if self._checksum:  # over the whole part: what the slot must hold, however it got there
                     crcs[name] = _crc((source[s : s + n] for s, _, n in runs), crcs.get(name, 0))
                 if progress is not None:
                     progress(sum(n for _, _, n in runs))
+            if delta is not None and len(delta[1]):
+                inbox, offset, _ = self._inboxes[dst_rank]
+                inbox.write(delta[1], [(0, 0, offset, len(delta[1]))])
+                inbox.flush()
             link.flush()
-            self._channels[dst_rank].send(Done(self.rank, version, slot, crcs if self._checksum else None))
+            self._sent[dst_rank] = len(delta[1]) if delta is not None else sum(n for _, runs in self._runs[dst_rank] for _, _, n in runs)
+            self._channels[dst_rank].send(Done(self.rank, version, slot, crcs if self._checksum else None,
+                                               delta_base=None if delta is None else delta[0],
+                                               delta_nbytes=0 if delta is None else len(delta[1])))
         except TransportError as exc:
             self._drop(dst_rank)
             return str(exc)

@@ -13,14 +13,15 @@ linear layers' 2-D (and stacked-expert 3-D) weights; embeddings, ``lm_head``, th
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Final
 
 import msgspec
 import torch
 
-from rlsync.core._errors import WeightMismatchError
-from rlsync.core._layout import TensorMeta
+from rlsync.core._errors import LayoutError, WeightMismatchError
+from rlsync.core._layout import Box, BufferSpec, Layout, Shard, TensorMeta, contiguous_strides
 from rlsync.core._presets import ModelSpec, Param
 
 BLOCK: Final = 128
@@ -92,3 +93,50 @@ def fp8_model_spec(spec: ModelSpec) -> ModelSpec:
         scale = TensorMeta(p.meta.name + SCALE_SUFFIX, "float32", scale_shape(p.meta.shape))
         params.append(Param(scale, p.role, p.layer, None if p.fused is None else p.fused + SCALE_SUFFIX))
     return msgspec.structs.replace(spec, name=f"{spec.name} (fp8)", params=tuple(params))
+
+
+def fp8_metas(tensors: Iterable[TensorMeta]) -> list[TensorMeta]:
+    """The tensors of the fp8 checkpoint format for these model-dtype tensors (scales after their weights)."""
+    out: list[TensorMeta] = []
+    for t in tensors:
+        if is_quantized(t.name, t.shape):
+            out += [TensorMeta(t.name, "float8_e4m3fn", t.shape), TensorMeta(t.name + SCALE_SUFFIX, "float32", scale_shape(t.shape))]
+        else:
+            out.append(t)
+    return out
+
+
+def fp8_layout(layout: Layout) -> Layout:
+    """``layout`` with each quantized tensor in fp8 and its block scales sharded alike: a shard's box
+    of the scales covers the blocks of its box of the weight, in a buffer of its own (``buffer +
+    "_scale_inv"``). Each shard must hold its tensor alone in its buffer, contiguously, with box
+    bounds on 128-element block bounds in the last two dims (or at the tensor's end): a rank then
+    quantizes its shard on its own and the blocks are the checkpoint's."""
+    metas = layout.tensor_map()
+    shards: list[Shard] = []
+    buffers = {(b.rank, b.name): b for b in layout.buffers}
+    new_buffers: dict[tuple[int, str], BufferSpec] = {}
+    per_buffer = Counter((s.rank, s.buffer) for s in layout.shards)
+    for s in layout.shards:
+        meta = metas[s.tensor]
+        if not is_quantized(s.tensor, meta.shape):
+            shards.append(s)
+            continue
+        box = s.box
+        if s.offset or s.strides != contiguous_strides(box.sizes) or per_buffer[(s.rank, s.buffer)] > 1:
+            raise LayoutError(f"fp8 on the wire: tensor {s.tensor!r} on rank {s.rank} shares buffer {s.buffer!r} or is "
+                              f"not stored contiguously; quantize before packing, or send bf16 (wire='full')")
+        for dim in (-2, -1):
+            lo, n, full = box.offsets[dim], box.sizes[dim], meta.shape[dim]
+            if lo % BLOCK or (n % BLOCK and lo + n != full):
+                raise LayoutError(f"fp8 on the wire: rank {s.rank}'s shard of {s.tensor!r} (offsets {box.offsets}, sizes "
+                                  f"{box.sizes}) cuts a {BLOCK}x{BLOCK} block; shard on block bounds or send bf16 (wire='full')")
+        blocks = Box((*box.offsets[:-2], box.offsets[-2] // BLOCK, box.offsets[-1] // BLOCK),
+                     scale_shape(box.sizes))
+        scale_buffer = s.buffer + SCALE_SUFFIX
+        shards += [s, Shard(s.tensor + SCALE_SUFFIX, blocks, s.rank, scale_buffer, 0, contiguous_strides(blocks.sizes))]
+        spec = buffers[(s.rank, s.buffer)]
+        new_buffers[(s.rank, s.buffer)] = BufferSpec(s.rank, s.buffer, "float8_e4m3fn", spec.numel)
+        new_buffers[(s.rank, scale_buffer)] = BufferSpec(s.rank, scale_buffer, "float32", math.prod(blocks.sizes))
+    out_buffers = [new_buffers.pop(key, b) for key, b in buffers.items()] + list(new_buffers.values())
+    return Layout(tuple(fp8_metas(layout.tensors)), tuple(shards), tuple(out_buffers))

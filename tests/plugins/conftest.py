@@ -24,6 +24,7 @@ class Sync:
     layouts = staticmethod(procs.layouts)
     boxes_tp2 = procs.BOXES_TP2
     values = staticmethod(procs.values)
+    delta_values = staticmethod(procs.delta_values)
 
     def __init__(self) -> None:
         self.children: list[subprocess.Popen[str]] = []
@@ -49,12 +50,12 @@ class Sync:
         assert line, child.stderr.read() if child.stderr else "reader died"
         return child, json.loads(line)["address"]
 
-    def assert_landed(self, layout: str, reader: Any, version: int) -> None:
+    def assert_landed(self, layout: str, reader: Any, version: int, delta: bool = False) -> None:
         """Every shard of the reader's rank holds exactly the global values of ``version``."""
         from rlsync.core._views import gather_shards
 
         _, dst = procs.layouts(layout)
-        expected = procs.values(dst, version)
+        expected = (procs.delta_values if delta else procs.values)(dst, version)
         with reader.lock:
             for shard, view in gather_shards(dst, reader.rank, reader.buffers()):
                 region = tuple(slice(o, o + n) for o, n in zip(shard.box.offsets, shard.box.sizes))

@@ -63,12 +63,26 @@ def values(layout: Layout, version: int) -> dict[str, np.ndarray]:
     return out
 
 
+def delta_values(layout: Layout, version: int, share: float = 0.02) -> dict[str, np.ndarray]:
+    """Like ``values(layout, 0)``, then for each version 1..``version`` a new ``share`` of the elements changes
+    (the way an RL step changes a few bf16 values): consecutive versions differ in a few percent of values."""
+    out = {name: v.copy() for name, v in values(layout, 0).items()}
+    for k in range(1, version + 1):
+        gen = np.random.default_rng(2000 + k)
+        for name in sorted(out):
+            flat = out[name].reshape(-1)
+            picked = gen.random(flat.size) < share
+            flat[picked] = gen.integers(0, 2**15, picked.sum()).astype(flat.dtype)
+    return out
+
+
 def writer_main(args: argparse.Namespace) -> None:
     from rlsync.core._weights import WeightsWriter
 
     src, dst = layouts(args.layout)
     readers = {int(k): v for k, v in json.loads(args.readers).items()}
-    writer = WeightsWriter(src, dst, args.rank, readers, transport=args.transport, timeout=args.timeout, checksum=args.checksum)
+    writer = WeightsWriter(src, dst, args.rank, readers, transport=args.transport, timeout=args.timeout, checksum=args.checksum,
+                           wire="delta" if args.delta else "full")
     if args.die_after_writes:
         budget = [args.die_after_writes]
         original_open = writer._transport.open
@@ -89,11 +103,11 @@ def writer_main(args: argparse.Namespace) -> None:
         writer._transport = type("DyingTransport", (writer._transport,), {"open": staticmethod(open_then_die)})
     for version in args.versions:
         buffers = allocate(src, args.rank)
-        scatter(src, args.rank, values(src, version), buffers)
+        scatter(src, args.rank, (delta_values if args.delta else values)(src, version), buffers)
         dtypes = {b.name: b.dtype for b in src.buffers if b.rank == args.rank}
         writer.multi_put({name: torch.from_numpy(buf).view(getattr(torch, dtypes[name])) for name, buf in buffers.items()})
         writer.complete(version)
-        print(f"completed {version}", flush=True)
+        print(json.dumps({"completed": version, "bytes": writer.last_bytes}), flush=True)
     writer.close()
 
 
@@ -124,6 +138,7 @@ if __name__ == "__main__":
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--checksum", action="store_true")
     parser.add_argument("--die-after-writes", type=int, default=0)
+    parser.add_argument("--delta", action="store_true", help="send deltas; versions change a few values each")
     ns = parser.parse_args()
     (writer_main if ns.role == "writer" else reader_main)(ns)
     sys.exit(0)

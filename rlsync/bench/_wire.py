@@ -1,0 +1,159 @@
+"""``rlsync bench --wire delta``: full versions against delta versions, on what RL training does to weights.
+
+A Qwen2-shaped model (transformers, float32 master weights) takes real AdamW steps at an RL learning
+rate (1e-6 by default) on a language-model loss over random tokens; after each step its bfloat16 copy
+is published twice, by a full writer and by a delta writer (``WeightsWriter(wire="delta")``), each into
+its own reader process (shm, direct landing). Per version: the share of bf16 values that changed,
+bytes moved and seconds to live for both, and whether the delta reader's bytes equal the trainer's
+(CRC-32 of every tensor, computed on both sides). The machine's memcpy bandwidth is measured in the
+same run: a full version cannot go live faster than one copy of the model.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+
+from rlsync.bench._weights import _read, bench_spec, memcpy_gbps, parse_size
+
+
+def _crcs(buffers: dict[str, np.ndarray]) -> dict[str, int]:
+    return {name: zlib.crc32(buf.data) for name, buf in sorted(buffers.items())}
+
+
+def reader(transport: str) -> None:
+    """A reader process: one whole copy of what the writer sends; answers ``check`` with its tensors' CRCs."""
+    from rlsync.core._weights import WeightsReader
+
+    with WeightsReader(None, None, 0, replicas=1, transport=transport, landing="direct") as r:
+        print(json.dumps({"address": r.address}), flush=True)
+        for line in sys.stdin:
+            version = int(line)
+            r.wait_for_version(version, timeout=600)
+            with r._cond:  # noqa: SLF001 - the bench reads the live slot while no version flips
+                print(json.dumps({"version": r.version, "crc": _crcs(r.buffers())}), flush=True)
+
+
+def _spawn_reader(transport: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "rlsync.bench._wire", "reader", transport],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _check(child: subprocess.Popen[str], version: int) -> dict[str, int]:
+    assert child.stdin is not None
+    child.stdin.write(f"{version}\n")
+    child.stdin.flush()
+    got = _read(child)
+    return dict(got["crc"])
+
+
+def measure(nbytes: int, steps: int, lr: float, transport: str = "shm", progress: Any = None) -> dict[str, Any]:
+    """Run the comparison and return the ``--json`` object."""
+    try:
+        import torch
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+    except ImportError as exc:
+        raise SystemExit(f"rlsync bench --wire delta trains a small model with transformers: pip install transformers ({exc})") from None
+    from rlsync.core._builders import from_state_dict
+    from rlsync.core._weights import WeightsWriter
+
+    config = bench_spec(nbytes)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in config.items() if k != "model_type"}, max_position_embeddings=256))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    params = dict(model.named_parameters())
+    state = {name: p.detach().to(torch.bfloat16).contiguous() for name, p in params.items()}
+    layout = from_state_dict(state)
+    total = sum(t.nbytes for t in state.values())
+    mem = memcpy_gbps(total)
+    readers = {"full": _spawn_reader(transport), "delta": _spawn_reader(transport)}
+    rows: list[dict[str, Any]] = []
+    try:
+        addresses = {kind: _read(child)["address"] for kind, child in readers.items()}
+        writers = {kind: WeightsWriter(layout, None, 0, [addresses[kind]], transport=transport, timeout=600, wire=kind)
+                   for kind in readers}
+        previous = {name: t.clone() for name, t in state.items()}
+        for version in range(1, steps + 1):
+            if progress is not None:
+                progress(f"step {version}/{steps}")
+            if version > 1:  # version 1: the model as initialized
+                tokens = torch.randint(0, int(config["vocab_size"]), (2, 64))
+                model(input_ids=tokens, labels=tokens).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                with torch.no_grad():
+                    for name, p in params.items():
+                        state[name].copy_(p)
+            changed = sum(int((state[n].view(torch.int16) != previous[n].view(torch.int16)).sum()) for n in state)
+            for name, t in state.items():
+                previous[name].copy_(t)
+            row: dict[str, Any] = {"version": version, "changed_fraction": changed / (total // 2)}
+            for kind, writer in writers.items():
+                writer.multi_put(state)
+                started = time.perf_counter()
+                writer.complete(version)
+                row[kind] = {"bytes": writer.last_bytes, "seconds": time.perf_counter() - started}
+            want = _crcs({n: t.view(-1).view(torch.uint8).numpy() for n, t in state.items()})
+            for kind, child in readers.items():
+                row[kind]["bit_exact"] = _check(child, version) == want
+            rows.append(row)
+        for writer in writers.values():
+            writer.close()
+    finally:
+        for child in readers.values():
+            if child.stdin is not None:
+                child.stdin.close()
+            child.wait(timeout=60)
+    later = [r for r in rows if r["version"] > 2] or rows  # versions 1-2 fill the two slots in full
+    full_s = statistics.median(r["full"]["seconds"] for r in later)
+    delta_s = statistics.median(r["delta"]["seconds"] for r in later)
+    return {
+        "wire": "delta", "transport": transport, "model_bytes": total, "parameters": total // 2, "lr": lr,
+        "memcpy_gbps": mem, "memcpy_seconds": total / mem / 1e9, "steps": rows,
+        "summary": {
+            "versions": [r["version"] for r in later],
+            "changed_fraction_median": statistics.median(r["changed_fraction"] for r in later),
+            "full_bytes": statistics.median(r["full"]["bytes"] for r in later),
+            "delta_bytes_median": statistics.median(r["delta"]["bytes"] for r in later),
+            "bytes_ratio": statistics.median(r["delta"]["bytes"] / r["full"]["bytes"] for r in later),
+            "full_seconds_median": full_s, "delta_seconds_median": delta_s, "speedup": full_s / delta_s,
+            "delta_bit_exact": all(r["delta"]["bit_exact"] for r in rows),
+            "full_bit_exact": all(r["full"]["bit_exact"] for r in rows),
+        },
+    }
+
+
+def run(*, size: str, steps: int, lr: float, transport: str = "shm", json_output: bool) -> None:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("bench --wire delta", total=steps)
+        report = measure(parse_size(size), steps, lr, transport, progress=lambda step: bar.update(task, advance=1, description=step))
+    if json_output:
+        print(json.dumps(report))
+    else:
+        table = Table(title=f"full vs delta versions over {transport}: {report['parameters'] / 1e6:.0f}M bf16 values, AdamW lr {lr:g}, "
+                            f"memcpy {report['memcpy_gbps']:.2f} GB/s ({report['memcpy_seconds']:.3f} s for the model)")
+        for col in ("version", "values changed", "full MB", "full s", "delta MB", "delta s", "x full", "x memcpy", "bit-exact"):
+            table.add_column(col)
+        for r in report["steps"]:
+            f, d = r["full"], r["delta"]
+            table.add_row(str(r["version"]), f"{r['changed_fraction']:.2%}", f"{f['bytes'] / 1e6:.1f}", f"{f['seconds']:.3f}",
+                          f"{d['bytes'] / 1e6:.1f}", f"{d['seconds']:.3f}", f"{f['seconds'] / d['seconds']:.2f}",
+                          f"{report['memcpy_seconds'] / d['seconds']:.2f}", "yes" if d["bit_exact"] else "NO")
+        Console().print(table)
+    if not report["summary"]["delta_bit_exact"]:
+        raise SystemExit("rlsync bench: the delta reader's bytes differ from the trainer's (a bug: please report it)")
+
+
+if __name__ == "__main__":
+    reader(sys.argv[2])

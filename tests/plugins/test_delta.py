@@ -1,0 +1,137 @@
+"""Delta versions (``WeightsWriter(wire="delta")``): only changed values cross, the reader ends bit-exact."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rlsync.core._builders import from_state_dict
+from rlsync.core._delta import ChangeLog, apply, encode
+from rlsync.core._layout import TensorMeta
+from rlsync.core._weights import WeightsReader, WeightsWriter
+
+pytestmark = pytest.mark.multiproc
+
+
+def _sent(child: Any) -> list[int]:
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, err
+    return [json.loads(line)["bytes"] for line in out.splitlines()]
+
+
+@pytest.mark.parametrize("landing", ["direct", "staged"])
+def test_two_trainer_ranks_send_deltas_into_two_tp_ranks_bit_exact(sync: Any, transport: str, landing: str) -> None:
+    """FSDP over 2 ranks -> TP=2 with fused buffers (many runs per buffer), checksums on: every version lands
+    exactly; after the first full send into each slot, each writer moves a fraction of its bytes."""
+    src, dst = sync.layouts("fsdp2_tp2")
+    readers = [WeightsReader(src, dst, r, transport=transport, landing=landing, checksum=True) for r in (0, 1)]
+    try:
+        addresses = {r.rank: r.address for r in readers}
+        writers = [sync.writer("fsdp2_tp2", transport, addresses, [1, 2, 3, 4, 5], rank=w, wait=False,
+                               extra=("--delta", "--checksum")) for w in (0, 1)]
+        sent = [_sent(w) for w in writers]
+        for reader in readers:
+            assert reader.version == 5
+            sync.assert_landed("fsdp2_tp2", reader, 5, delta=True)
+        full = [s[0] for s in sent]
+        first_delta = 2 if landing == "direct" else 1  # direct: the second slot is first written by version 2
+        for mine, whole in zip(sent, full):
+            assert mine[:first_delta] == [whole] * first_delta
+            # 2 % of values change per version; a slot two versions behind needs ~4 %: 6 bytes per 2-byte value
+            assert all(0 < n < whole * 0.2 for n in mine[first_delta:]), (mine, whole)
+    finally:
+        for reader in readers:
+            reader.close()
+
+
+PLAIN = [TensorMeta("w", "bfloat16", (64, 128)), TensorMeta("b", "float32", (128,))]
+
+
+def _tensors(version: int, share: float) -> dict[str, Any]:
+    import torch
+
+    gen = torch.Generator().manual_seed(7)
+    w, b = torch.randn(64, 128, generator=gen).to(torch.bfloat16), torch.randn(128, generator=gen)
+    for k in range(1, version + 1):
+        g = torch.Generator().manual_seed(100 + k)
+        mask = torch.rand(w.shape, generator=g) < share
+        w = torch.where(mask, w + 1, w)
+        b = b + (torch.rand(b.shape, generator=g) < share) * 1.0
+    return {"w": w.contiguous(), "b": b.contiguous()}
+
+
+def test_a_delta_larger_than_the_inbox_is_sent_in_full() -> None:
+    layout = from_state_dict(PLAIN)
+    with WeightsReader(layout, layout, 0, landing="staged") as reader, WeightsWriter(layout, layout, 0, [reader.address], wire="delta") as writer:
+        sizes = []
+        for version, share in ((1, 0.0), (2, 0.01), (3, 0.5)):
+            tensors = _tensors(version, share)
+            writer.multi_put(tensors)
+            writer.complete(version)
+            sizes.append(writer.last_bytes)
+            live = reader.buffers()
+            for name, t in tensors.items():
+                assert live[name].tobytes() == _raw(t), f"{name} v{version}"
+        assert sizes[0] == writer.bytes_per_version
+        assert 0 < sizes[1] < writer.bytes_per_version * 0.1
+        assert sizes[2] == writer.bytes_per_version  # half the values changed: a delta would be larger
+
+
+def _raw(t: Any) -> bytes:
+    import torch
+
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_a_reader_that_lost_track_of_its_slot_gets_the_version_in_full() -> None:
+    """The reader refuses a delta against a slot it cannot vouch for; the writer resends in full, no error."""
+    layout = from_state_dict(PLAIN)
+    with WeightsReader(layout, layout, 0, landing="staged") as reader, WeightsWriter(layout, layout, 0, [reader.address], wire="delta") as writer:
+        for version in (1, 2):
+            writer.multi_put(_tensors(version, 0.01))
+            writer.complete(version)
+        assert writer.last_bytes < writer.bytes_per_version
+        reader._held.clear()  # as if its slot had been touched behind the writer's back
+        tensors = _tensors(3, 0.01)
+        writer.multi_put(tensors)
+        writer.complete(3)
+        assert reader.version == 3 and writer.last_bytes == writer.bytes_per_version
+        assert reader.buffers()["b"].view(np.float32).tolist() == tensors["b"].tolist()
+
+
+def test_encode_apply_round_trip_over_strided_runs_and_segments() -> None:
+    rng = np.random.default_rng(0)
+    source = rng.integers(0, 2**16, 1000, dtype=np.uint16)
+    region = np.zeros(4096, np.uint8)
+    runs = [(0, 2048, 400), (400, 0, 1000), (1400, 1024, 600)]  # bytes: out of order in the region
+    changed = np.sort(rng.choice(1000, 50, replace=False))
+    payload = encode([("x", runs)], {"x": changed}, {"x": source.view(np.uint8)}, {"x": 2}, capacity=10_000)
+    assert payload is not None and len(payload) == 3 * 8 + 50 * 6 + (-(50 * 6) % 8)
+    assert apply(payload, region) == 50
+    for s, d, n in runs:
+        got = region[d : d + n].view(np.uint16)
+        want = source[s // 2 : (s + n) // 2]
+        mask = np.isin(np.arange(s // 2, (s + n) // 2), changed)
+        np.testing.assert_array_equal(got[mask], want[mask])
+        assert not got[~mask].any()
+    assert encode([("x", runs)], {"x": changed}, {"x": source.view(np.uint8)}, {"x": 2}, capacity=100) is None
+    assert encode([("x", runs)], {"x": None}, {"x": source.view(np.uint8)}, {"x": 2}, capacity=10_000) is None
+
+
+def test_change_log_unions_versions_since_a_base_and_forgets_old_ones() -> None:
+    a = np.zeros(8, np.uint16)
+    log = ChangeLog({"a": 2}, depth=3)
+    log.record(1, {"a": a.view(np.uint8)})
+    assert log.since(1, "a").tolist() == [] and log.since(0, "a") is None
+    a[2] = 1
+    log.record(2, {"a": a.view(np.uint8)})
+    a[5] = 1
+    log.record(3, {"a": a.view(np.uint8)})
+    assert log.since(2, "a").tolist() == [5] and log.since(1, "a").tolist() == [2, 5]
+    a[2] = 0  # a value that changes back still counts as changed since version 1
+    log.record(4, {"a": a.view(np.uint8)})
+    assert log.since(1, "a") is None  # forgotten (depth 3)
+    assert log.since(2, "a").tolist() == [2, 5]

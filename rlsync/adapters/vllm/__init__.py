@@ -1,12 +1,15 @@
 """vLLM adapter. Importing this package imports nothing from vLLM; the worker extension is
 ``rlsync.adapters.vllm.RlsyncWorkerExtension`` (pass it as ``worker_extension_cls``), and
 ``engine_layout`` is the destination layout a trainer writes to, and ``apply_next_version(llm)`` the
-driver's call per version. ``VllmServer`` is the trainer's side of a stock vLLM server started with
+driver's call per version; ``apply_next_lora(llm)`` the same for LoRA adapter versions (adapter-only
+sync, ``rlsync_lora_start``). ``VllmServer`` is the trainer's side of a stock vLLM server started with
 ``--weight-transfer-config '{"backend": "rlsync"}'`` (its HTTP routes, no vLLM import)."""
 
 from rlsync.adapters.vllm._driver import apply_next_version
 from rlsync.adapters.vllm._extension import RlsyncWorkerExtension
+from rlsync.adapters.vllm._lora import LORA_ID_BASE, apply_next_lora
 from rlsync.adapters.vllm._server import PublishStats, VllmServer, reserve_ports
 from rlsync.adapters.vllm._staging import engine_layout
 
-__all__ = ["PublishStats", "RlsyncWorkerExtension", "VllmServer", "apply_next_version", "engine_layout", "reserve_ports"]
+__all__ = ["LORA_ID_BASE", "PublishStats", "RlsyncWorkerExtension", "VllmServer", "apply_next_lora", "apply_next_version",
+           "engine_layout", "reserve_ports"]

@@ -82,3 +82,20 @@ class RlsyncWorkerExtension:
 
     def rlsync_stop(self) -> None:
         self._rlsync.close()
+
+    def rlsync_lora_start(self, tensors: Sequence[Sequence[Any]], peft_config: dict[str, Any], keep: int = 1,
+                          transport: str = "shm", host: str = "127.0.0.1", apply_timeout: float = 600.0) -> str:
+        """Start receiving LoRA adapter versions (``[(name, dtype, shape), ...]`` of the PEFT state dict and its
+        ``adapter_config``); returns the address for the writer. See ``rlsync.adapters.vllm._lora``."""
+        from rlsync.adapters.vllm._lora import LoraReceiver
+
+        self._rlsync_lora = LoraReceiver(self, tensors, peft_config, keep=keep, transport=transport, host=host,
+                                         apply_timeout=apply_timeout)
+        return self._rlsync_lora.address
+
+    def rlsync_lora_apply(self, timeout: float = 600.0) -> int:
+        """Engine thread: register the next landed adapter version; returns it (``apply_next_lora``)."""
+        return self._rlsync_lora.apply_next(timeout)
+
+    def rlsync_lora_stop(self) -> None:
+        self._rlsync_lora.close()

@@ -63,17 +63,19 @@ class ChangeLog:
         versions = [v for v, _ in self._history]
         if base not in versions:
             return None
-        parts = [changes.get(name) for _, changes in self._history[versions.index(base) + 1 :]]
-        if any(p is None for p in parts):
+        found = [changes.get(name) for _, changes in self._history[versions.index(base) + 1 :]]
+        parts = [p for p in found if p is not None]
+        if len(parts) < len(found):
             return None
         if not parts:
             return np.empty(0, np.int64)
         if len(parts) == 1:
             return parts[0]
-        union = np.zeros(len(self._shadow[name]), bool)  # one linear pass: cheaper than sorting the indices
-        for p in parts:
-            union[p] = True
-        return np.flatnonzero(union)
+        merged = np.sort(np.concatenate(parts), kind="stable")  # sorted runs: timsort merges them in linear time
+        keep = np.empty(len(merged), bool)
+        keep[:1] = True
+        np.not_equal(merged[1:], merged[:-1], out=keep[1:])
+        return merged[keep]
 
 
 def encode(
@@ -95,18 +97,26 @@ def encode(
         if not len(idx):
             continue
         itemsize = itemsizes[name]
-        src = np.array([s for s, _, _ in runs], np.int64)
-        order = np.argsort(src, kind="stable")
-        src = src[order]
-        dst = np.array([d for _, d, _ in runs], np.int64)[order]
-        length = np.array([n for _, _, n in runs], np.int64)[order]
-        at = idx.astype(np.int64) * itemsize
-        k = np.searchsorted(src, at, side="right") - 1
-        inside = (k >= 0) & (at < src[np.maximum(k, 0)] + length[np.maximum(k, 0)])
-        at, k, idx = at[inside], k[inside], idx[inside]
-        if not len(idx):
-            continue
-        element = (dst[k] + at - src[k]) // itemsize
+        if len(runs) == 1:  # the usual whole-tensor buffer: one run, positions shift by a constant
+            (s0, d0, n0), = runs
+            lo, hi = np.searchsorted(idx, [s0 // itemsize, (s0 + n0) // itemsize])
+            idx = idx[lo:hi]
+            if not len(idx):
+                continue
+            element = idx.astype(np.int64) + (d0 - s0) // itemsize
+        else:
+            src = np.array([s for s, _, _ in runs], np.int64)
+            order = np.argsort(src, kind="stable")
+            src = src[order]
+            dst = np.array([d for _, d, _ in runs], np.int64)[order]
+            length = np.array([n for _, _, n in runs], np.int64)[order]
+            at = idx.astype(np.int64) * itemsize
+            k = np.searchsorted(src, at, side="right") - 1
+            inside = (k >= 0) & (at < src[np.maximum(k, 0)] + length[np.maximum(k, 0)])
+            at, k, idx = at[inside], k[inside], idx[inside]
+            if not len(idx):
+                continue
+            element = (dst[k] + at - src[k]) // itemsize
         values = typed(sources[name], itemsize)[idx]
         if len(runs) > 1 and int(element.max()) - int(element.min()) >= _SPAN:  # several segments: sort to cut them
             order = np.argsort(element, kind="stable")

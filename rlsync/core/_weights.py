@@ -515,7 +515,7 @@ class WeightsWriter:
         self.bytes_per_version = sum(n for groups in self._runs.values() for _, runs in groups for _, _, n in runs)
         self._itemsizes = {name: dtype_size(b.dtype) for name, b in self._specs.items()}
         self._changes = ChangeLog(self._itemsizes) if delta else None
-        self._inboxes: dict[int, tuple[Link, int, int]] = {}  # reader rank -> (link, offset, capacity)
+        self._inboxes: dict[int, tuple[Link, int, int, np.ndarray]] = {}  # reader rank -> (link, offset, capacity, staging)
         self._held: dict[int, dict[int, int]] = {}  # reader rank -> {slot: version this rank's part of it holds}
         self._sent: dict[int, int] = {}  # reader rank -> bytes the last version moved to it
         self.last_bytes = 0
@@ -579,7 +579,8 @@ class WeightsWriter:
         self._slots[dst_rank] = msg.next_slot
         self._held[dst_rank] = {}  # what its slots hold is unknown until a version of ours goes live there
         if self._changes is not None and msg.inbox is not None:
-            self._inboxes[dst_rank] = (self._transport.open(msg.inbox, self._options), msg.inbox_offset, msg.inbox_capacity)
+            staging = np.empty(msg.inbox_capacity, np.uint8)  # one buffer per reader, registered once with the transport
+            self._inboxes[dst_rank] = (self._transport.open(msg.inbox, self._options), msg.inbox_offset, msg.inbox_capacity, staging)
 
     def _drop(self, dst_rank: int) -> None:
         link, channel = self._links.pop(dst_rank, None), self._channels.pop(dst_rank, None)
@@ -674,8 +675,9 @@ class WeightsWriter:
                 if progress is not None:
                     progress(sum(n for _, _, n in runs))
             if delta is not None and len(delta[1]):
-                inbox, offset, _ = self._inboxes[dst_rank]
-                inbox.write(delta[1], [(0, 0, offset, len(delta[1]))])
+                inbox, offset, _, staging = self._inboxes[dst_rank]
+                staging[: len(delta[1])] = delta[1]
+                inbox.write(staging, [(0, 0, offset, len(delta[1]))])
                 inbox.flush()
             link.flush()
             self._sent[dst_rank] = len(delta[1]) if delta is not None else sum(n for _, runs in self._runs[dst_rank] for _, _, n in runs)

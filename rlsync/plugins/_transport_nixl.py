@@ -23,6 +23,7 @@ from rlsync.core._errors import PeerLostError, TransportError
 from rlsync.core._transport import Landing, Link, Run, Transport
 
 _counter = itertools.count()
+_MAX_HANDLES = 1024  # prepared transfers a link keeps for reuse (a whole model's runs fit)
 _agents: dict[str, Any] = {}
 
 
@@ -31,12 +32,15 @@ def _agent(role: str) -> Any:
     if role not in _agents:
         import logging
 
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         logging.getLogger("nixl").setLevel(logging.WARNING)  # it logs every agent and backend at INFO
 
         threaded = os.environ.get("RLSYNC_NIXL_PROGRESS_THREAD", "0") == "1"
-        config = nixl_agent_config(enable_prog_thread=threaded, backends=["UCX"])
+        # one agent serves every reader (or writer) thread of the process: several readers' service threads
+        # drive progress and register memory at once, a writer posts to several readers from a pool, so NIXL
+        # must serialize them (without it: segfaults in get_new_notifs)
+        config = nixl_agent_config(enable_prog_thread=threaded, backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         _agents[role] = nixl_agent(f"rlsync-{role}-{os.getpid()}-{next(_counter)}", config)
     return _agents[role]
 
@@ -126,14 +130,19 @@ class NixlLink(Link):
                 if time.monotonic() > deadline:
                     raise TransportError(f"a NIXL write to {self._peer} did not finish in time")
         self._posted.clear()
+        if len(self._handles) > _MAX_HANDLES:  # writes of changing shape (deltas) would add one per version
+            self._release_handles()
 
-    def close(self) -> None:
+    def _release_handles(self) -> None:
         for handle in self._handles.values():
             try:
                 self._agent.release_xfer_handle(handle)
             except Exception:  # noqa: BLE001 - best effort while tearing down
                 pass
         self._handles.clear()
+
+    def close(self) -> None:
+        self._release_handles()
         for reg in self._registered.values():
             self._agent.deregister_memory(reg)
         self._registered.clear()

@@ -27,7 +27,7 @@ def plan(
     nic_gbps: Annotated[float, typer.Option(help="Per-rank NIC rate in Gbit/s for the predicted time.")] = 400.0,
     rank: Annotated[Optional[int], typer.Option(help="Plan only this destination rank's part.")] = None,
     wire: Annotated[str, typer.Option(help="What crosses the wire: 'bf16' (the model's dtype), 'fp8' (an fp8 block-quantized engine) or 'delta=FRACTION' (changed values only).")] = "bf16",
-    gpus_per_node: Annotated[int, typer.Option(min=1, help="Engine GPUs per node: a piece several of them hold crosses the node's NICs once (1: no fan-out).")] = 8,
+    gpus_per_node: Annotated[int, typer.Option(min=1, help="Engine GPUs per node: predict a piece several of them hold crossing the node's NICs once, then NVLink (a fan-out rlsync's writers do not do yet; 1: what they do).")] = 8,
     list_models: Annotated[bool, typer.Option("--list-models", help="List the model presets and exit.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:

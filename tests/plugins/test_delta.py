@@ -135,3 +135,33 @@ def test_change_log_unions_versions_since_a_base_and_forgets_old_ones() -> None:
     log.record(4, {"a": a.view(np.uint8)})
     assert log.since(1, "a") is None  # forgotten (depth 3)
     assert log.since(2, "a").tolist() == [2, 5]
+
+
+def test_a_refused_delta_version_leaves_the_old_one_and_the_next_lands_exact() -> None:
+    """The engine refuses version 3 (its loader fails) after the delta was written into its slot: version 2 stays
+    live in the engine, and version 4 is sent in full (the slot's content is no longer known) and lands exact."""
+    from rlsync import RlsyncError
+
+    layout = from_state_dict(PLAIN)
+    loaded: dict[int, bytes] = {}
+
+    def load(version: int, buffers: dict[str, np.ndarray]) -> None:
+        if version == 3:
+            raise RuntimeError("the engine ran out of memory")
+        loaded[version] = buffers["w"].tobytes()
+
+    with WeightsReader(layout, layout, 0, landing="staged", on_version=load) as reader, \
+            WeightsWriter(layout, layout, 0, [reader.address], wire="delta") as writer:
+        for version in (1, 2):
+            writer.multi_put(_tensors(version, 0.01))
+            writer.complete(version)
+        writer.multi_put(_tensors(3, 0.01))
+        with pytest.raises(RlsyncError, match="failed to load version 3"):
+            writer.complete(3)
+        assert reader.version == 2 and loaded[2] == _raw(_tensors(2, 0.01)["w"])
+        tensors = _tensors(4, 0.01)
+        writer.multi_put(tensors)
+        writer.complete(4)
+        assert writer.last_bytes == writer.bytes_per_version
+        assert reader.version == 4 and loaded[4] == _raw(tensors["w"])
+        assert reader.buffers()["b"].tobytes() == _raw(tensors["b"])

@@ -1,0 +1,31 @@
+"""``rlsync bench --wire delta --json``: full and delta versions of real AdamW steps, in one run, delta bit-exact."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.multiproc
+def test_bench_wire_delta_reports_bytes_time_and_exactness() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "rlsync.cli", "bench", "--wire", "delta", "--size", "8MiB", "--steps", "4", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["memcpy_gbps"] > 0 and report["lr"] == 1e-6
+    steps = report["steps"]
+    assert [s["version"] for s in steps] == [1, 2, 3, 4]
+    assert all(s["full"]["bit_exact"] and s["delta"]["bit_exact"] for s in steps)
+    assert all(s["full"]["bytes"] == report["model_bytes"] for s in steps)
+    assert steps[0]["changed_fraction"] == 0 and all(0 < s["changed_fraction"] < 0.1 for s in steps[1:])
+    # versions 3-4: each slot two steps behind, a few percent of values changed -> a fraction of the bytes
+    assert all(0 < s["delta"]["bytes"] < 0.4 * report["model_bytes"] for s in steps[2:])
+    assert report["summary"]["delta_bit_exact"] and report["summary"]["bytes_ratio"] < 0.4
+
+
+def test_bench_wire_other_than_delta_is_refused() -> None:
+    out = subprocess.run([sys.executable, "-m", "rlsync.cli", "bench", "--wire", "fp8"], capture_output=True, text=True)
+    assert out.returncode == 2 and "rlsync plan --wire fp8" in out.stderr

@@ -33,6 +33,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", default="shm", help="shm (one machine, the default), tcp or nixl")
     p.add_argument("--host", default="127.0.0.1", help="where engine workers listen (loopback unless told otherwise)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one sync may take")
+    p.add_argument("--wire", choices=("full", "delta"), default="full",
+                   help="delta: send only the values that changed since the last sync (a few percent at RL learning rates)")
     p.add_argument("--max-staleness", type=int, default=None,
                    help="async mode: drop samples generated more than N weight versions ago (rlsync's MaxStaleness)")
     return p
@@ -75,7 +77,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     check_version(version)
     if args.weight_sync == "rlsync":
         opts = {"rlsync": __version__, "openrlhf": version, "transport": args.transport, "host": args.host,
-                "timeout": args.timeout, "max_staleness": args.max_staleness}
+                "timeout": args.timeout, "max_staleness": args.max_staleness,
+                "wire": args.wire}
         start_ray(opts)
         apply_trainer_side()  # the driver too: the trainer classes it hands to Ray are patched before they are sent
     sys.argv = [ENTRY, *theirs]

@@ -97,7 +97,8 @@ def broadcast_to_vllm(self: Any) -> None:
         if box[0] is None:
             raise ConfigError("rlsync's weight sync was not initialised on trainer rank 0 (no vLLM engines?)")
         src = flat_partitions([_meta(n, p) for n, p in _params(self)], world)
-        self._rlsync_writers = [WeightsWriter(src, None, rank, engine, transport=opts["transport"], timeout=float(opts["timeout"]))
+        self._rlsync_writers = [WeightsWriter(src, None, rank, engine, transport=opts["transport"], timeout=float(opts["timeout"]),
+                                                   wire=opts.get("wire", "full"))
                                 for engine in box[0]]
         self._rlsync_version = max(1, *(w.next_version for w in self._rlsync_writers)) - 1
     version = self._rlsync_version + 1
@@ -116,7 +117,7 @@ def broadcast_to_vllm(self: Any) -> None:
         ray.get(clock().set.remote(version))  # what the samples generated from now on are stamped with
         if getattr(self.strategy.args.vllm, "enable_prefix_caching", False):
             ray.get([engine.reset_prefix_cache.remote() for engine in self.vllm_engines])
-        sent = sum(w.bytes_per_version for w in self._rlsync_writers)
+        sent = sum(w.last_bytes for w in self._rlsync_writers)
         print(f"rlsync: version {version} live on {len(self.vllm_engines)} vLLM engine(s); rank 0 sent {sent / 1e6:.1f} MB "
               f"of {world} ranks' shares in {time.perf_counter() - started:.2f} s", flush=True)
     self._rlsync_version = version

@@ -39,10 +39,13 @@ class RlsyncSyncCallback(TrainerCallback):
 
     ``max_staleness``: drop samples whose oldest token is more than this many optimizer steps behind
     (``None``: keep all, as TRL does). ``transport``: ``shm`` (same host) or ``tcp``. ``timeout``: seconds
-    one sync may take.
+    one sync may take. ``wire="delta"``: send only the values that changed since the last sync (a few
+    percent of them at RL learning rates; ``rlsync/bytes`` logs what moved). ``verify=True``: the engine checks
+    a CRC per tensor of every version and refuses one whose bytes differ, naming the tensor.
     """
 
-    def __init__(self, trainer: Any, *, max_staleness: int | None = None, transport: str = "shm", timeout: float = 600.0) -> None:
+    def __init__(self, trainer: Any, *, max_staleness: int | None = None, transport: str = "shm", timeout: float = 600.0,
+                 wire: str = "full", verify: bool = False) -> None:
         generation = getattr(trainer, "vllm_generation", None)
         if generation is None or getattr(generation, "mode", None) != "server":
             raise ConfigError("RlsyncSyncCallback needs a GRPOTrainer generating with a vLLM server: "
@@ -56,7 +59,7 @@ class RlsyncSyncCallback(TrainerCallback):
                 raise ConfigError(f"the vLLM server at {client.base_url} does not receive weights through rlsync: start it "
                                   "with --weight-transfer-config '{\"backend\": \"rlsync\"}' and import rlsync.adapters.trl "
                                   "before building the trainer")
-            self.server = VllmServer(client.base_url, transport=transport, timeout=timeout)
+            self.server = VllmServer(client.base_url, transport=transport, timeout=timeout, wire=wire, verify=verify)
         self._base: int | None = None
         generation.sync_weights = self._sync
         self._generate = trainer._generate_and_score_completions

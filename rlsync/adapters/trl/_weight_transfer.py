@@ -21,12 +21,14 @@ class RlsyncWeightTransfer:
     """``AsyncGRPOTrainer(..., weight_transfer=RlsyncWeightTransfer())``.
 
     ``server_url``: the vLLM server (TRL's default ``vllm_server_base_url`` unless given). ``transport``:
-    ``shm`` (same host) or ``tcp``. ``timeout``: seconds one sync may take.
+    ``shm`` (same host) or ``tcp``. ``timeout``: seconds one sync may take. ``wire="delta"``: send only
+    the values that changed since the last sync. ``verify=True``: a CRC per tensor, checked by the engine.
     """
 
-    def __init__(self, server_url: str = "http://localhost:8000", *, transport: str = "shm", timeout: float = 600.0) -> None:
+    def __init__(self, server_url: str = "http://localhost:8000", *, transport: str = "shm", timeout: float = 600.0,
+                 wire: str = "full", verify: bool = False) -> None:
         apply_async()  # before the trainer is built: its constructor needs CUDA otherwise
-        self.server = VllmServer(server_url, transport=transport, timeout=timeout)
+        self.server = VllmServer(server_url, transport=transport, timeout=timeout, wire=wire, verify=verify)
         self.last_stats: PublishStats | None = None  # the last sync's version, bytes and seconds (TRL logs them)
 
     def init_weight_transfer(self) -> None:

@@ -30,7 +30,7 @@ import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 from verl.workers.rollout.utils import ensure_async_iterator
 
-from rlsync import LandedVersions, TensorMeta, WeightMismatchError, WeightsReader, WeightsWriter
+from rlsync import ConfigError, LandedVersions, TensorMeta, WeightMismatchError, WeightsReader, WeightsWriter
 from rlsync.layouts import fsdp
 
 
@@ -45,9 +45,12 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
     """verl checkpoint-engine backend ``rlsync``; see the module docstring."""
 
     def __init__(self, bucket_size: int, is_master: bool = False, *, transport: str = "shm", host: str = "127.0.0.1",
-                 verify: bool = False, timeout: float = 600.0) -> None:
+                 verify: bool = False, timeout: float = 600.0, wire: str = "full") -> None:
         # bucket_size: rlsync moves each rank's chunk of every tensor straight into the readers' memory, no bucket
         self.transport, self.host, self.verify, self.timeout = transport, host, bool(verify), float(timeout)
+        if wire not in ("full", "delta"):
+            raise ConfigError(f"engine_kwargs.rlsync.wire={wire!r}: use 'full' or 'delta'")
+        self.wire = wire
         self.role: str | None = None  # "actor" or "rollout", known from init_process_group on
         self._address: str | None = None
         self._readers: list[str] = []
@@ -111,7 +114,7 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
             if self._writer is not None:
                 self._writer.close()
             self._writer = WeightsWriter(src, None, self._rank, self._readers, transport=self.transport,
-                                         checksum=self.verify, timeout=self.timeout)
+                                         checksum=self.verify, timeout=self.timeout, wire=self.wire)
             self._version = self._writer.next_version - 1
         self._version += 1
         writer = self._writer
@@ -126,7 +129,7 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         stats = writer.stats
         return {"rlsync/version": -1 if global_steps is None else global_steps, "rlsync/sync_version": self._version,
                 "rlsync/bytes": stats.bytes_sent, "rlsync/max_bytes_per_sender": stats.max_sender_bytes,
-                "rlsync/senders": stats.senders, "rlsync/seconds": seconds,
+                "rlsync/senders": stats.senders, "rlsync/seconds": seconds, "rlsync/rank_wire_bytes": writer.last_bytes,
                 "rlsync/transfer_seconds": time.perf_counter() - sent, "rlsync/gbps": stats.bytes_sent / seconds / 1e9}
 
     def _keep_my_chunk(self, meta: TensorMeta, tensor: torch.Tensor) -> None:

@@ -43,6 +43,8 @@ class RlsyncInitInfo(WeightTransferInitInfo):
     # Optional: worker 0 writes every worker's part of each tensor here as JSON ({name: [offsets, sizes]}
     # per worker). The trainer does not need it (it learns the layout from the workers).
     boxes_file: str | None = None
+    # a CRC per tensor, sent by the trainer and checked on landing (the trainer's writer must send them)
+    checksum: bool = False
 
 
 @dataclass
@@ -65,7 +67,7 @@ class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpda
             Path(init_info.boxes_file).write_text(json.dumps(boxes))
         host, port = init_info.address.removeprefix("tcp://").rsplit(":", 1)
         self._receiver = StagedReceiver(tensors, boxes=boxes, rank=world.rank, transport=init_info.transport,
-                                        host=host, port=int(port) + world.rank)
+                                        host=host, port=int(port) + world.rank, checksum=init_info.checksum)
         self._finish: Finish | None = None
 
     def start_weight_update(self) -> None:

@@ -66,10 +66,17 @@ class VllmServer:
 
     ``url``: the server's base URL (``http://127.0.0.1:8000``). ``transport``: ``shm`` (same host, the
     default) or ``tcp``. ``timeout``: seconds a version may take to go live. ``host``: where the engine's
-    workers bind their readers (default: the server's own host).
+    workers bind their readers (default: the server's own host). ``wire``: ``"full"`` or ``"delta"``
+    (only the values that changed since the server's last version; see ``rlsync.WeightsWriter``).
+    ``verify``: a CRC per tensor checked by the engine on landing; a mismatch refuses the version, naming the tensor.
     """
 
-    def __init__(self, url: str, *, transport: str = "shm", timeout: float = 600.0, host: str | None = None) -> None:
+    def __init__(self, url: str, *, transport: str = "shm", timeout: float = 600.0, host: str | None = None,
+                 wire: str = "full", verify: bool = False) -> None:
+        self.verify = bool(verify)
+        if wire not in ("full", "delta"):
+            raise ConfigError(f"wire={wire!r}: a vLLM server takes 'full' or 'delta' (fp8 needs an fp8 engine's tensor list)")
+        self.wire = wire
         self.url = url.rstrip("/")
         self.transport, self.timeout = transport, float(timeout)
         self.host = host or urllib.parse.urlparse(self.url).hostname or "127.0.0.1"
@@ -192,16 +199,17 @@ class VllmServer:
             raise failure[0]
         writer.next_version = version + 1
         self.version = version
-        return PublishStats(version, writer.bytes_per_version, time.perf_counter() - started, len(state))
+        return PublishStats(version, writer.last_bytes, time.perf_counter() - started, len(state))
 
     def _open(self, state: dict[str, Any]) -> None:
         tensors = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in state.items()]
         workers = int(self.call("/get_world_size", method="GET")["world_size"])
         base = reserve_ports(self.host, workers)
         self.call("/init_weight_transfer_engine", {"init_info": {"address": f"tcp://{self.host}:{base}", "tensors": tensors,
-                                                                "transport": self.transport}})
+                                                                "transport": self.transport, "checksum": self.verify}})
         readers = [f"tcp://{self.host}:{base + r}" for r in range(workers)]
-        self._writer = WeightsWriter(from_state_dict(state), None, 0, readers, transport=self.transport, timeout=self.timeout)
+        self._writer = WeightsWriter(from_state_dict(state), None, 0, readers, transport=self.transport, timeout=self.timeout,
+                                     wire=self.wire, checksum=self.verify)
         self._names = list(state)
         self._dtype = next(iter(state.values())).dtype
 

@@ -88,15 +88,18 @@ class StagedReceiver:
     ``WeightsWriter(src, None, rank, addresses)`` learns this layout from the reader."""
 
     def __init__(self, tensors: Sequence[Sequence[Any]], *, boxes: RankBoxes | None = None, rank: int = 0,
-                 transport: str = "shm", host: str = "127.0.0.1", port: int = 0, apply_timeout: float = 600.0) -> None:
+                 transport: str = "shm", host: str = "127.0.0.1", port: int = 0, apply_timeout: float = 600.0,
+                 checksum: bool = False) -> None:
         layout = engine_layout(tensors, boxes)
         self.boxes = {s.tensor: s.box for s in layout.shards if s.rank == rank}
         self.metas = [m for m in layout.tensors if m.name in self.boxes]  # what this rank's loader reads
         self._offsets, self._region_nbytes = region_offsets(layout, rank)
         self._landed = LandedVersions(apply_timeout)
         # the writers' layout comes with their hello: one trainer process or many, whole tensors or shards
+        # checksum: the writers' CRC per tensor is checked against what landed; a mismatch refuses the version,
+        # and the engine waiting for it hears why at once (on_refused)
         self.reader = WeightsReader(None, layout, rank, transport=transport, landing="staged", host=host, port=port,
-                                    on_version=self._landed.on_version)
+                                    checksum=checksum, on_version=self._landed.on_version, on_refused=self._landed.on_refused)
 
     @property
     def address(self) -> str:

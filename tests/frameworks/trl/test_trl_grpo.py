@@ -15,14 +15,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.filterwarnings("ig
               pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 
-def _trainer(model_dir: Path, server: Any, tmp_path: Path, steps: int, **config: Any) -> Any:
+def _trainer(model_dir: Path, server: Any, tmp_path: Path, steps: int, lr: float = 3e-3, **config: Any) -> Any:
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     import rlsync.adapters.trl  # noqa: F401  (the patches: GRPOTrainer's constructor joins no NCCL group)
 
-    args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=steps, learning_rate=3e-3, per_device_train_batch_size=8,
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=steps, learning_rate=lr, per_device_train_batch_size=8,
                       num_generations=4, max_completion_length=8, beta=0.0, logging_steps=1, save_strategy="no",
                       report_to="none", use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url, bf16=False,
                       use_cpu=True, seed=0, **config)
@@ -84,3 +84,29 @@ def test_a_sample_older_than_the_allowed_staleness_never_reaches_the_loss(model_
             assert int(mask.sum()) > 0
     dropped = [entry["rlsync/dropped_stale"] for entry in trainer.state.log_history if "rlsync/dropped_stale" in entry]
     assert dropped == [0, 0, 8, 0, 0, 8]
+
+
+def test_delta_syncs_at_an_rl_learning_rate_move_a_fraction_and_serve_the_trainers_weights(
+        model_dir: Path, server: Any, tmp_path: Path) -> None:
+    """``RlsyncSyncCallback(trainer, wire="delta", verify=True)`` at lr 1e-6: after the first sync only changed values
+    cross, the engine's CRC of every tensor matches the trainer's (at this learning rate greedy output alone could not
+    tell a stale version from the new one), and greedy output equals a fresh engine's."""
+    from rlsync.adapters.trl import RlsyncSyncCallback
+
+    trainer = _trainer(model_dir, server, tmp_path, steps=3, lr=1e-6)
+    trainer.add_callback(RlsyncSyncCallback(trainer, wire="delta", verify=True))  # the engine checks every tensor's CRC
+    rlsync_sync = trainer.vllm_generation.sync_weights
+    seen: list[tuple[dict[str, torch.Tensor], list[list[int]]]] = []
+
+    def sync_and_look() -> None:
+        rlsync_sync()
+        seen.append(({n: t.detach().clone() for n, t in trainer.vllm_generation._iter_named_params()}, server.greedy(PROMPTS)))
+
+    trainer.vllm_generation.sync_weights = sync_and_look
+    trainer.train()
+    full = sum(t.numel() * 2 for t in seen[0][0].values())  # bf16 on the wire
+    sent = [entry["rlsync/bytes"] for entry in trainer.state.log_history if "rlsync/bytes" in entry]
+    assert sent[0] == full and len(sent) == 3
+    assert all(0 < n < 0.5 * full for n in sent[1:]), (sent, full)  # a few percent of values changed per step
+    named, greedy = seen[-1]  # the third version, a delta on top of the second
+    assert greedy == fresh_greedy(checkpoint(model_dir, named, tmp_path / "last"))

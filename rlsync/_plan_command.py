@@ -165,8 +165,9 @@ def run(*, model: str, train: str, infer: str, nic_gbps: float, rank: int | None
         ("transfers", f"{report['transfers']:,}"),
         ("senders / receivers", f"{report['senders']} / {report['receivers']}"),
         ("max per sender", _gb(report["max_sender_bytes"])),
-        ("max per receiver", f"{_gb(report['max_receiver_bytes'])} ({_gb(report['max_receiver_nic_bytes'])} over its NIC, "
-                             f"{gpus_per_node} GPUs per node)"),
+        ("max per receiver", f"{_gb(report['max_receiver_bytes'])}" + (
+            f" ({_gb(report['max_receiver_nic_bytes'])} over its NIC with a node fan-out over NVLink, {gpus_per_node} GPUs "
+            f"per node: predicted, not yet done by rlsync)" if gpus_per_node > 1 else "")),
     ]
     if report["imbalance"] is not None:
         rows.append(("sender lower bound", f"{_gb(report['sender_lower_bound'])} (imbalance {report['imbalance']:.3f})"))

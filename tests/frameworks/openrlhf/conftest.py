@@ -32,7 +32,8 @@ def launched_ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
     from rlsync.patches.openrlhf import OPTIONS_ENV, installed_version
 
     opts: dict[str, object] = {"rlsync": __version__, "openrlhf": installed_version(), "transport": "shm",
-                               "host": "127.0.0.1", "timeout": 300.0, "max_staleness": None}
+                               "host": "127.0.0.1", "timeout": 300.0, "max_staleness": None,
+                               "wire": "delta"}  # `--wire delta`: a version that changes everything goes in full
     saved = dict(os.environ)
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
     start_ray(opts)

@@ -33,6 +33,15 @@ PROMPTS = [[5, 17, 42, 99, 3], [200, 1, 77]]
 NEW_TOKENS = 8
 
 
+def nudged(seed: int) -> torch.nn.Module:
+    """The model of ``seed`` after a small step: every 50th value of each tensor moved (2 % of them changed)."""
+    model = models.build("qwen2", seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.view(-1)[::50] += 0.25
+    return model
+
+
 class FakeStrategy:
     def __init__(self, zero_stage: int) -> None:
         self.args = SimpleNamespace(vllm=SimpleNamespace(enable_prefix_caching=False, sync_backend="nccl"),
@@ -70,8 +79,8 @@ class TrainerRank:
 
         return {name: getattr(ActorPPOTrainer, name).__module__ for name in ("_init_vllm_sync_group", "broadcast_to_vllm")}
 
-    def load(self, seed: int) -> None:
-        model = models.build("qwen2", seed)
+    def load(self, seed: int, nudge: bool = False) -> None:
+        model = nudged(seed) if nudge else models.build("qwen2", seed)
         if self.zero_stage == 3:
             fake_zero3(model, self.rank, self.world)
         self.trainer.actor.model.module = model
@@ -83,6 +92,10 @@ class TrainerRank:
     def sync(self) -> int:
         self.trainer.broadcast_to_vllm()
         return int(self.trainer._rlsync_version)
+
+    def sent(self) -> int:
+        """Bytes this rank moved for the last version (a delta moves only changed values)."""
+        return sum(w.last_bytes for w in self.trainer._rlsync_writers)
 
 
 def engine_kwargs(model: str, tp: int = 1) -> dict[str, Any]:

@@ -88,6 +88,14 @@ def test_two_trainer_ranks_sync_three_versions_into_openrlhfs_engine(launched_ra
         assert got == parts.fresh_greedy(str(tmp_path / f"v{version}")), f"version {version}"
         seen.append(got)
     assert len({str(s) for s in seen}) == 3
+    full = ray.get([r.sent.remote() for r in ranks])  # `--wire delta`, but every value changed: sent in full
+    # version 4: a small step from version 3 (2 % of the values): only those cross, and the engine serves it exactly
+    ray.get([r.load.remote(203, True) for r in ranks])
+    assert ray.get([r.sync.remote() for r in ranks]) == [4, 4]
+    assert all(0 < n < 0.2 * f for n, f in zip(ray.get([r.sent.remote() for r in ranks]), full))
+    parts.nudged(203).save_pretrained(tmp_path / "v4")
+    assert parts.greedy_of_engine(engine) == parts.fresh_greedy(str(tmp_path / "v4"))
+    assert parts.greedy_of_engine(engine) != seen[-1]
     for actor in (*ranks, engine):
         ray.kill(actor)
 

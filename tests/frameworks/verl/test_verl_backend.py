@@ -142,6 +142,24 @@ def test_three_syncs_through_verls_manager_land_bit_exact_with_metrics(model_dir
     assert [steps for _, steps in cluster.received()] == [[1, 2, 3, None]] * 2
 
 
+def test_delta_syncs_move_a_fraction_and_land_bit_exact(model_dir: Path, ray_cluster: None, clusters: list[Cluster]) -> None:
+    """``engine_kwargs.rlsync.wire=delta`` with small steps (2 % of the values): after the first sync each trainer rank
+    moves a fraction of its bytes, and every rollout worker still holds a bit-exact copy (CRCs checked too)."""
+    cluster = Cluster(model_dir, {"verify": True, "timeout": 120, "wire": "delta"})
+    clusters.append(cluster)
+    sent = []
+    for step in (1, 2, 3):
+        cluster.trainer.train_step(step, 50)
+        metrics = cluster.manager.update_weights(global_steps=step)
+        expected = cluster.trainer.full_state()[0]
+        for weights, steps in cluster.received():
+            assert steps[-1] == step
+            for name, tensor in expected.items():
+                assert torch.equal(weights[name], tensor), (step, name)
+        sent.append(metrics["rlsync/rank_wire_bytes"])
+    assert sent[0] > 0 and all(0 < n < 0.2 * sent[0] for n in sent[1:]), sent
+
+
 def test_a_trainer_rank_killed_mid_sync_leaves_the_rollout_side_on_the_previous_step(model_dir: Path, ray_cluster: None,
                                                                                       clusters: list[Cluster]) -> None:
     cluster = Cluster(model_dir, {"timeout": 20})

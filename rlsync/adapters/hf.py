@@ -101,13 +101,13 @@ class ModuleReceiver:
 
     def _dequantize(self, version: int, buffers: dict[str, np.ndarray]) -> None:
         """Load an fp8-format version: the new weights are built beside the live ones, then swapped in."""
-        from rlsync.wire._fp8 import SCALE_SUFFIX, dequantize, is_quantized
+        from rlsync.wire._fp8 import SCALE_SUFFIX, dequantize, is_quantized, scale_shape
 
         new: dict[str, torch.Tensor] = {}
         for name, p in self._params.items():
             raw = torch.from_numpy(buffers[name])
             if is_quantized(name, tuple(p.shape)):
-                scale = torch.from_numpy(buffers[name + SCALE_SUFFIX]).view(torch.float32).view(*p.shape[:-2], -1, -(-p.shape[-1] // 128))
+                scale = torch.from_numpy(buffers[name + SCALE_SUFFIX]).view(torch.float32).view(scale_shape(tuple(p.shape)))
                 new[name] = dequantize(raw.view(torch.float8_e4m3fn).view(p.shape), scale, p.dtype)
             else:
                 new[name] = raw.view(p.dtype).view(p.shape).clone()

@@ -36,9 +36,8 @@ def reader(transport: str) -> None:
         print(json.dumps({"address": r.address}), flush=True)
         for line in sys.stdin:
             version = int(line)
-            r.wait_for_version(version, timeout=600)
-            with r._cond:  # noqa: SLF001 - the bench reads the live slot while no version flips
-                print(json.dumps({"version": r.version, "crc": _crcs(r.buffers())}), flush=True)
+            r.wait_for_version(version, timeout=600)  # the next version is sent only after this answer: no flip meanwhile
+            print(json.dumps({"version": r.version, "crc": _crcs(r.buffers())}), flush=True)
 
 
 def _spawn_reader(transport: str) -> subprocess.Popen[str]:

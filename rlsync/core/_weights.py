@@ -512,7 +512,8 @@ class WeightsWriter:
         self._channels: dict[int, Channel] = {}
         self._links: dict[int, Link] = {}
         self._slots: dict[int, int] = {}
-        self.bytes_per_version = sum(n for groups in self._runs.values() for _, runs in groups for _, _, n in runs)
+        self._part_bytes = {r: sum(n for _, runs in groups for _, _, n in runs) for r, groups in self._runs.items()}  # full send, per reader
+        self.bytes_per_version = sum(self._part_bytes.values())
         self._itemsizes = {name: dtype_size(b.dtype) for name, b in self._specs.items()}
         self._changes = ChangeLog(self._itemsizes) if delta else None
         self._inboxes: dict[int, tuple[Link, int, int, np.ndarray]] = {}  # reader rank -> (link, offset, capacity, staging)
@@ -654,8 +655,8 @@ class WeightsWriter:
             return None
         groups = self._runs[dst_rank]
         changed = {name: self._changes.since(base, name) for name, _ in groups}
-        full = sum(n for _, runs in groups for _, _, n in runs)
-        payload = encode_delta(groups, changed, self._sources, self._itemsizes, min(self._inboxes[dst_rank][2], full - 1))
+        capacity = min(self._inboxes[dst_rank][2], self._part_bytes[dst_rank] - 1)  # smaller than a full send, or none
+        payload = encode_delta(groups, changed, self._sources, self._itemsizes, capacity)
         return None if payload is None else (base, payload)
 
     def _post(self, dst_rank: int, version: int, progress: Callable[[int], None] | None, full: bool = False) -> str | None:
@@ -680,7 +681,7 @@ class WeightsWriter:
                 inbox.write(staging, [(0, 0, offset, len(delta[1]))])
                 inbox.flush()
             link.flush()
-            self._sent[dst_rank] = len(delta[1]) if delta is not None else sum(n for _, runs in self._runs[dst_rank] for _, _, n in runs)
+            self._sent[dst_rank] = len(delta[1]) if delta is not None else self._part_bytes[dst_rank]
             self._channels[dst_rank].send(Done(self.rank, version, slot, crcs if self._checksum else None,
                                                delta_base=None if delta is None else delta[0],
                                                delta_nbytes=0 if delta is None else len(delta[1])))

@@ -80,6 +80,12 @@ def fp8_tensors(named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.T
             yield name, tensor
 
 
+def _fp8_pair(meta: TensorMeta) -> tuple[TensorMeta, TensorMeta]:
+    """A quantized weight's two tensors in the fp8 format: the weight in fp8, its block scales in float32."""
+    return (TensorMeta(meta.name, "float8_e4m3fn", meta.shape),
+            TensorMeta(meta.name + SCALE_SUFFIX, "float32", scale_shape(meta.shape)))
+
+
 def fp8_model_spec(spec: ModelSpec) -> ModelSpec:
     """The tensor list an fp8 engine holds for ``spec``: quantized weights in ``float8_e4m3fn``,
     each followed by its ``float32`` block scales, sharded and fused the way the weight is (vLLM's
@@ -89,21 +95,15 @@ def fp8_model_spec(spec: ModelSpec) -> ModelSpec:
         if not is_quantized(p.meta.name, p.meta.shape):
             params.append(p)
             continue
-        params.append(msgspec.structs.replace(p, meta=TensorMeta(p.meta.name, "float8_e4m3fn", p.meta.shape)))
-        scale = TensorMeta(p.meta.name + SCALE_SUFFIX, "float32", scale_shape(p.meta.shape))
+        weight, scale = _fp8_pair(p.meta)
+        params.append(msgspec.structs.replace(p, meta=weight))
         params.append(Param(scale, p.role, p.layer, None if p.fused is None else p.fused + SCALE_SUFFIX))
     return msgspec.structs.replace(spec, name=f"{spec.name} (fp8)", params=tuple(params))
 
 
 def fp8_metas(tensors: Iterable[TensorMeta]) -> list[TensorMeta]:
     """The tensors of the fp8 checkpoint format for these model-dtype tensors (scales after their weights)."""
-    out: list[TensorMeta] = []
-    for t in tensors:
-        if is_quantized(t.name, t.shape):
-            out += [TensorMeta(t.name, "float8_e4m3fn", t.shape), TensorMeta(t.name + SCALE_SUFFIX, "float32", scale_shape(t.shape))]
-        else:
-            out.append(t)
-    return out
+    return [m for t in tensors for m in (_fp8_pair(t) if is_quantized(t.name, t.shape) else (t,))]
 
 
 def fp8_layout(layout: Layout) -> Layout:

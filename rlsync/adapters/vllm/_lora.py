@@ -70,9 +70,11 @@ class LoraReceiver:
         try:
             lora = self._build(version, {name: t.clone() for name, t in views})  # the staging slot takes the next version
             adapters = self._manager._adapter_manager
-            for old in [v for v in self.versions if v == version] + self.versions[: max(0, len(self.versions) + 1 - self.keep)]:
-                adapters.remove_adapter(LORA_ID_BASE + old)
-                self.versions.remove(old)
+            if version in self.versions:  # the same version again (a resend): it replaces the registered one
+                self.versions.remove(version)
+                adapters.remove_adapter(LORA_ID_BASE + version)
+            while len(self.versions) >= self.keep:  # room for this one among the newest `keep`
+                adapters.remove_adapter(LORA_ID_BASE + self.versions.pop(0))
             if len(adapters) + 1 > adapters.capacity:
                 adapters.remove_oldest_adapter()  # vLLM's own LRU rule, as its loader does
             adapters.add_adapter(lora)

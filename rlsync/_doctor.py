@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from rlsync.core import _plugins
+from rlsync.core import buffer_backends, make_plugin_manager, transports, wire_codecs
 
 #: Optional packages, the extra that installs each, and what it enables.
 OPTIONAL: tuple[tuple[str, str, str], ...] = (
@@ -76,7 +76,7 @@ def trl_support(version: str | None = None) -> str | None:
     """Whether rlsync's TRL adapter supports the installed TRL (None: TRL not installed)."""
     from importlib import metadata
 
-    from rlsync.core._errors import ConfigError
+    from rlsync import ConfigError
     from rlsync.patches.trl import check_version
 
     if version is None:
@@ -112,16 +112,17 @@ def run() -> int:
         machine.add_row(key, value)
     console.print(machine)
 
-    pm = _plugins.make_plugin_manager()
+    pm = make_plugin_manager()
     registered = Table(title="registered plugins")
     registered.add_column("kind")
     registered.add_column("names")
-    for kind, registry in (
-        ("transports", _plugins.transports(pm)),
-        ("buffer backends", _plugins.buffer_backends(pm)),
-        ("gates", _plugins.gates(pm)),
+    for kind, names in (
+        ("transports", transports(pm).names()),
+        ("buffer backends", buffer_backends(pm).names()),
+        ("wire codecs", wire_codecs(pm).names()),
+        ("staleness gates", [impl.plugin_name for impl in pm.hook.rlsync_gate_sample.get_hookimpls()]),
     ):
-        registered.add_row(kind, ", ".join(registry.names()) or "none")
+        registered.add_row(kind, ", ".join(names) or "none")
     console.print(registered)
 
     optional = Table(title="optional packages")

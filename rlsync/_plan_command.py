@@ -9,13 +9,9 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from rlsync.core._builders import fsdp, replicated, zero3
-from rlsync.core._errors import ConfigError
-from rlsync.core._layout import Box, Layout, dtype_size
-from rlsync.core._layout_parallel import engine_tp, megatron
-from rlsync.core._planner import build_plan
-from rlsync.core._presets import PRESETS, ModelSpec, load_model_spec
-from rlsync.wire._fp8 import fp8_model_spec
+from rlsync import Box, ConfigError, Layout, build_plan
+from rlsync.layouts import PRESETS, ModelSpec, dtype_size, engine_tp, fsdp, load_model_spec, megatron, replicated, zero3
+from rlsync.wire import fp8_model_spec
 
 TRAINERS = {"fsdp": ("dp",), "zero3": ("dp",), "megatron": ("tp", "pp", "dp", "ep", "etp")}
 ENGINES = {"vllm": ("tp", "replicas"), "sglang": ("tp", "replicas"), "hf": ("replicas",)}

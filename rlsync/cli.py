@@ -58,21 +58,21 @@ def bench(
         if wire != "delta":
             raise typer.BadParameter(f"--wire {wire!r}: the bench compares 'delta' with full versions (fp8 is a tensor "
                                      f"list, see `rlsync plan --wire fp8`)")
-        from rlsync.bench import _wire
+        from rlsync.bench import run_wire
 
-        _wire.run(size=size, steps=steps, lr=lr, transport=transports.split(",")[0], json_output=json_output)
+        run_wire(size=size, steps=steps, lr=lr, transport=transports.split(",")[0], json_output=json_output)
     elif buffer:
-        from rlsync.bench import _buffer
+        from rlsync.bench import run_buffer
 
-        _buffer.run(json_output=json_output, repeats=repeats)
+        run_buffer(json_output=json_output, repeats=repeats)
     elif engine is not None:
-        from rlsync.bench import _engine
+        from rlsync.bench import run_engine
 
-        _engine.run(engine=engine, json_output=json_output, repeats=repeats, model=engine_model)
+        run_engine(engine=engine, json_output=json_output, repeats=repeats, model=engine_model)
     else:
-        from rlsync.bench import _weights
+        from rlsync.bench import run_weights
 
-        _weights.run(size=size, transports=transports, repeats=repeats, json_output=json_output)
+        run_weights(size=size, transports=transports, repeats=repeats, json_output=json_output)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -99,7 +99,7 @@ def doctor() -> None:
 
 def main() -> None:
     """Run the CLI; rlsync's own errors print as one line (what, which, the fix) and exit 2."""
-    from rlsync.core._errors import RlsyncError
+    from rlsync import RlsyncError
 
     try:
         if sys.argv[1:3] == ["launch", "openrlhf"]:  # its arguments go through untouched: click would drop the `--`

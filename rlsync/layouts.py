@@ -1,26 +1,85 @@
-"""Layout builders and model presets, in one public place.
+"""Layouts: who holds which part of which tensor, where. Builders for the usual trainer and engine
+shardings, model presets, and the helpers that view shards inside byte buffers.
 
     from rlsync.layouts import fsdp, megatron, engine_tp, load_model_spec
     spec = load_model_spec("qwen2.5-7b")
     plan = rlsync.build_plan(fsdp(spec.tensors, 8), engine_tp(spec, tp=4, replicas=2))
 """
 
-from rlsync.core._builders import data_parallel, flat_partitions, from_state_dict, fsdp, replicated, zero3
-from rlsync.core._layout_parallel import engine_tp, megatron
-from rlsync.core._presets import PRESETS, ModelSpec, Param, load_model_spec, model_spec
+from rlsync.core import (
+    PRESETS,
+    SLACK,
+    Box,
+    BufferSpec,
+    Layout,
+    ModelSpec,
+    Param,
+    RankBoxes,
+    Shard,
+    TensorMeta,
+    allocate,
+    chunk_bounds,
+    contiguous_strides,
+    copy_transfers,
+    data_parallel,
+    dtype_name,
+    dtype_size,
+    engine_layout,
+    engine_tp,
+    flat_partitions,
+    flat_range_boxes,
+    from_state_dict,
+    fsdp,
+    gather_shards,
+    load_model_spec,
+    make_layout,
+    megatron,
+    model_spec,
+    own_buffer_shard,
+    raw_dtype,
+    region_offsets,
+    replicated,
+    scatter,
+    tensor_metas,
+    whole_tensor_view,
+    zero3,
+)
 
 __all__ = [
     "PRESETS",
+    "SLACK",
+    "Box",
+    "BufferSpec",
+    "Layout",
     "ModelSpec",
     "Param",
+    "RankBoxes",
+    "Shard",
+    "TensorMeta",
+    "allocate",
+    "chunk_bounds",
+    "contiguous_strides",
+    "copy_transfers",
     "data_parallel",
-    "flat_partitions",
+    "dtype_name",
+    "dtype_size",
+    "engine_layout",
     "engine_tp",
+    "flat_partitions",
+    "flat_range_boxes",
     "from_state_dict",
     "fsdp",
+    "gather_shards",
     "load_model_spec",
+    "make_layout",
     "megatron",
     "model_spec",
+    "own_buffer_shard",
+    "raw_dtype",
+    "region_offsets",
     "replicated",
+    "scatter",
+    "tensor_metas",
+    "whole_tensor_view",
     "zero3",
 ]

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import rlsync
+import rlsync.testing
 
 
 def test_all_is_sorted_and_importable() -> None:
@@ -13,7 +14,7 @@ def test_all_is_sorted_and_importable() -> None:
 
 
 def test_every_public_name_is_exported() -> None:
-    public = {n for n in vars(rlsync) if not n.startswith("_")} - {"core", "plugins", "adapters", "patches", "cli", "bench", "layouts", "wire"}
+    public = {n for n in vars(rlsync) if not n.startswith("_")} - {"core", "plugins", "adapters", "patches", "cli", "bench", "layouts", "wire", "testing"}
     assert public <= set(rlsync.__all__), public - set(rlsync.__all__)
 
 
@@ -25,3 +26,25 @@ def test_import_loads_no_plugin_or_framework() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_extension_contracts_are_public() -> None:
+    """What a plugin author subclasses or implements: a transport, a buffer storage, a gate, a wire codec, the
+    options object, the engine-neutral staged receiver, and the hooks."""
+    contracts = ["Transport", "Landing", "Link", "Run", "Region", "Storage", "Gate", "WireCodec", "SyncOptions",
+                 "StagedReceiver", "hookimpl", "hookspec", "plugin_manager"]
+    assert set(contracts) <= set(rlsync.__all__)
+    assert issubclass(rlsync.testing.MemoryTransport, rlsync.Transport)
+    assert isinstance(rlsync.MemoryStorage(), rlsync.Storage)
+    assert isinstance(rlsync.MaxStaleness(1), rlsync.Gate)
+    from rlsync.wire import Fp8Codec
+    from rlsync.layouts import from_state_dict
+    import torch
+
+    assert isinstance(Fp8Codec(from_state_dict({"x.weight": torch.zeros(128, 128)}), 0), rlsync.WireCodec)
+    for name in ("Transport", "Landing", "Link", "Storage", "Gate", "WireCodec", "SyncOptions", "StagedReceiver"):
+        assert "Called on" in (getattr(rlsync, name).__doc__ or "") or "process" in (getattr(rlsync, name).__doc__ or ""), name
+
+
+def test_the_old_builtin_shadowing_name_is_gone() -> None:
+    assert not hasattr(rlsync, "BufferError")  # it shadowed the builtin: rlsync.RolloutBufferError

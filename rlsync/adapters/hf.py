@@ -19,15 +19,12 @@ import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import numpy as np
 import torch
 
-from rlsync.core._builders import from_state_dict
-from rlsync.core._errors import ConfigError, RlsyncWarning
-from rlsync.core._layout import Layout
-from rlsync.core._weights import WeightsReader
+from rlsync import ConfigError, Layout, RlsyncWarning, SyncOptions, WeightsReader
+from rlsync.layouts import from_state_dict
 
 
 def module_layout(module: torch.nn.Module) -> Layout:
@@ -43,31 +40,33 @@ class ModuleReceiver:
 
     ``src`` is the writer's layout; by default it is learned from the writer's hello, so the trainer
     may send its whole ``state_dict()`` (a tied ``lm_head.weight`` alias, extra buffers): only what this
-    module holds is sent. ``wire``: ``"full"`` (the parameters' own dtypes, in place) or ``"fp8"``
-    (lossy; see the module docstring). Other keyword arguments go to ``WeightsReader`` (``transport``,
-    ``host``, ``secret``, ``checksum``, ...).
+    module holds is sent. ``options`` (``rlsync.SyncOptions``) go to the ``WeightsReader`` (transport, host,
+    secret, verify); their ``wire`` says what the writer sends: the parameters' own dtypes (``"full"`` or
+    ``"delta"``, landing in place) or ``"fp8"`` (lossy; see the module docstring).
     """
 
-    def __init__(self, module: torch.nn.Module, src: Layout | None = None, *, wire: str = "full", **reader_options: Any) -> None:
-        if wire not in ("full", "fp8"):
-            raise ConfigError(f"ModuleReceiver(wire={wire!r}): use 'full' or 'fp8' (a delta is the writer's choice alone)")
+    def __init__(self, module: torch.nn.Module, src: Layout | None = None, *, options: SyncOptions | None = None) -> None:
+        options = options or SyncOptions()
+        if options.codec not in (None, "fp8"):
+            raise ConfigError(f"ModuleReceiver: wire={options.wire!r} is not one it can load; use 'full', 'delta' or 'fp8'")
         self.module = module
-        self.wire = wire
+        self.wire = "fp8" if options.codec == "fp8" else "full"
+        wire = self.wire
         self._params = dict(module.named_parameters())
         for name, p in self._params.items():
             if p.device.type != "cpu" or not p.is_contiguous():
                 raise ValueError(f"parameter {name!r} must be a contiguous CPU tensor to receive in place (it is on {p.device})")
         self._serving = threading.RLock()
         if wire == "fp8":
-            from rlsync.wire._fp8 import fp8_metas
+            from rlsync.wire import fp8_metas
 
             warnings.warn("ModuleReceiver(wire='fp8'): the module gets the fp8-dequantized weights (lossy against the "
                           "trainer's; what transformers loads from an fp8 checkpoint without fp8 kernels)", RlsyncWarning, stacklevel=2)
             dst = from_state_dict(fp8_metas(module_layout(module).tensors))
-            self.reader = WeightsReader(src, dst, 0, landing="staged", on_version=self._dequantize, **reader_options)
+            self.reader = WeightsReader(src, dst, 0, options=options, landing="staged", on_version=self._dequantize)
             return
         dst = module_layout(module)
-        self.reader = WeightsReader(src, dst, 0, landing="direct", on_version=self._switch, **reader_options)
+        self.reader = WeightsReader(src, dst, 0, options=options, landing="direct", on_version=self._switch)
         live = self.reader.buffers()
         with torch.no_grad():
             for name, p in self._params.items():  # version "current": the weights the module was built with
@@ -101,7 +100,7 @@ class ModuleReceiver:
 
     def _dequantize(self, version: int, buffers: dict[str, np.ndarray]) -> None:
         """Load an fp8-format version: the new weights are built beside the live ones, then swapped in."""
-        from rlsync.wire._fp8 import SCALE_SUFFIX, dequantize, is_quantized, scale_shape
+        from rlsync.wire import SCALE_SUFFIX, dequantize, is_quantized, scale_shape
 
         new: dict[str, torch.Tensor] = {}
         for name, p in self._params.items():

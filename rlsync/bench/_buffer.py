@@ -17,8 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from rlsync.core._buffer import RolloutBuffer
-from rlsync.core._samples import Sample, decode_sample, encode_sample
+from rlsync import RolloutBuffer, Sample, decode_sample, encode_sample
 
 BATCH = 64
 
@@ -62,7 +61,7 @@ def bench_ray(repeats: int) -> tuple[float, float]:
     import ray
     from ray.util.queue import Queue
 
-    from rlsync.plugins._buffer_ray import RayRolloutBuffer
+    from rlsync.plugins import RayRolloutBuffer
 
     started_here = not ray.is_initialized()
     if started_here:
@@ -100,7 +99,7 @@ def _redis_server(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
 def bench_redis(repeats: int) -> tuple[float, float]:
     import redis
 
-    from rlsync.plugins._buffer_redis import RedisStorage
+    from rlsync.plugins import RedisStorage
 
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = _redis_server(tmp)

@@ -31,7 +31,7 @@ import tempfile
 import time
 from typing import Any
 
-from rlsync.core._errors import ConfigError
+from rlsync import ConfigError, SyncOptions
 
 #: about 125M parameters: big enough that transfer, not per-call overhead, dominates
 CONFIG: dict[str, Any] = {"model_type": "qwen2", "vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048,
@@ -79,9 +79,9 @@ def _gloo(port: int, rank: int) -> Any:
 def _trainer(config: dict[str, Any]) -> None:
     from safetensors.torch import save_file
 
+    from rlsync import WeightsWriter
     from rlsync.adapters.vllm import engine_layout
-    from rlsync.core._builders import from_state_dict
-    from rlsync.core._weights import WeightsWriter
+    from rlsync.layouts import from_state_dict
 
     states = _states(config)
     writer = group = None
@@ -93,7 +93,7 @@ def _trainer(config: dict[str, Any]) -> None:
         if cmd["cmd"] == "rlsync":
             if writer is None:
                 dst = engine_layout([[n, t.dtype, t.shape] for n, t in state.items()])
-                writer = WeightsWriter(from_state_dict(state), dst, 0, [cmd["address"]], timeout=600)
+                writer = WeightsWriter(from_state_dict(state), dst, 0, [cmd["address"]], options=SyncOptions(timeout=600))
             writer.multi_put(state)
             writer.complete(cmd["version"])
         elif cmd["cmd"] == "save":

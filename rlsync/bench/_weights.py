@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from rlsync.core._presets import model_spec
+from rlsync import SyncOptions
+from rlsync.layouts import model_spec
 
 BUCKET = 256 * 2**20
 FANOUT = (1, 2, 4)  # readers a version is published to at once
@@ -84,16 +85,16 @@ def _emit(obj: dict[str, Any]) -> None:
 def worker(role: str, config: dict[str, Any], arg: str, versions: int) -> None:
     import torch
 
-    from rlsync.core._builders import from_state_dict
-    from rlsync.core._weights import WeightsReader, WeightsWriter
+    from rlsync import WeightsReader, WeightsWriter
+    from rlsync.layouts import from_state_dict
 
     if role == "reader":  # arg: TRANSPORT or TRANSPORT/RANK/READERS (every reader receives the whole model)
-        from rlsync.core._builders import replicated
+        from rlsync.layouts import replicated
 
         transport, reader_rank, readers = (arg.split("/") + ["0", "1"])[:3]
         metas = [p.meta for p in model_spec(config).params]
         dst = replicated(metas, tuple(range(int(readers))))
-        with WeightsReader(None, dst, int(reader_rank), transport=transport, landing="direct") as reader:  # src from the writer
+        with WeightsReader(None, dst, int(reader_rank), landing="direct", options=SyncOptions(transport=transport)) as reader:  # src from the writer
             _emit({"address": reader.address})
             reader.wait_for_version(versions, timeout=600)
         return
@@ -101,7 +102,7 @@ def worker(role: str, config: dict[str, Any], arg: str, versions: int) -> None:
     layout = from_state_dict(state)
     if role == "writer":  # arg: TRANSPORT@ADDRESS[,ADDRESS...]
         transport, addresses = arg.split("@", 1)
-        with WeightsWriter(layout, None, 0, addresses.split(","), transport=transport, timeout=600) as writer:
+        with WeightsWriter(layout, None, 0, addresses.split(","), options=SyncOptions(transport=transport, timeout=600)) as writer:
             times = []
             for version in range(1, versions + 1):
                 for t in state.values():
@@ -270,10 +271,10 @@ def run(*, size: str, transports: str, repeats: int, json_output: bool) -> None:
     from rich.progress import Progress
     from rich.table import Table
 
-    from rlsync.core import _plugins
+    from rlsync.core import transports as registered
 
     names = [t for t in transports.split(",") if t]
-    registry = _plugins.transports()
+    registry = registered()
     for t in names:
         if not getattr(registry.get(t), "available")():
             raise SystemExit(f"transport {t!r} is not available here (install its extra, e.g. pip install 'rlsync[{t}]'), or leave it out of --transports")

@@ -2,7 +2,7 @@
 
 A Qwen2-shaped model (transformers, float32 master weights) takes real AdamW steps at an RL learning
 rate (1e-6 by default) on a language-model loss over random tokens; after each step its bfloat16 copy
-is published twice, by a full writer and by a delta writer (``WeightsWriter(wire="delta")``), each into
+is published twice, by a full writer and by a delta writer (``WeightsWriter(options=SyncOptions(wire="delta"))``), each into
 its own reader process (shm, direct landing). Per version: the share of bf16 values that changed,
 bytes moved and seconds to live for both, and whether the delta reader's bytes equal the trainer's
 (CRC-32 of every tensor, computed on both sides). The machine's memcpy bandwidth is measured in the
@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from rlsync import SyncOptions
 from rlsync.bench._weights import _read, bench_spec, memcpy_gbps, parse_size
 
 
@@ -30,9 +31,9 @@ def _crcs(buffers: dict[str, np.ndarray]) -> dict[str, int]:
 
 def reader(transport: str) -> None:
     """A reader process: one whole copy of what the writer sends; answers ``check`` with its tensors' CRCs."""
-    from rlsync.core._weights import WeightsReader
+    from rlsync import WeightsReader
 
-    with WeightsReader(None, None, 0, replicas=1, transport=transport, landing="direct") as r:
+    with WeightsReader(None, None, 0, replicas=1, landing="direct", options=SyncOptions(transport=transport)) as r:
         print(json.dumps({"address": r.address}), flush=True)
         for line in sys.stdin:
             version = int(line)
@@ -60,8 +61,8 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "shm", progress
         from transformers import Qwen2Config, Qwen2ForCausalLM
     except ImportError as exc:
         raise SystemExit(f"rlsync bench --wire delta trains a small model with transformers: pip install transformers ({exc})") from None
-    from rlsync.core._builders import from_state_dict
-    from rlsync.core._weights import WeightsWriter
+    from rlsync import WeightsWriter
+    from rlsync.layouts import from_state_dict
 
     config = bench_spec(nbytes)
     torch.manual_seed(0)
@@ -76,7 +77,7 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "shm", progress
     rows: list[dict[str, Any]] = []
     try:
         addresses = {kind: _read(child)["address"] for kind, child in readers.items()}
-        writers = {kind: WeightsWriter(layout, None, 0, [addresses[kind]], transport=transport, timeout=600, wire=kind)
+        writers = {kind: WeightsWriter(layout, None, 0, [addresses[kind]], options=SyncOptions(transport=transport, timeout=600, wire=kind))
                    for kind in readers}
         previous = {name: t.clone() for name, t in state.items()}
         for version in range(1, steps + 1):

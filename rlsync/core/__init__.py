@@ -1,4 +1,96 @@
-"""Framework-free mechanisms: layouts, planner, tensor store, versions, buffer, gating, hooks.
+"""Framework-free mechanisms: layouts, planner, weight sync, transports' contract, rollout buffer, gates, hooks.
 
-Imports torch and numpy only; never a training framework or an inference engine.
+Imports torch, numpy, msgspec, pyzmq (the control plane) and pluggy; never a training framework, an
+inference engine, or anything else of rlsync (``rlsync.plugins``, ``rlsync.wire``, the adapters). Its
+implementation lives in private modules; this package is the one place the rest of rlsync imports from.
 """
+
+from rlsync.core._buffer import Batch, MemoryStorage, RolloutBuffer, Storage, Ticket
+from rlsync.core._builders import (
+    chunk_bounds,
+    data_parallel,
+    flat_partitions,
+    flat_range_boxes,
+    from_state_dict,
+    fsdp,
+    own_buffer_shard,
+    replicated,
+    zero3,
+)
+from rlsync.core._control import is_loopback, resolve_secret
+from rlsync.core._delta import ChangeLog
+from rlsync.core._delta import apply as apply_delta
+from rlsync.core._delta import encode as encode_delta
+from rlsync.core._errors import (
+    ConfigError,
+    LayoutError,
+    PeerLostError,
+    PlanError,
+    PlanMismatchError,
+    PluginError,
+    RlsyncError,
+    RlsyncWarning,
+    RolloutBufferError,
+    TransferTimeoutError,
+    TransportError,
+    VersionError,
+    WeightMismatchError,
+)
+from rlsync.core._gates import Decision, Gate, MaxStaleness, freshest_per_group, importance_weights
+from rlsync.core._handoff import Finish, LandedVersions
+from rlsync.core._hookspecs import hookimpl, hookspec
+from rlsync.core._layout import (
+    Box,
+    BufferSpec,
+    Layout,
+    Shard,
+    TensorMeta,
+    contiguous_strides,
+    dtype_name,
+    dtype_size,
+    make_layout,
+)
+from rlsync.core._layout_exchange import reader_layout
+from rlsync.core._layout_parallel import engine_tp, megatron
+from rlsync.core._make_buffer import make_buffer
+from rlsync.core._options import DEFAULT_TIMEOUT, WIRES, SyncOptions
+from rlsync.core._planner import Plan, PlanStats, build_plan
+from rlsync.core._plugins import (
+    BUILTIN_PLUGINS,
+    ENTRY_POINT_GROUP,
+    buffer_backends,
+    default_plugin_manager,
+    make_plugin_manager,
+    resolve_transport,
+    transports,
+    wire_codecs,
+)
+from rlsync.core._presets import PRESETS, ModelSpec, Param, load_model_spec, model_spec
+from rlsync.core._reader import LandingMode, WeightsReader
+from rlsync.core._regions import region_offsets
+from rlsync.core._registry import Registry
+from rlsync.core._samples import PolicyVersionClock, Sample, decode_sample, encode_sample
+from rlsync.core._staging import SLACK, RankBoxes, StagedReceiver, engine_layout, tensor_metas, whole_tensor_view
+from rlsync.core._transfer import Transfer
+from rlsync.core._transport import Landing, Link, Region, Run, Transport
+from rlsync.core._views import allocate, copy_transfers, gather_shards, raw_dtype, scatter
+from rlsync.core._wire import WireCodec
+from rlsync.core._writer import WeightsWriter
+
+__all__ = [
+    "BUILTIN_PLUGINS", "DEFAULT_TIMEOUT", "ENTRY_POINT_GROUP", "PRESETS", "SLACK", "WIRES",
+    "Batch", "Box", "BufferSpec", "ChangeLog", "ConfigError", "Decision", "Finish", "Gate", "Landing", "LandedVersions",
+    "LandingMode", "Layout", "LayoutError", "Link", "MaxStaleness", "MemoryStorage", "ModelSpec", "Param",
+    "PeerLostError", "Plan", "PlanError", "PlanMismatchError", "PlanStats", "PluginError", "PolicyVersionClock",
+    "RankBoxes", "Region", "Registry", "RlsyncError", "RlsyncWarning", "RolloutBuffer", "RolloutBufferError", "Run",
+    "Sample", "Shard", "StagedReceiver", "Storage", "SyncOptions", "TensorMeta", "Ticket", "Transfer",
+    "TransferTimeoutError", "Transport", "TransportError", "VersionError", "WeightMismatchError", "WeightsReader",
+    "WeightsWriter", "WireCodec",
+    "allocate", "apply_delta", "buffer_backends", "build_plan", "chunk_bounds", "contiguous_strides", "copy_transfers",
+    "data_parallel", "decode_sample", "default_plugin_manager", "dtype_name", "dtype_size", "encode_delta", "encode_sample",
+    "engine_layout", "engine_tp", "flat_partitions", "flat_range_boxes", "freshest_per_group", "from_state_dict", "fsdp", "gather_shards",
+    "hookimpl", "hookspec", "importance_weights", "is_loopback", "load_model_spec", "make_buffer", "make_layout",
+    "make_plugin_manager", "megatron", "model_spec", "own_buffer_shard", "raw_dtype", "reader_layout",
+    "region_offsets", "replicated", "resolve_secret", "resolve_transport", "scatter", "tensor_metas", "transports",
+    "whole_tensor_view", "wire_codecs", "zero3",
+]

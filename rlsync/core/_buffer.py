@@ -24,22 +24,43 @@ import collections
 import itertools
 import threading
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any, Literal, Protocol
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
+import pluggy
 
-from rlsync.core._errors import BufferError, VersionError
-from rlsync.core._gates import Decision, freshest_per_group, importance_weights
+from rlsync.core._errors import RolloutBufferError, VersionError
+from rlsync.core._gates import Decision, Gate, freshest_per_group, importance_weights
+from rlsync.core._plugins import default_plugin_manager
 from rlsync.core._samples import Sample
 from rlsync.core._telemetry import BufferTelemetry
 
 PartialPolicy = Literal["continue", "abort", "drain"]
+BUILTIN_GATES = "rlsync.plugins.gates"  # the plugin that holds MaxStaleness
 
 
+def _as_filter(gate: Gate) -> Callable[[Sample, int], Decision | None]:
+    """A buffer's own gate as a ``rlsync_gate_sample`` participant: DROP stops the hook; anything else passes on."""
+
+    def rlsync_gate_sample(sample: Sample, trainer_version: int) -> Decision | None:
+        return Decision.DROP if gate(sample, trainer_version) is Decision.DROP else None
+
+    return rlsync_gate_sample
+
+
+@runtime_checkable
 class Storage(Protocol):
-    """Where waiting samples live. ``take`` hands samples out oldest policy version first; ``ack`` says the
-    trainer got them (a storage shared by processes may hand out again what a dead client took)."""
+    """Where a ``RolloutBuffer``'s waiting samples live (``RolloutBuffer(storage=...)``); every method is called
+    by the buffer's process, under the buffer's lock. ``rlsync.testing.check_storage`` checks an implementation.
+
+    Must implement all of: ``append`` (keep samples; a ``sample_id`` seen before may be ignored), ``take``
+    (hand out up to ``count`` samples, oldest ``oldest_version`` first, first in first out within a version),
+    ``ack`` (the trainer got these ids: never hand them out again; a storage shared by processes may hand out
+    again what a dead client took and never acknowledged), ``__len__`` (samples waiting, not taken),
+    ``load_state``/``save_state`` (the buffer's counters, ``{str: int}``, kept across restarts where the
+    storage is durable), ``close``.
+    """
 
     def append(self, samples: Sequence[Sample]) -> None: ...
     def take(self, count: int) -> list[Sample]: ...
@@ -145,8 +166,8 @@ class RolloutBuffer:
         partial: PartialPolicy = "continue",
         group_size: int = 1,
         storage: Storage | None = None,
-        gates: Iterable[Any] = (),
-        plugins: Any = None,
+        gates: Iterable[Gate] = (),
+        plugins: pluggy.PluginManager | None = None,
     ) -> None:
         if on_stale not in ("wait", "drop") or partial not in ("continue", "abort", "drain"):
             raise ValueError(f"on_stale must be 'wait' or 'drop' and partial 'continue', 'abort' or 'drain'; got {on_stale!r}, {partial!r}")
@@ -158,8 +179,12 @@ class RolloutBuffer:
         self.partial = partial
         self.group_size = group_size
         self.storage: Storage = storage if storage is not None else MemoryStorage()
-        self.extra_gates = list(gates)  # beyond MaxStaleness(max_staleness), which _decide inlines
-        self.plugins = plugins
+        self.gates = list(gates)  # this buffer's own gates, asked before the plugins' (rlsync_gate_sample)
+        self.plugins = plugins or default_plugin_manager()
+        # only the built-in MaxStaleness gates: _fill checks the bound inline, a vector test per take (the hot path)
+        self._only_builtin_gate = not self.gates and [
+            impl.plugin_name for impl in self.plugins.hook.rlsync_gate_sample.get_hookimpls()] == [BUILTIN_GATES]
+        self._extra_gates = [_as_filter(g) for g in self.gates]
         self.telemetry = BufferTelemetry()
         state = self.storage.load_state()
         self.version = int(state.get("version", 0))
@@ -201,7 +226,7 @@ class RolloutBuffer:
             if stalled > 1e-3:
                 self.telemetry.stall(stalled)
             if self._closed:
-                raise BufferError("the rollout buffer is closed")
+                raise RolloutBufferError("the rollout buffer is closed")
             if not ok:
                 return None
             self._draining = False
@@ -238,23 +263,15 @@ class RolloutBuffer:
             self.storage.append(batch)
             self.telemetry.put += len(batch)
             self._cond.notify_all()
-        if self.plugins is not None:
-            self.plugins.hook.rlsync_on_put(samples=batch)
+        self.plugins.hook.rlsync_on_put(samples=batch)
         return True
 
     # -- consumers --------------------------------------------------------------------------
 
     def _decide(self, sample: Sample) -> Decision:
-        if self.version - sample.oldest_version > self.max_staleness:  # the built-in gate, inlined: hot path
-            return Decision.DROP
-        if self.plugins is not None:
-            verdict = self.plugins.hook.rlsync_gate_sample(sample=sample, trainer_version=self.version)
-            if verdict is not None:
-                return Decision(verdict)
-        for gate in self.extra_gates:
-            if gate(sample, self.version) is Decision.DROP:
-                return Decision.DROP
-        return Decision.TRAIN
+        verdict = self.plugins.hook.rlsync_gate_sample.call_extra(
+            self._extra_gates, {"sample": sample, "trainer_version": self.version, "max_staleness": self.max_staleness})
+        return Decision.DROP if verdict is Decision.DROP or verdict == Decision.DROP.value else Decision.TRAIN
 
     def _fill(self, want: int) -> None:
         """Move samples from storage to ``_ready`` through the gates and the group assembly."""
@@ -262,7 +279,7 @@ class RolloutBuffer:
             taken = self.storage.take(max(want - len(self._ready), self.group_size))
             if not taken:
                 return
-            if self.group_size == 1 and self.plugins is None and not self.extra_gates:
+            if self.group_size == 1 and self._only_builtin_gate:
                 fresh = [s for s in taken if self.version - s.oldest_version <= self.max_staleness]
                 self._drop([s for s in taken if self.version - s.oldest_version > self.max_staleness])
                 self._ready.extend(fresh)
@@ -310,7 +327,7 @@ class RolloutBuffer:
                     if taken:
                         break
                     if self._ready:
-                        raise BufferError(f"a sample of {self._ready[0].num_tokens} tokens does not fit max_tokens={max_tokens}")
+                        raise RolloutBufferError(f"a sample of {self._ready[0].num_tokens} tokens does not fit max_tokens={max_tokens}")
                 elif len(self._ready) >= count:
                     taken = [self._ready.popleft() for _ in range(count)]
                     break
@@ -324,8 +341,7 @@ class RolloutBuffer:
             self.telemetry.got += len(taken)
             self.telemetry.record(taken, self.version)
             self._cond.notify_all()
-        if self.plugins is not None:
-            self.plugins.hook.rlsync_on_get(batch=batch)
+        self.plugins.hook.rlsync_on_get(batch=batch)
         return batch
 
     def _overdue(self) -> bool:
@@ -355,8 +371,7 @@ class RolloutBuffer:
     def report(self) -> str:
         """A one-line telemetry summary; also handed to ``rlsync_report`` hooks as ``kind="buffer"``."""
         stats = {**self.telemetry.summary(), "version": self.version, "waiting": self.waiting, "in_flight": self.in_flight}
-        if self.plugins is not None:
-            self.plugins.hook.rlsync_report(kind="buffer", stats=stats)
+        self.plugins.hook.rlsync_report(kind="buffer", stats=stats)
         return self.telemetry.render()
 
     def state_dict(self) -> dict[str, Any]:

@@ -13,7 +13,7 @@ against plain Python conventions keeps working.
     │   └── TransferTimeoutError      a transfer or a version notice took longer than allowed
     ├── VersionError                  a version that goes backwards, is unknown, or was never completed
     ├── WeightMismatchError (ValueError)  names, shapes or dtypes differ between trainer and engine
-    ├── BufferError                   rollout buffer misuse: closed buffer, bad sample, lost backend
+    ├── RolloutBufferError            rollout buffer misuse: closed buffer, bad sample, lost backend
     ├── PluginError                   a plugin failed to load, or an unknown plugin name was asked for
     └── ConfigError (ValueError)      invalid configuration (for example a non-loopback bind without a secret)
 
@@ -23,13 +23,13 @@ against plain Python conventions keeps working.
 from __future__ import annotations
 
 __all__ = [
-    "BufferError",
     "ConfigError",
     "LayoutError",
     "PeerLostError",
     "PlanError",
     "PlanMismatchError",
     "PluginError",
+    "RolloutBufferError",
     "RlsyncError",
     "RlsyncWarning",
     "TransferTimeoutError",
@@ -75,7 +75,7 @@ class WeightMismatchError(RlsyncError, ValueError):
     """Tensor names, shapes or dtypes differ between the sending and the receiving side."""
 
 
-class BufferError(RlsyncError):  # noqa: A001 - deliberately namespaced as rlsync.BufferError
+class RolloutBufferError(RlsyncError):
     """The rollout buffer was misused or its backend was lost."""
 
 

@@ -1,15 +1,18 @@
 """Staleness gates and importance weights.
 
 A gate looks at one sample and the trainer's current version and decides: train it, or drop it.
-Gates are plugins (``rlsync_register_gates``); the buffer asks each in turn and the first
-``DROP`` wins. Built in: ``max_staleness`` (drop samples whose oldest token lags too far).
+There is one mechanism, the ``rlsync_gate_sample`` hook: a plugin implements it for every buffer of the
+process; ``RolloutBuffer(gates=[...])`` adds ``Gate`` objects for one buffer, asked first. A gate
+returns ``Decision.DROP`` to drop, or ``TRAIN``/None to let the next gate decide; a sample that no
+gate drops trains. Built in (``rlsync.plugins.gates``, asked last): ``MaxStaleness`` with the buffer's
+``max_staleness``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import Enum
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -21,10 +24,13 @@ class Decision(Enum):
     DROP = "drop"
 
 
+@runtime_checkable
 class Gate(Protocol):
-    name: str
+    """A staleness gate for one buffer (``RolloutBuffer(gates=[...])``): called in the buffer's process when a
+    sample is about to join a batch. Return ``Decision.DROP`` to drop it; ``Decision.TRAIN`` or None lets
+    the other gates decide."""
 
-    def __call__(self, sample: Sample, trainer_version: int) -> Decision: ...
+    def __call__(self, sample: Sample, trainer_version: int) -> Decision | None: ...
 
 
 class MaxStaleness:

@@ -38,18 +38,6 @@ def rlsync_addhooks(pluginmanager: pluggy.PluginManager) -> None:
     """
 
 
-@hookspec(historic=True)
-def rlsync_configure(config: Mapping[str, Any]) -> None:
-    """Receive the process-wide rlsync settings once they are known.
-
-    :param config: read-only settings (keys documented in ``rlsync.core._config``).
-
-    .. versionadded:: 0.1
-
-    Called on: trainer and rollout worker.
-    """
-
-
 # ---------------------------------------------------------------------------------------------
 # Registration of named pieces: transports, buffer backends, gates.
 # ---------------------------------------------------------------------------------------------
@@ -76,12 +64,13 @@ def rlsync_register_buffer_backends(registry: Registry[Any]) -> None:
 
 
 @hookspec
-def rlsync_register_gates(registry: Registry[Any]) -> None:
-    """Add staleness gates to ``registry`` (``registry.add("name", factory)``).
+def rlsync_register_wire_codecs(registry: Registry[Any]) -> None:
+    """Add wire codecs to ``registry`` (``registry.add("name", factory)``, ``factory(src_layout, rank)``
+    returning a ``rlsync.WireCodec``); ``SyncOptions(wire="name")`` picks one.
 
     .. versionadded:: 0.1
 
-    Called on: whichever process creates the rollout buffer.
+    Called on: trainer, each rank, when a ``WeightsWriter`` is built with a codec.
     """
 
 
@@ -104,17 +93,19 @@ def rlsync_before_export(version: int, names: Sequence[str]) -> None:
 
 
 @hookspec(firstresult=True)
-def rlsync_transform_tensor(name: str, tensor: torch.Tensor, version: int) -> torch.Tensor | None:
+def rlsync_transform_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor | None:
     """Transform a tensor on its way out (for example cast or quantize it).
 
     Stops at the first non-None result. The result must keep shape and dtype of the
     destination layout; a mismatch fails before any byte is written.
 
+    :param name: the buffer name the tensor is put under.
+    :param tensor: what the trainer put (after a wire codec's encoding).
     :return: the tensor to send instead, or None to send ``tensor`` unchanged.
 
     .. versionadded:: 0.1
 
-    Called on: trainer, for each tensor it puts.
+    Called on: trainer, in ``WeightsWriter.put``, for each tensor it puts.
     """
 
 
@@ -134,6 +125,9 @@ def rlsync_after_export(version: int, stats: Mapping[str, Any]) -> None:
 def rlsync_weights_applied(version: int, stats: Mapping[str, Any]) -> None:
     """A weight version became live on an engine (all bytes landed, version flipped).
 
+    :param version: the version now live.
+    :param stats: ``rank`` (the reader's rank) and ``writers`` (the writer ranks whose parts it holds).
+
     .. versionadded:: 0.1
 
     Called on: rollout worker.
@@ -149,6 +143,8 @@ def rlsync_weights_applied(version: int, stats: Mapping[str, Any]) -> None:
 def rlsync_on_put(samples: Sequence[Any]) -> None:
     """Samples were accepted into the rollout buffer.
 
+    :param samples: the ``rlsync.Sample``-s of one ``put``.
+
     .. versionadded:: 0.1
 
     Called on: the process that owns the buffer.
@@ -159,6 +155,8 @@ def rlsync_on_put(samples: Sequence[Any]) -> None:
 def rlsync_on_get(batch: Any) -> None:
     """A batch was handed to a trainer.
 
+    :param batch: the ``rlsync.Batch``.
+
     .. versionadded:: 0.1
 
     Called on: the process that owns the buffer.
@@ -166,12 +164,16 @@ def rlsync_on_get(batch: Any) -> None:
 
 
 @hookspec(firstresult=True)
-def rlsync_gate_sample(sample: Any, trainer_version: int) -> Any | None:
-    """Decide what happens to one sample (train, wait or drop).
+def rlsync_gate_sample(sample: Any, trainer_version: int, max_staleness: int) -> Any | None:
+    """Decide whether one sample trains or is dropped: the one gate mechanism.
 
-    Stops at the first non-None result; built-in gates run last.
+    Stops at the first non-None result. The built-in ``MaxStaleness`` runs last (``trylast``); gates
+    handed to one buffer (``RolloutBuffer(gates=[...])``) run first, for that buffer only.
 
-    :return: a gate decision, or None to leave the decision to the next gate.
+    :param sample: the ``rlsync.Sample`` about to join a batch.
+    :param trainer_version: the buffer's published version.
+    :param max_staleness: the buffer's bound (``RolloutBuffer(max_staleness=...)``).
+    :return: ``rlsync.Decision.DROP`` or ``Decision.TRAIN``, or None to leave it to the next gate.
 
     .. versionadded:: 0.1
 
@@ -181,9 +183,12 @@ def rlsync_gate_sample(sample: Any, trainer_version: int) -> Any | None:
 
 @hookspec
 def rlsync_report(kind: str, stats: Mapping[str, Any]) -> None:
-    """Telemetry: a summary of ``kind`` ("export", "buffer", "gate", ...) is available.
+    """Telemetry: a summary of ``kind`` is available.
+
+    :param kind: ``"buffer"`` (``RolloutBuffer.report()``).
+    :param stats: the summary's figures (samples put, dropped, staleness, stall seconds).
 
     .. versionadded:: 0.1
 
-    Called on: any process.
+    Called on: the process that owns the buffer, whenever ``report()`` runs.
     """

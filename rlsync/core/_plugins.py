@@ -1,21 +1,25 @@
-"""Building the plugin manager: built-in plugins first, then the ``rlsync_plugins`` entry points.
+"""The plugin manager: built-in plugins first, then the ``rlsync_plugins`` entry points.
 
-Set ``RLSYNC_DISABLE_PLUGIN_AUTOLOAD=1`` to skip entry points; pass ``blocked=("name",)`` to
-keep a plugin (built-in or third-party) from registering.
+``plugin_manager()`` is the process's one manager, built on first use and kept: every reader, writer
+and buffer calls its hooks unless handed another. ``make_plugin_manager()`` builds a fresh one (tests,
+or a process that wants other plugins). Set ``RLSYNC_DISABLE_PLUGIN_AUTOLOAD=1`` to skip entry points;
+pass ``blocked=("name",)`` to keep a plugin (built-in or third-party) from registering.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import threading
 from collections.abc import Iterable
 from typing import Any
 
 import pluggy
 
 from rlsync.core import _hookspecs
-from rlsync.core._errors import PluginError
+from rlsync.core._errors import PluginError, TransportError
 from rlsync.core._registry import Registry
+from rlsync.core._transport import Transport
 
 ENTRY_POINT_GROUP = "rlsync_plugins"
 
@@ -25,7 +29,11 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "rlsync.plugins.transports",
     "rlsync.plugins.buffers",
     "rlsync.plugins.gates",
+    "rlsync.plugins.wires",
 )
+
+_default: pluggy.PluginManager | None = None
+_default_lock = threading.Lock()
 
 
 def make_plugin_manager(
@@ -57,23 +65,44 @@ def make_plugin_manager(
                 f"Uninstall or fix it, or set RLSYNC_DISABLE_PLUGIN_AUTOLOAD=1."
             ) from exc
     pm.hook.rlsync_addhooks.call_historic(kwargs={"pluginmanager": pm})
+    try:  # a hook implementation whose name matches no hookspec (a typo) is an error, not silence
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(f"{exc}. Fix the plugin's hook name (rlsync's hooks: rlsync.hookspec) or block it.") from exc
     return pm
 
 
-def collect(pm: pluggy.PluginManager, hook_name: str, kind: str) -> Registry[Any]:
+def default_plugin_manager() -> pluggy.PluginManager:
+    """The process's plugin manager, built once on first use (``rlsync.plugin_manager``)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = make_plugin_manager()
+        return _default
+
+
+def collect(pm: pluggy.PluginManager | None, hook_name: str, kind: str) -> Registry[Any]:
     """Call a ``rlsync_register_*`` hook and return the filled registry."""
     registry: Registry[Any] = Registry(kind)
-    getattr(pm.hook, hook_name)(registry=registry)
+    getattr((pm or default_plugin_manager()).hook, hook_name)(registry=registry)
     return registry
 
 
 def transports(pm: pluggy.PluginManager | None = None) -> Registry[Any]:
-    return collect(pm or make_plugin_manager(), "rlsync_register_transports", "transport")
+    return collect(pm, "rlsync_register_transports", "transport")
 
 
 def buffer_backends(pm: pluggy.PluginManager | None = None) -> Registry[Any]:
-    return collect(pm or make_plugin_manager(), "rlsync_register_buffer_backends", "buffer backend")
+    return collect(pm, "rlsync_register_buffer_backends", "buffer backend")
 
 
-def gates(pm: pluggy.PluginManager | None = None) -> Registry[Any]:
-    return collect(pm or make_plugin_manager(), "rlsync_register_gates", "gate")
+def wire_codecs(pm: pluggy.PluginManager | None = None) -> Registry[Any]:
+    return collect(pm, "rlsync_register_wire_codecs", "wire codec")
+
+
+def resolve_transport(transport: str | type[Transport], pm: pluggy.PluginManager | None = None) -> type[Transport]:
+    """A transport class from a registered name (or the class itself), checked to run here."""
+    cls: type[Transport] = transports(pm).get(transport) if isinstance(transport, str) else transport  # type: ignore[assignment]  # registered classes
+    if not cls.available():
+        raise TransportError(f"transport {cls.name!r} cannot run here; install its extra (pip install 'rlsync[{cls.name}]') or pick another")
+    return cls

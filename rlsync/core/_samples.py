@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from rlsync.core._errors import BufferError, VersionError
+from rlsync.core._errors import RolloutBufferError, VersionError
 
 
 class Sample:
@@ -41,7 +41,7 @@ class Sample:
     ) -> None:
         generated = len(tokens) - prompt_len
         if len(logprobs) != generated or len(versions) != generated:
-            raise BufferError(
+            raise RolloutBufferError(
                 f"sample of prompt {prompt_id!r}: {generated} generated tokens but {len(logprobs)} log-probs "
                 f"and {len(versions)} versions; give one of each per generated token"
             )

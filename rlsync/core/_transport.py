@@ -1,50 +1,74 @@
-"""The transport interface: how bytes move from a writer's memory into a reader's memory.
+"""The transport contract: how bytes move from a writer's memory into a reader's memory.
 
-A transport has two halves, each created by the process that uses it:
+A transport is three small classes, each used by one process:
 
 * ``Landing`` (reader process): allocates ``slots`` regions of ``nbytes`` each in memory the
-  transport can write into (shared memory, NIXL-registered memory, ...), exposes each region as
-  a 1-D ``uint8`` numpy array, and ``describe()``-s them as plain data (msgspec-encodable: no
-  pickle) for the writer. ``close()`` frees them.
-* ``Link`` (writer process): ``open(description)`` reaches the reader's regions; ``write(source,
-  runs)`` copies contiguous runs ``(src_offset, dst_slot, dst_offset, nbytes)`` from the writer's
-  byte array ``source`` into the reader's regions; ``flush()`` returns once every write issued so
-  far has landed (or raises ``TransportError``); ``close()`` releases the link.
+  transport can write into, exposes each as a ``Region``, and ``describe()``-s them as plain data
+  for the writer (it crosses the control plane as msgpack: no pickle).
+* ``Link`` (writer process): made by ``Transport.open(description)``; ``write(source, runs)`` copies
+  contiguous ``Run``-s from the writer's ``source`` into the reader's regions; ``flush()`` returns once
+  every write issued so far has landed (or raises ``TransportError``).
+* ``Transport``: the registered name that ties the two together (``rlsync_register_transports``).
 
-Transports are one-sided unless ``one_sided`` is False: a write lands without the reader's code
-running. The version notice that follows ``flush()`` goes over the control plane, not the
-transport. Subclasses set the class attributes below; ``available()`` must be cheap and must not
-raise (it imports optional dependencies inside the transport's own module).
+Lifecycle, as ``WeightsReader`` and ``WeightsWriter`` drive it::
+
+    reader: landing = T.landing(nbytes, slots, options)   once, at start
+            landing.describe()                            once per writer that says hello
+            landing.progress()                            often, from the reader's service thread
+            landing.close()                               once, at the end
+    writer: link = T.open(description, options)           once per reader
+            link.write(source, runs) ...; link.flush()    every version
+            link.close()                                  once, or when the reader is lost
+
+Memory: a region is host memory today (``memory = "host"``): a 1-D ``uint8`` numpy array whose pages
+are touched. A device landing (``memory = "device"``) exposes 1-D ``uint8`` torch tensors on its
+device; ``Region`` names both. Sources handed to ``write`` are of the writer's memory kind likewise.
+A transport is one-sided unless ``one_sided`` is False: a write lands without the reader's code running.
+
+A subclass must override: ``Landing.regions``, ``Landing.describe``, ``Link.write``, ``Transport.open``,
+and set ``name`` and ``landing``. It may override: ``available`` (cheap, never raises; import optional
+dependencies inside the transport's own module), ``progress``, ``flush``, ``close``, and the capability
+flags. ``rlsync.testing.check_transport`` checks a transport against this contract.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import Any, ClassVar
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Union
 
 import numpy as np
 
-#: ``(src_offset, dst_slot, dst_offset, nbytes)``: one contiguous piece of a write.
+if TYPE_CHECKING:
+    import torch
+
+#: one landing region or one writer's source: a 1-D ``uint8`` host array, or a ``uint8`` device tensor
+Region = Union[np.ndarray, "torch.Tensor"]
+
+
+#: one contiguous piece of a write, ``(src_offset, dst_slot, dst_offset, nbytes)``: ``nbytes`` bytes from
+#: ``source[src_offset:]`` into ``regions[dst_slot][dst_offset:]``
 Run = tuple[int, int, int, int]
 
 
 class Landing(ABC):
-    """Reader-side memory that a transport writes into (see the module docstring)."""
+    """Reader-side memory that a transport writes into. Created, used and closed by the reader process."""
 
-    #: registry name, e.g. ``"shm"``
+    #: registry name, the same as its ``Transport``'s (e.g. ``"shm"``)
     name: ClassVar[str]
     #: writes land without the reader's code running
     one_sided: ClassVar[bool] = True
     #: reader and writer must share a host
     same_host_only: ClassVar[bool] = False
+    #: where the regions live: ``"host"`` (numpy arrays) or ``"device"`` (torch tensors on a device)
+    memory: ClassVar[Literal["host", "device"]] = "host"
 
     @classmethod
     def available(cls) -> bool:
-        """Whether this transport can run here (its optional dependencies import)."""
+        """Whether this transport can run here (its optional dependencies import). Cheap; never raises."""
         return True
 
-    def __init__(self, nbytes: int, slots: int, options: dict[str, Any] | None = None) -> None:
+    def __init__(self, nbytes: int, slots: int, options: Mapping[str, Any] | None = None) -> None:
         self.nbytes = nbytes
         self.slots = slots
         self.options = dict(options or {})
@@ -52,37 +76,41 @@ class Landing(ABC):
     @property
     @abstractmethod
     def regions(self) -> Sequence[np.ndarray]:
-        """One writable ``uint8`` array of ``nbytes`` per slot, pages already touched."""
+        """One writable ``uint8`` region of ``nbytes`` per slot, pages already touched. Must override."""
 
     @abstractmethod
     def describe(self) -> dict[str, Any]:
-        """What a writer needs to reach the regions (plain data: str, int, bytes, lists, dicts)."""
+        """What a writer needs to reach the regions: plain data (str, int, float, bytes, lists, dicts). Must override."""
 
     def progress(self) -> None:
-        """Called often by the reader's service thread; transports that need the target to make
-        progress (UCX over tcp) do it here."""
+        """Called often by the reader's service thread; transports whose target must make progress
+        (UCX over tcp) do it here. May override."""
 
     def close(self) -> None:
-        """Free the regions. Called once, by the reader."""
+        """Free the regions. Called once, by the reader. May override."""
 
 
 class Link(ABC):
-    """Writer-side connection to one reader's landing (see the module docstring)."""
+    """Writer-side connection to one reader's landing. Created by ``Transport.open``, used by one writer."""
 
     @abstractmethod
     def write(self, source: np.ndarray, runs: Sequence[Run]) -> None:
-        """Copy ``runs`` from ``source`` (1-D ``uint8``) into the reader's regions; may return before
-        the bytes have landed."""
+        """Copy ``runs`` from ``source`` (1-D ``uint8``) into the reader's regions; may return before the
+        bytes have landed. Raises ``TransportError`` (``PeerLostError`` when the reader is gone). Must override."""
 
     def flush(self) -> None:
-        """Return once every write issued so far has landed."""
+        """Return once every write issued so far has landed. May override (default: writes are synchronous)."""
 
     def close(self) -> None:
-        """Release the link. Called once, by the writer."""
+        """Release the link. Called once, by the writer. May override."""
 
 
 class Transport(ABC):
-    """A named pair of factories; registered through ``rlsync_register_transports``."""
+    """A named transport: its ``Landing`` class (reader side) and ``open`` (writer side).
+
+    Register it from a plugin (``rlsync_register_transports``) or pass the class itself wherever a
+    transport name is accepted (``SyncOptions(transport=MyTransport)``).
+    """
 
     name: ClassVar[str]
     landing: ClassVar[type[Landing]]
@@ -93,5 +121,5 @@ class Transport(ABC):
 
     @classmethod
     @abstractmethod
-    def open(cls, description: dict[str, Any], options: dict[str, Any] | None = None) -> Link:
-        """Writer side: reach a reader's landing from its ``describe()`` output."""
+    def open(cls, description: dict[str, Any], options: Mapping[str, Any] | None = None) -> Link:
+        """Writer side: reach a reader's landing from its ``describe()`` output. Must override."""

@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rlsync.core._buffer import Batch, RolloutBuffer, Ticket
-from rlsync.core._samples import Sample
+from rlsync import Batch, RolloutBuffer, Sample, Ticket
 
 
 class _BufferActor:

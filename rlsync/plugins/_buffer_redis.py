@@ -21,8 +21,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from rlsync.core._errors import BufferError
-from rlsync.core._samples import Sample, decode_sample, encode_sample
+from rlsync import RolloutBufferError, Sample, decode_sample, encode_sample
 
 T = TypeVar("T")
 
@@ -114,7 +113,7 @@ class RedisStorage:
                 return call()
             except self._errors as exc:
                 if time.monotonic() > deadline:
-                    raise BufferError(f"Redis unreachable for {self.retry_seconds} s: {exc}. Is redis-server running?") from exc
+                    raise RolloutBufferError(f"Redis unreachable for {self.retry_seconds} s: {exc}. Is redis-server running?") from exc
                 time.sleep(0.05)
 
     def append(self, samples: Sequence[Sample]) -> None:

@@ -14,13 +14,12 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
-from rlsync.core._errors import PeerLostError, TransportError
-from rlsync.core._transport import Landing, Link, Run, Transport
+from rlsync import Landing, Link, PeerLostError, Run, Transport, TransportError
 
 _counter = itertools.count()
 _MAX_HANDLES = 1024  # prepared transfers a link keeps for reuse (a whole model's runs fit)
@@ -56,7 +55,7 @@ class NixlLanding(Landing):
             return False
         return True
 
-    def __init__(self, nbytes: int, slots: int, options: dict[str, Any] | None = None) -> None:
+    def __init__(self, nbytes: int, slots: int, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(nbytes, slots, options)
         self._agent = _agent("reader")
         self._regions = [np.zeros(max(nbytes, 1), dtype=np.uint8) for _ in range(slots)]
@@ -154,7 +153,7 @@ class NixlTransport(Transport):
     landing: ClassVar[type[Landing]] = NixlLanding
 
     @classmethod
-    def open(cls, description: dict[str, Any], options: dict[str, Any] | None = None) -> Link:
+    def open(cls, description: dict[str, Any], options: Mapping[str, Any] | None = None) -> Link:
         if not NixlLanding.available():
             raise TransportError("transport 'nixl' needs the nixl package: pip install 'rlsync[nixl]'")
         return NixlLink(description)

@@ -7,13 +7,12 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
-from rlsync.core._errors import PeerLostError
-from rlsync.core._transport import Landing, Link, Run, Transport
+from rlsync import Landing, Link, PeerLostError, Run, Transport
 
 SHM_DIR = "/dev/shm"
 
@@ -61,7 +60,7 @@ class ShmLanding(Landing):
     def available(cls) -> bool:
         return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
 
-    def __init__(self, nbytes: int, slots: int, options: dict[str, Any] | None = None) -> None:
+    def __init__(self, nbytes: int, slots: int, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(nbytes, slots, options)
         remove_stale_regions()  # a killed reader's files would otherwise hold shared memory until reboot
         tag = f"rlsync-{os.getpid()}-{secrets.token_hex(4)}"
@@ -131,5 +130,5 @@ class ShmTransport(Transport):
     landing: ClassVar[type[Landing]] = ShmLanding
 
     @classmethod
-    def open(cls, description: dict[str, Any], options: dict[str, Any] | None = None) -> Link:
+    def open(cls, description: dict[str, Any], options: Mapping[str, Any] | None = None) -> Link:
         return ShmLink(description)

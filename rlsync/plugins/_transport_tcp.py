@@ -11,14 +11,12 @@ import secrets
 import socket
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
-from rlsync.core._control import resolve_secret
-from rlsync.core._errors import PeerLostError
-from rlsync.core._transport import Landing, Link, Run, Transport
+from rlsync import Landing, Link, PeerLostError, Run, Transport, resolve_secret
 
 _HEADER = struct.Struct("!IQQ")  # slot, offset, nbytes; nbytes == 0 asks for a flush acknowledgement
 _FLUSH_SLOT = 0xFFFFFFFF
@@ -36,7 +34,7 @@ class TcpLanding(Landing):
     name: ClassVar[str] = "tcp"
     one_sided: ClassVar[bool] = False  # a thread of the reader process receives the bytes
 
-    def __init__(self, nbytes: int, slots: int, options: dict[str, Any] | None = None) -> None:
+    def __init__(self, nbytes: int, slots: int, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(nbytes, slots, options)
         self._regions = [np.zeros(max(nbytes, 1), dtype=np.uint8) for _ in range(slots)]
         host = str(self.options.get("host", "127.0.0.1"))
@@ -92,7 +90,7 @@ class TcpLanding(Landing):
 
 
 class TcpLink(Link):
-    def __init__(self, description: dict[str, Any], options: dict[str, Any] | None = None) -> None:
+    def __init__(self, description: dict[str, Any], options: Mapping[str, Any] | None = None) -> None:
         host, port = description["host"], int(description["port"])
         try:
             self._sock = socket.create_connection((host, port), timeout=30)
@@ -131,7 +129,7 @@ class TcpTransport(Transport):
     landing: ClassVar[type[Landing]] = TcpLanding
 
     @classmethod
-    def open(cls, description: dict[str, Any], options: dict[str, Any] | None = None) -> Link:
+    def open(cls, description: dict[str, Any], options: Mapping[str, Any] | None = None) -> Link:
         return TcpLink(description, options)
 
 

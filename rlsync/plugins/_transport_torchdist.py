@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import datetime
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
-from rlsync.core._control import resolve_secret
-from rlsync.core._errors import PeerLostError
-from rlsync.core._transport import Landing, Link, Run, Transport
+from rlsync import Landing, Link, PeerLostError, Run, Transport, resolve_secret
 
 BUCKET = 256 * 2**20
 DATA, FLUSH, CLOSE = 0, 1, 2
@@ -38,7 +36,7 @@ class TorchDistLanding(Landing):
     name: ClassVar[str] = "torchdist"
     one_sided: ClassVar[bool] = False
 
-    def __init__(self, nbytes: int, slots: int, options: dict[str, Any] | None = None) -> None:
+    def __init__(self, nbytes: int, slots: int, options: Mapping[str, Any] | None = None) -> None:
         import torch.distributed as dist
 
         super().__init__(nbytes, slots, options)
@@ -159,5 +157,5 @@ class TorchDistTransport(Transport):
     landing: ClassVar[type[Landing]] = TorchDistLanding
 
     @classmethod
-    def open(cls, description: dict[str, Any], options: dict[str, Any] | None = None) -> Link:
+    def open(cls, description: dict[str, Any], options: Mapping[str, Any] | None = None) -> Link:
         return TorchDistLink(description)

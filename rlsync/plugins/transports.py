@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from rlsync.core._hookspecs import hookimpl
-from rlsync.core._registry import Registry
+from typing import Any
+
+from rlsync import Registry, hookimpl
 
 
 @hookimpl(trylast=True)
-def rlsync_register_transports(registry: Registry) -> None:  # type: ignore[type-arg]
+def rlsync_register_transports(registry: Registry[Any]) -> None:
     from rlsync.plugins._transport_nixl import NixlTransport
     from rlsync.plugins._transport_shm import ShmTransport
     from rlsync.plugins._transport_tcp import TcpTransport

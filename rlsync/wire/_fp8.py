@@ -20,9 +20,8 @@ from typing import Final
 import msgspec
 import torch
 
-from rlsync.core._errors import LayoutError, WeightMismatchError
-from rlsync.core._layout import Box, BufferSpec, Layout, Shard, TensorMeta, contiguous_strides
-from rlsync.core._presets import ModelSpec, Param
+from rlsync import LayoutError, WeightMismatchError
+from rlsync.layouts import Box, BufferSpec, Layout, ModelSpec, Param, Shard, TensorMeta, contiguous_strides
 
 BLOCK: Final = 128
 FP8_MAX: Final = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -140,3 +139,27 @@ def fp8_layout(layout: Layout) -> Layout:
         new_buffers[(s.rank, scale_buffer)] = BufferSpec(s.rank, scale_buffer, "float32", math.prod(blocks.sizes))
     out_buffers = [new_buffers.pop(key, b) for key, b in buffers.items()] + list(new_buffers.values())
     return Layout(tuple(fp8_metas(layout.tensors)), tuple(shards), tuple(out_buffers))
+
+
+class Fp8Codec:
+    """The ``"fp8"`` wire codec (``SyncOptions(wire="fp8")``): the writer keeps the trainer's layout as its
+    input and sends the fp8 checkpoint format (``fp8_layout``); ``put`` of a model-dtype weight sends its
+    quantized blocks and their scales."""
+
+    def __init__(self, src: Layout, rank: int) -> None:
+        metas = src.tensor_map()
+        # buffer -> the shape of the box it holds, for each quantized weight of this rank
+        self.shapes = {s.buffer: s.box.sizes for s in src.shards if s.rank == rank and is_quantized(s.tensor, metas[s.tensor].shape)}
+        self.layout = fp8_layout(src)
+
+    def encode(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        if name not in self.shapes:
+            return None
+        if tensor.dtype == torch.float8_e4m3fn:
+            raise WeightMismatchError(f"tensor {name!r} is already fp8: with wire='fp8' put the model-dtype weight; "
+                                      f"rlsync quantizes it (with its {name + SCALE_SUFFIX!r})")
+        if tuple(tensor.shape) != self.shapes[name]:
+            raise WeightMismatchError(f"tensor {name!r}: shape {tuple(tensor.shape)}, but its shard is {self.shapes[name]}: "
+                                      f"with wire='fp8' put the shard in its shape (its 128x128 blocks are quantized)")
+        q, scale = quantize(tensor)
+        return {name: q, name + SCALE_SUFFIX: scale}

@@ -4,16 +4,15 @@ weights of ``--seed`` and pushes them as ``--version`` (run as a script)."""
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-import os
-import signal
-
-from rlsync import WeightsWriter
+from rlsync import SyncOptions, WeightsWriter
 from rlsync.layouts import from_state_dict
-from rlsync.plugins._transport_shm import ShmLink
+from rlsync.plugins import ShmLink
 
 
 def tiny_qwen2(seed: int, tied: bool = False) -> Qwen2ForCausalLM:
@@ -44,6 +43,6 @@ if __name__ == "__main__":
         ShmLink.write = write_then_die  # type: ignore[method-assign]
     model = tiny_qwen2(args.seed, args.tied)
     state = model.state_dict()  # what a trainer has: a tied model's lm_head.weight alias included
-    with WeightsWriter(from_state_dict(state), None, 0, [args.address], transport="shm") as writer:  # layout from the receiver
+    with WeightsWriter(from_state_dict(state), None, 0, [args.address], options=SyncOptions(transport="shm")) as writer:  # layout from the receiver
         writer.multi_put(state)
         writer.complete(args.version)

@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from rlsync import Box, ConfigError, TensorMeta
 from rlsync.adapters.vllm import engine_layout
-from rlsync.adapters.vllm._staging import SLACK, whole_tensor_view
-from rlsync.core._errors import ConfigError
-from rlsync.core._layout import Box, TensorMeta
+from rlsync.layouts import SLACK, whole_tensor_view
 
 TENSORS = [["a.weight", "torch.bfloat16", [8, 4]], ["lm_head.weight", "bfloat16", [8, 4]]]
 

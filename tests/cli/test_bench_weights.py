@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from rlsync.bench._weights import bench_spec, parse_size
-from rlsync.core._presets import model_spec
+from rlsync.layouts import model_spec
 
 
 def test_sizes_parse_and_the_model_comes_close() -> None:

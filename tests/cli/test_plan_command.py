@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-
 from typer.testing import CliRunner
 
 from rlsync.cli import app

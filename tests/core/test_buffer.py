@@ -10,10 +10,17 @@ import time
 import numpy as np
 import pytest
 
-from rlsync import BufferError, VersionError
-from rlsync.core._buffer import MemoryStorage, RolloutBuffer
-from rlsync.core._gates import freshest_per_group, importance_weights
-from rlsync.core._samples import PolicyVersionClock, Sample, decode_sample, encode_sample
+from rlsync import (
+    MemoryStorage,
+    PolicyVersionClock,
+    RolloutBuffer,
+    RolloutBufferError,
+    Sample,
+    VersionError,
+    decode_sample,
+    encode_sample,
+)
+from rlsync.core import freshest_per_group, importance_weights
 
 
 def sample(prompt: str, versions: list[int], prompt_len: int = 2, group: str | None = None) -> Sample:
@@ -119,7 +126,7 @@ def test_batches_by_token_count() -> None:
     buf.put([sample(f"p{i}", [0] * 8) for i in range(5)])  # 10 tokens each
     got = buf.get(max_tokens=35, timeout=1)
     assert got is not None and len(got) == 3 and got.num_tokens == 30
-    with pytest.raises(BufferError, match="does not fit max_tokens=5"):
+    with pytest.raises(RolloutBufferError, match="does not fit max_tokens=5"):
         buf.get(max_tokens=5, timeout=1)
 
 
@@ -149,7 +156,7 @@ def test_importance_weights_match_a_hand_computation() -> None:
 
 
 def test_bad_samples_and_versions_are_refused() -> None:
-    with pytest.raises(BufferError, match="3 generated tokens but 2 log-probs"):
+    with pytest.raises(RolloutBufferError, match="3 generated tokens but 2 log-probs"):
         Sample("p", np.arange(5, dtype=np.int32), 2, np.zeros(2, np.float32), np.zeros(3, np.int32))
     buf = RolloutBuffer(batch_size=1)
     with pytest.raises(VersionError, match="newer than published 0"):

@@ -5,12 +5,24 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rlsync import LayoutError
-from rlsync.core._builders import chunk_bounds, data_parallel, flat_partitions, flat_range_boxes, fsdp, replicated, zero3
-from rlsync.core._layout import Box, TensorMeta
-from rlsync.core._layout_parallel import engine_tp, megatron
-from rlsync.core._presets import PRESETS, load_model_spec, model_spec
-from rlsync.core._views import allocate, gather_shards, scatter
+from rlsync import Box, LayoutError, TensorMeta
+from rlsync.layouts import (
+    PRESETS,
+    allocate,
+    chunk_bounds,
+    data_parallel,
+    engine_tp,
+    flat_partitions,
+    flat_range_boxes,
+    fsdp,
+    gather_shards,
+    load_model_spec,
+    megatron,
+    model_spec,
+    replicated,
+    scatter,
+    zero3,
+)
 
 TINY_GQA = dict(model_type="qwen2", hidden_size=16, num_hidden_layers=2, num_attention_heads=8,
                 num_key_value_heads=2, intermediate_size=24, vocab_size=40, tie_word_embeddings=False)

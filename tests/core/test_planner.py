@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from rlsync import LayoutError, PlanError, PlanMismatchError
-from rlsync.core._builders import data_parallel, fsdp, from_state_dict, replicated
-from rlsync.core._layout import Box, Shard, TensorMeta, make_layout
-from rlsync.core._layout_parallel import engine_tp, megatron
-from rlsync.core._planner import build_plan
-from rlsync.core._presets import load_model_spec, model_spec
+from rlsync import Box, LayoutError, PlanError, PlanMismatchError, Shard, TensorMeta, build_plan, make_layout
+from rlsync.layouts import (
+    data_parallel,
+    engine_tp,
+    from_state_dict,
+    fsdp,
+    load_model_spec,
+    megatron,
+    model_spec,
+    replicated,
+)
 
 T = [TensorMeta("a", "bfloat16", (64, 8)), TensorMeta("b", "bfloat16", (16,))]
 
@@ -56,7 +61,7 @@ def test_out_of_bounds_boxes_and_overflowing_buffers_are_errors() -> None:
     outside = make_layout(T[:1], [Shard("a", Box((60, 0), (8, 8)), 0, "a", 0, (8, 1))])
     with pytest.raises(LayoutError, match=r"source tensor 'a' on rank 0: box .* outside its shape"):
         build_plan(outside, from_state_dict(T[:1]))
-    from rlsync.core._layout import BufferSpec, Layout
+    from rlsync import BufferSpec, Layout
 
     small = Layout(tuple(T[:1]), (Shard("a", Box.full((64, 8)), 0, "a", 0, (8, 1)),), (BufferSpec(0, "a", "bfloat16", 100),))
     with pytest.raises(LayoutError, match=r"overflow buffer 'a' of 100 elements"):

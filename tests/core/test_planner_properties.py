@@ -7,10 +7,18 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlsync.core._builders import data_parallel, fsdp, zero3
-from rlsync.core._layout import Box, Layout, Shard, TensorMeta, contiguous_strides, make_layout
-from rlsync.core._planner import build_plan
-from rlsync.core._views import allocate, copy_transfers, gather_shards, raw_dtype, scatter
+from rlsync import Box, Layout, Shard, TensorMeta, build_plan, make_layout
+from rlsync.layouts import (
+    allocate,
+    contiguous_strides,
+    copy_transfers,
+    data_parallel,
+    fsdp,
+    gather_shards,
+    raw_dtype,
+    scatter,
+    zero3,
+)
 
 DTYPES = ("float32", "bfloat16", "int8")
 

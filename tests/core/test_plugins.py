@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 
 import rlsync
-from rlsync.core import _plugins
+from rlsync.core import ENTRY_POINT_GROUP, make_plugin_manager, transports
 
 
 class _FakeEntryPoint:
     def __init__(self, name: str, obj: object) -> None:
         self.name = name
-        self.group = _plugins.ENTRY_POINT_GROUP
+        self.group = ENTRY_POINT_GROUP
         self.value = f"{name}:plugin"
         self._obj = obj
 
@@ -43,7 +43,7 @@ def _plugin_module() -> types.ModuleType:
 def test_entry_point_plugin_registers_a_transport(monkeypatch: pytest.MonkeyPatch) -> None:
     dist = _FakeDist([_FakeEntryPoint("pigeon", _plugin_module())])
     monkeypatch.setattr(importlib.metadata, "distributions", lambda: [dist])
-    registry = _plugins.transports(_plugins.make_plugin_manager())
+    registry = transports(make_plugin_manager())
     assert registry.create("carrier-pigeon") == "pigeon"
 
 
@@ -51,7 +51,7 @@ def test_autoload_can_be_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
     dist = _FakeDist([_FakeEntryPoint("pigeon", _plugin_module())])
     monkeypatch.setattr(importlib.metadata, "distributions", lambda: [dist])
     monkeypatch.setenv("RLSYNC_DISABLE_PLUGIN_AUTOLOAD", "1")
-    registry = _plugins.transports(_plugins.make_plugin_manager())
+    registry = transports(make_plugin_manager())
     assert "carrier-pigeon" not in registry
 
 

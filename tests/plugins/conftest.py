@@ -52,7 +52,7 @@ class Sync:
 
     def assert_landed(self, layout: str, reader: Any, version: int, delta: bool = False) -> None:
         """Every shard of the reader's rank holds exactly the global values of ``version``."""
-        from rlsync.core._views import gather_shards
+        from rlsync.layouts import gather_shards
 
         _, dst = procs.layouts(layout)
         expected = (procs.delta_values if delta else procs.values)(dst, version)
@@ -74,9 +74,9 @@ def sync() -> Iterator[Sync]:
 
 def transport_names() -> list[Any]:
     """Every registered transport, skipped where it cannot run (the conformance suite runs them all)."""
-    from rlsync.core import _plugins
+    from rlsync.core import transports
 
-    registry = _plugins.transports()
+    registry = transports()
     params = []
     for name in registry.names():
         cls = registry.get(name)

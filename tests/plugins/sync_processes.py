@@ -16,12 +16,9 @@ import time
 import numpy as np
 import torch
 
+from rlsync import Layout, SyncOptions, TensorMeta
 from rlsync.adapters.vllm import engine_layout
-from rlsync.core._builders import fsdp, from_state_dict, replicated
-from rlsync.core._layout import Layout, TensorMeta
-from rlsync.core._layout_parallel import engine_tp
-from rlsync.core._presets import model_spec
-from rlsync.core._views import allocate, scatter
+from rlsync.layouts import allocate, engine_tp, from_state_dict, fsdp, model_spec, replicated, scatter
 
 TINY_QWEN2 = dict(model_type="qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, intermediate_size=128, vocab_size=96)
@@ -77,12 +74,11 @@ def delta_values(layout: Layout, version: int, share: float = 0.02) -> dict[str,
 
 
 def writer_main(args: argparse.Namespace) -> None:
-    from rlsync.core._weights import WeightsWriter
+    from rlsync import WeightsWriter
 
     src, dst = layouts(args.layout)
     readers = {int(k): v for k, v in json.loads(args.readers).items()}
-    writer = WeightsWriter(src, dst, args.rank, readers, transport=args.transport, timeout=args.timeout, checksum=args.checksum,
-                           wire="delta" if args.delta else "full")
+    writer = WeightsWriter(src, dst, args.rank, readers, options=SyncOptions(transport=args.transport, timeout=args.timeout, verify=args.checksum, wire="delta" if args.delta else "full"))
     if args.die_after_writes:
         budget = [args.die_after_writes]
         original_open = writer._transport.open
@@ -112,10 +108,10 @@ def writer_main(args: argparse.Namespace) -> None:
 
 
 def reader_main(args: argparse.Namespace) -> None:
-    from rlsync.core._weights import WeightsReader
+    from rlsync import WeightsReader
 
     src, dst = layouts(args.layout)
-    reader = WeightsReader(src, dst, args.rank, transport=args.transport)
+    reader = WeightsReader(src, dst, args.rank, options=SyncOptions(transport=args.transport))
     print(json.dumps({"address": reader.address}), flush=True)
     deadline = time.monotonic() + args.timeout
     seen: int | None = None

@@ -10,8 +10,10 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from rlsync.core._make_buffer import make_buffer  # noqa: E402
-from rlsync.core._samples import Sample  # noqa: E402
+from rlsync import (
+    Sample,  # noqa: E402
+    make_buffer,  # noqa: E402
+)
 
 pytestmark = pytest.mark.ray
 

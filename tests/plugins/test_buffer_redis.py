@@ -17,9 +17,11 @@ pytest.importorskip("redis")
 if shutil.which("redis-server") is None:
     pytest.skip("redis-server is not installed (Debian package 'redis-server')", allow_module_level=True)
 
-from rlsync.core._buffer import RolloutBuffer  # noqa: E402
-from rlsync.core._make_buffer import make_buffer  # noqa: E402
-from rlsync.core._samples import Sample  # noqa: E402
+from rlsync import (
+    RolloutBuffer,  # noqa: E402
+    Sample,  # noqa: E402
+    make_buffer,  # noqa: E402
+)
 
 pytestmark = pytest.mark.redis
 
@@ -100,7 +102,7 @@ def test_no_sample_lost_or_delivered_twice_when_redis_is_killed_mid_load(redis_s
 
 
 def test_a_retried_put_adds_nothing_twice_and_state_survives_a_restart(redis_server: RedisServer) -> None:
-    from rlsync.plugins._buffer_redis import RedisStorage
+    from rlsync.plugins import RedisStorage
 
     storage = RedisStorage(redis_server.url)
     storage.append([sample(1), sample(2)])
@@ -122,8 +124,8 @@ def versioned(i: int, version: int, group: str | None = None) -> Sample:
 
 
 def test_samples_come_oldest_policy_version_first_then_in_arrival_order(redis_server: RedisServer) -> None:
-    from rlsync.core._buffer import MemoryStorage
-    from rlsync.plugins._buffer_redis import RedisStorage
+    from rlsync import MemoryStorage
+    from rlsync.plugins import RedisStorage
 
     arrivals = [versioned(i, v) for i, v in enumerate([3, 1, 2, 1, 0, 3, 2])]
     redis_storage, memory = RedisStorage(redis_server.url), MemoryStorage()
@@ -137,9 +139,9 @@ def test_samples_come_oldest_policy_version_first_then_in_arrival_order(redis_se
 CLIENT = """
 import os, signal, sys
 import numpy as np
-from rlsync.core._buffer import RolloutBuffer
-from rlsync.core._samples import Sample
-from rlsync.plugins._buffer_redis import RedisStorage
+from rlsync import RolloutBuffer
+from rlsync import Sample
+from rlsync.plugins import RedisStorage
 buf = RolloutBuffer(batch_size=4, group_size=4, max_staleness=10, on_stale="drop",
                     storage=RedisStorage(sys.argv[1], lease_seconds=1.0))
 assert buf.get(timeout=1.0) is None  # takes the 3 samples of group g, holds them: the group is incomplete
@@ -152,7 +154,7 @@ def test_samples_a_dead_client_held_come_back_once_its_lease_runs_out(redis_serv
     import subprocess
     import sys
 
-    from rlsync.plugins._buffer_redis import RedisStorage
+    from rlsync.plugins import RedisStorage
 
     producer = RedisStorage(redis_server.url)
     producer.append([versioned(i, 0, group="g") for i in range(3)])

@@ -1,4 +1,4 @@
-"""Delta versions (``WeightsWriter(wire="delta")``): only changed values cross, the reader ends bit-exact."""
+"""Delta versions (``WeightsWriter(options=SyncOptions(wire="delta"))``): only changed values cross, the reader ends bit-exact."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rlsync.core._builders import from_state_dict
-from rlsync.core._delta import ChangeLog, apply, encode
-from rlsync.core._layout import TensorMeta
-from rlsync.core._weights import WeightsReader, WeightsWriter
+from rlsync import SyncOptions, TensorMeta, WeightsReader, WeightsWriter
+from rlsync.core import ChangeLog
+from rlsync.core import apply_delta as apply
+from rlsync.core import encode_delta as encode
+from rlsync.layouts import from_state_dict
 
 pytestmark = pytest.mark.multiproc
 
@@ -27,7 +28,7 @@ def test_two_trainer_ranks_send_deltas_into_two_tp_ranks_bit_exact(sync: Any, tr
     """FSDP over 2 ranks -> TP=2 with fused buffers (many runs per buffer), checksums on: every version lands
     exactly; after the first full send into each slot, each writer moves a fraction of its bytes."""
     src, dst = sync.layouts("fsdp2_tp2")
-    readers = [WeightsReader(src, dst, r, transport=transport, landing=landing, checksum=True) for r in (0, 1)]
+    readers = [WeightsReader(src, dst, r, landing=landing, options=SyncOptions(transport=transport, verify=True)) for r in (0, 1)]
     try:
         addresses = {r.rank: r.address for r in readers}
         writers = [sync.writer("fsdp2_tp2", transport, addresses, [1, 2, 3, 4, 5], rank=w, wait=False,
@@ -65,7 +66,7 @@ def _tensors(version: int, share: float) -> dict[str, Any]:
 
 def test_a_delta_larger_than_the_inbox_is_sent_in_full() -> None:
     layout = from_state_dict(PLAIN)
-    with WeightsReader(layout, layout, 0, landing="staged") as reader, WeightsWriter(layout, layout, 0, [reader.address], wire="delta") as writer:
+    with WeightsReader(layout, layout, 0, landing="staged") as reader, WeightsWriter(layout, layout, 0, [reader.address], options=SyncOptions(wire="delta")) as writer:
         sizes = []
         for version, share in ((1, 0.0), (2, 0.01), (3, 0.5)):
             tensors = _tensors(version, share)
@@ -89,7 +90,7 @@ def _raw(t: Any) -> bytes:
 def test_a_reader_that_lost_track_of_its_slot_gets_the_version_in_full() -> None:
     """The reader refuses a delta against a slot it cannot vouch for; the writer resends in full, no error."""
     layout = from_state_dict(PLAIN)
-    with WeightsReader(layout, layout, 0, landing="staged") as reader, WeightsWriter(layout, layout, 0, [reader.address], wire="delta") as writer:
+    with WeightsReader(layout, layout, 0, landing="staged") as reader, WeightsWriter(layout, layout, 0, [reader.address], options=SyncOptions(wire="delta")) as writer:
         for version in (1, 2):
             writer.multi_put(_tensors(version, 0.01))
             writer.complete(version)
@@ -151,7 +152,7 @@ def test_a_refused_delta_version_leaves_the_old_one_and_the_next_lands_exact() -
         loaded[version] = buffers["w"].tobytes()
 
     with WeightsReader(layout, layout, 0, landing="staged", on_version=load) as reader, \
-            WeightsWriter(layout, layout, 0, [reader.address], wire="delta") as writer:
+            WeightsWriter(layout, layout, 0, [reader.address], options=SyncOptions(wire="delta")) as writer:
         for version in (1, 2):
             writer.multi_put(_tensors(version, 0.01))
             writer.complete(version)

@@ -10,10 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from rlsync import PeerLostError, TransferTimeoutError, VersionError, WeightMismatchError
-from rlsync.core._builders import from_state_dict
-from rlsync.core._layout import TensorMeta
-from rlsync.core._weights import WeightsReader, WeightsWriter
+from rlsync import (
+    PeerLostError,
+    SyncOptions,
+    TensorMeta,
+    TransferTimeoutError,
+    VersionError,
+    WeightMismatchError,
+    WeightsReader,
+    WeightsWriter,
+)
+from rlsync.layouts import from_state_dict
 
 pytestmark = pytest.mark.multiproc
 
@@ -22,7 +29,7 @@ pytestmark = pytest.mark.multiproc
 def test_writer_killed_midway_leaves_the_previous_version_and_the_next_sync_works(sync: Any, transport: str, landing: str) -> None:
     src, dst = sync.layouts("plain")
     loaded: list[int] = []
-    with WeightsReader(src, dst, 0, transport=transport, landing=landing, on_version=lambda v, b: loaded.append(v)) as reader:
+    with WeightsReader(src, dst, 0, landing=landing, on_version=lambda v, b: loaded.append(v), options=SyncOptions(transport=transport)) as reader:
         assert sync.writer("plain", transport, {0: reader.address}, [1]).returncode == 0
         dying = sync.writer("plain", transport, {0: reader.address}, [2], extra=("--die-after-writes", "3"))
         assert dying.returncode == -9  # SIGKILL, after 3 of its 7 writes
@@ -42,7 +49,7 @@ def test_reader_killed_makes_complete_fail_in_time_and_the_other_reader_still_ge
     doomed, doomed_addr = sync.reader("fanout", "shm", 1)
     doomed.kill()
     doomed.wait()
-    writer = WeightsWriter(src, dst, 0, {0: alive_addr, 1: doomed_addr}, transport="shm", timeout=2.0)
+    writer = WeightsWriter(src, dst, 0, {0: alive_addr, 1: doomed_addr}, options=SyncOptions(transport="shm", timeout=2.0))
     tensors = {t.name: torch.zeros(t.shape, dtype=getattr(torch, t.dtype)) for t in src.tensors}
     writer.multi_put(tensors)
     started = time.monotonic()
@@ -57,9 +64,9 @@ def test_reader_killed_makes_complete_fail_in_time_and_the_other_reader_still_ge
 
 def test_layout_mismatch_is_refused_before_a_byte_is_written(sync: Any) -> None:
     src, dst = sync.layouts("plain")
-    with WeightsReader(src, dst, 0, transport="shm") as reader:
+    with WeightsReader(src, dst, 0, options=SyncOptions(transport="shm")) as reader:
         other = [TensorMeta(t.name, t.dtype, (48, 64) if t.name == "layer2.weight" else t.shape) for t in src.tensors]
-        writer = WeightsWriter(from_state_dict(other), from_state_dict(other), 0, [reader.address], transport="shm", timeout=5)
+        writer = WeightsWriter(from_state_dict(other), from_state_dict(other), 0, [reader.address], options=SyncOptions(transport="shm", timeout=5))
         writer.multi_put({t.name: torch.ones(t.shape, dtype=getattr(torch, t.dtype)) for t in other})
         with pytest.raises(WeightMismatchError, match=r"different destination layouts; first differing tensor: 'layer2.weight'"):
             writer.complete(1)
@@ -88,7 +95,7 @@ def test_versions_must_increase() -> None:
     meta = [TensorMeta("w", "float32", (8,))]
     src = dst = from_state_dict(meta)
     with WeightsReader(src, dst, 0) as reader:
-        writer = WeightsWriter(src, dst, 0, [reader.address], timeout=5)
+        writer = WeightsWriter(src, dst, 0, [reader.address], options=SyncOptions(timeout=5))
         writer.put("w", torch.arange(8, dtype=torch.float32))
         writer.complete(5)
         with pytest.raises(VersionError, match="version 5 is not newer than live version 5"):
@@ -104,7 +111,7 @@ def test_a_killed_readers_shared_memory_is_removed_by_the_next_reader(sync: Any)
     (and only those: a live reader's stay)."""
     import glob
 
-    from rlsync.plugins._transport_shm import remove_stale_regions
+    from rlsync.plugins import remove_stale_regions
 
     live, _ = sync.reader("plain", "shm", 0)
     doomed, _ = sync.reader("plain", "shm", 0)

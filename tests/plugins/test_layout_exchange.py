@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from rlsync import PlanError, WeightMismatchError, WeightsReader, WeightsWriter, reader_layout
-from rlsync.core._builders import from_state_dict, replicated
-from rlsync.core._layout import TensorMeta
-from rlsync.plugins._transport_shm import ShmTransport
+from rlsync import PlanError, SyncOptions, TensorMeta, WeightMismatchError, WeightsReader, WeightsWriter, reader_layout
+from rlsync.layouts import from_state_dict, replicated
+from rlsync.plugins import ShmTransport
 
 PLAIN = [TensorMeta(f"layer{i}.weight", "bfloat16", (32, 16)) for i in range(3)] + [TensorMeta("norm.weight", "float32", (16,))]
 
@@ -32,7 +31,7 @@ def test_a_writer_learns_the_destination_and_leaves_out_what_it_does_not_hold() 
     offered = {**weights, "lm_head.weight": weights["layer0.weight"]}
     with WeightsReader(None, dst, 0) as reader:
         assert reader_layout(reader.address) == dst
-        writer = WeightsWriter(from_state_dict(offered), None, 0, [reader.address], timeout=10)
+        writer = WeightsWriter(from_state_dict(offered), None, 0, [reader.address], options=SyncOptions(timeout=10))
         assert writer.bytes_per_version == sum(m.nbytes for m in PLAIN)
         writer.multi_put(offered)
         writer.complete(1)
@@ -48,7 +47,7 @@ def test_a_destination_tensor_the_trainer_lacks_is_an_error_before_any_byte() ->
     with WeightsReader(None, from_state_dict(PLAIN), 0) as reader:
         partial = {k: v for k, v in state(1).items() if k != "norm.weight"}
         with pytest.raises(PlanError, match="'norm.weight' is not in the source layout"):
-            WeightsWriter(from_state_dict(partial), None, 0, [reader.address], timeout=10)
+            WeightsWriter(from_state_dict(partial), None, 0, [reader.address], options=SyncOptions(timeout=10))
         assert reader.version == -1
 
 
@@ -57,7 +56,7 @@ def test_a_restarted_writer_voids_its_dead_sessions_version_and_the_next_one_sta
     rank 0's part is discarded (it may pair with bytes rank 1 never finished) and rank 0 is told; the version
     goes live only once both ranks of the new sessions sent it, with exactly their bytes."""
     src, dst = sync.layouts("two_writers")
-    with WeightsReader(src, dst, 0, transport="shm") as reader:
+    with WeightsReader(src, dst, 0, options=SyncOptions(transport="shm")) as reader:
         first = sync.writer("two_writers", "shm", {0: reader.address}, [1], rank=0, wait=False,
                             extra=("--timeout", "60"))
         dying = sync.writer("two_writers", "shm", {0: reader.address}, [1], rank=1, extra=("--die-after-writes", "2"))
@@ -102,8 +101,7 @@ def test_a_writer_posts_to_all_its_readers_at_once() -> None:
     readers = [WeightsReader(None, replicated(PLAIN, (0, 1, 2)), r) for r in range(3)]
     try:
         _MeetingTransport.barrier = threading.Barrier(3, timeout=10)
-        writer = WeightsWriter(from_state_dict(PLAIN), None, 0, [r.address for r in readers], transport=_MeetingTransport,
-                               timeout=20)
+        writer = WeightsWriter(from_state_dict(PLAIN), None, 0, [r.address for r in readers], options=SyncOptions(transport=_MeetingTransport, timeout=20))
         writer.multi_put({k: v for k, v in state(2).items()})
         writer.complete(1)  # raises BrokenBarrierError if the readers were written one at a time
         assert [r.version for r in readers] == [1, 1, 1]
@@ -122,7 +120,7 @@ def test_replica_readers_take_their_layout_from_the_writers() -> None:
     try:
         weights = state(3)
         src = fsdp(PLAIN, 2)
-        writers = [WeightsWriter(src, None, w, [r.address for r in readers], timeout=20) for w in range(2)]
+        writers = [WeightsWriter(src, None, w, [r.address for r in readers], options=SyncOptions(timeout=20)) for w in range(2)]
         assert {writer.next_version for writer in writers} == {0}  # nothing live yet
         for w, writer in enumerate(writers):
             writer.multi_put({m.name: weights[m.name].chunk(2)[w].contiguous() for m in PLAIN})
@@ -137,7 +135,7 @@ def test_replica_readers_take_their_layout_from_the_writers() -> None:
                 out = torch.empty_like(tensor)
                 reader.get(name, out.view(torch.uint8).numpy())
                 assert torch.equal(out, tensor), name
-        later = WeightsWriter(src, None, 0, [r.address for r in readers], timeout=20)
+        later = WeightsWriter(src, None, 0, [r.address for r in readers], options=SyncOptions(timeout=20))
         assert later.next_version == 2  # a restarted trainer continues after the live version
         for writer in (*writers, later):
             writer.close()
@@ -168,13 +166,12 @@ class _CorruptingTransport(ShmTransport):
 
 
 def test_checksums_name_the_tensor_that_arrived_wrong_and_the_version_stays_out() -> None:
-    with WeightsReader(None, from_state_dict(PLAIN), 0, checksum=True) as reader:
-        writer = WeightsWriter(from_state_dict(PLAIN), None, 0, [reader.address], checksum=True, timeout=10)
+    with WeightsReader(None, from_state_dict(PLAIN), 0, options=SyncOptions(verify=True)) as reader:
+        writer = WeightsWriter(from_state_dict(PLAIN), None, 0, [reader.address], options=SyncOptions(verify=True, timeout=10))
         writer.multi_put(state(1))
         writer.complete(1)
         writer.close()
-        bad = WeightsWriter(from_state_dict(PLAIN), None, 0, [reader.address], checksum=True, timeout=10,
-                            transport=_CorruptingTransport)
+        bad = WeightsWriter(from_state_dict(PLAIN), None, 0, [reader.address], options=SyncOptions(verify=True, timeout=10, transport=_CorruptingTransport))
         bad.multi_put(state(2))
         _CorruptingTransport.target = bad._sources["layer1.weight"]
         with pytest.raises(WeightMismatchError, match=r"checksum mismatch in tensor 'layer1.weight' .*version 2"):
@@ -192,10 +189,8 @@ def test_a_refused_version_reaches_the_engine_thread_at_once() -> None:
     from rlsync import LandedVersions
 
     landed = LandedVersions()
-    with WeightsReader(None, from_state_dict(PLAIN), 0, landing="staged", checksum=True, on_version=landed.on_version,
-                       on_refused=landed.on_refused) as reader:
-        bad = WeightsWriter(from_state_dict(PLAIN), None, 0, [reader.address], checksum=True, timeout=10,
-                            transport=_CorruptingTransport)
+    with WeightsReader(None, from_state_dict(PLAIN), 0, landing="staged", on_version=landed.on_version, on_refused=landed.on_refused, options=SyncOptions(verify=True)) as reader:
+        bad = WeightsWriter(from_state_dict(PLAIN), None, 0, [reader.address], options=SyncOptions(verify=True, timeout=10, transport=_CorruptingTransport))
         bad.multi_put(state(2))
         _CorruptingTransport.target = bad._sources["layer1.weight"]
         errors: list[BaseException] = []

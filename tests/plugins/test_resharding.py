@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from rlsync.core._weights import WeightsReader
+from rlsync import SyncOptions, WeightsReader
 
 pytestmark = pytest.mark.multiproc
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.multiproc
 def test_fsdp2_to_tp2_lands_each_ranks_slices_in_fused_buffers(sync: Any, landing: str, checksum: bool) -> None:
     """With checksums too: a trainer buffer reaches a reader in several separate runs (fused q/k/v pieces)."""
     src, dst = sync.layouts("fsdp2_tp2")
-    readers = [WeightsReader(src, dst, r, transport="shm", landing=landing, checksum=checksum) for r in (0, 1)]
+    readers = [WeightsReader(src, dst, r, landing=landing, options=SyncOptions(transport="shm", verify=checksum)) for r in (0, 1)]
     try:
         addresses = {r.rank: r.address for r in readers}
         extra = ("--checksum",) if checksum else ()
@@ -42,7 +42,8 @@ def test_vllm_workers_get_only_their_boxes_and_the_loader_sees_whole_tensors(syn
     import numpy as np
     import torch
 
-    from rlsync.adapters.vllm._staging import SLACK, StagedReceiver
+    from rlsync import StagedReceiver
+    from rlsync.layouts import SLACK
 
     _, dst = sync.layouts("boxes_tp2")
     tensors = [[t.name, t.dtype, t.shape] for t in dst.tensors]

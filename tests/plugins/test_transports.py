@@ -6,8 +6,7 @@ from typing import Any
 
 import pytest
 
-from rlsync.core._weights import WeightsReader
-
+from rlsync import SyncOptions, WeightsReader
 
 pytestmark = pytest.mark.multiproc
 
@@ -16,7 +15,7 @@ pytestmark = pytest.mark.multiproc
 def test_versions_land_bytes_exactly(sync: Any, transport: str, landing: str) -> None:
     src, dst = sync.layouts("plain")
     seen: list[int] = []
-    with WeightsReader(src, dst, 0, transport=transport, landing=landing, on_version=lambda v, bufs: seen.append(v)) as reader:
+    with WeightsReader(src, dst, 0, landing=landing, on_version=lambda v, bufs: seen.append(v), options=SyncOptions(transport=transport)) as reader:
         child = sync.writer("plain", transport, {0: reader.address}, [1, 2, 3], extra=("--checksum",))
         assert child.returncode == 0, child.stderr_text  # type: ignore[attr-defined]
         assert reader.version == 3
@@ -28,7 +27,7 @@ def test_caller_owned_get(sync: Any, transport: str) -> None:
     import numpy as np
 
     src, dst = sync.layouts("plain")
-    with WeightsReader(src, dst, 0, transport=transport) as reader:
+    with WeightsReader(src, dst, 0, options=SyncOptions(transport=transport)) as reader:
         sync.writer("plain", transport, {0: reader.address}, [7])
         out = np.empty((96, 64), np.uint16)
         reader.get("layer3.weight", out)

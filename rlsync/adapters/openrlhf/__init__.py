@@ -2,11 +2,12 @@
 
     rlsync launch openrlhf [--max-staleness N] -- <the arguments you give openrlhf.cli.train_ppo_ray>
 
-runs OpenRLHF's own entry point with its weight sync replaced by rlsync's (``rlsync.patches.openrlhf``):
+runs OpenRLHF's own entry point with its weight sync replaced by rlsync's (through ``rlsync.patches.openrlhf``):
 every trainer rank sends its share of the weights into every vLLM engine, each byte once, each engine worker
 receiving only its tensor-parallel part, a version loaded all at once. Importing this package patches nothing.
 """
 
+from rlsync.adapters.openrlhf._hooks import setup_worker
 from rlsync.adapters.openrlhf._launch import main
 
-__all__ = ["main"]
+__all__ = ["main", "setup_worker"]

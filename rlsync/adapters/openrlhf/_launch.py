@@ -2,10 +2,10 @@
 
 Starts OpenRLHF's own entry point (``openrlhf.cli.train_ppo_ray``: its parser, its checks, its ``train``)
 with the user's arguments, unchanged except for the weight sync: before that, it starts Ray itself with
-``worker_process_setup_hook`` = ``rlsync.patches.openrlhf.setup_worker`` and the environment OpenRLHF's own
+``worker_process_setup_hook`` = ``rlsync.adapters.openrlhf.setup_worker`` and the environment OpenRLHF's own
 ``ray.init`` would set, so that every Ray worker applies rlsync's trainer-side patches (``train`` calls
 ``ray.init`` only when Ray is not running), and exports ``RLSYNC_OPENRLHF`` so that vLLM's engine processes
-(which are not Ray workers) apply the engine side through rlsync's vLLM plugin.
+(which are not Ray workers) apply the engine side through the adapter's vLLM plugin.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from collections.abc import Sequence
 
 from rlsync import ConfigError, __version__
 from rlsync.adapters.openrlhf._versions import clock
-from rlsync.patches.openrlhf import OPTIONS_ENV, apply_trainer_side, check_version, installed_version
+from rlsync.adapters.openrlhf._hooks import patch_trainer
+from rlsync.patches.openrlhf import OPTIONS_ENV, check_version, installed_version
 
 ENTRY = "openrlhf.cli.train_ppo_ray"
 
@@ -66,7 +67,7 @@ def start_ray(opts: dict[str, object]) -> None:
         raise ConfigError("Ray is already initialised in this process: the launcher must start it (with its worker hook)")
     env = ray_env(opts)
     os.environ.update(env)  # this process and what it spawns; Ray workers get it from the runtime env too
-    ray.init(runtime_env={"env_vars": env, "worker_process_setup_hook": "rlsync.patches.openrlhf.setup_worker"})
+    ray.init(runtime_env={"env_vars": env, "worker_process_setup_hook": "rlsync.adapters.openrlhf.setup_worker"})
     clock()  # the run's version clock, owned by this process: it lives as long as the run
 
 
@@ -80,6 +81,6 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "timeout": args.timeout, "max_staleness": args.max_staleness,
                 "wire": args.wire}
         start_ray(opts)
-        apply_trainer_side()  # the driver too: the trainer classes it hands to Ray are patched before they are sent
+        patch_trainer()  # the driver too: the trainer classes it hands to Ray are patched before they are sent
     sys.argv = [ENTRY, *theirs]
     runpy.run_module(ENTRY, run_name="__main__", alter_sys=True)

@@ -1,5 +1,5 @@
 """The trainer side of OpenRLHF with rlsync: ``ActorPPOTrainer._init_vllm_sync_group`` and
-``ActorPPOTrainer.broadcast_to_vllm``, installed by ``rlsync.patches.openrlhf.apply_trainer_side``.
+``ActorPPOTrainer.broadcast_to_vllm``, installed through ``rlsync.patches.openrlhf.apply_trainer_side``.
 
 OpenRLHF's own sync sends every parameter from rank 0 (one Ray round trip and one NCCL broadcast per
 parameter, after a ZeRO-3 gather of it). Here **every trainer rank sends its share**, each byte once into
@@ -19,7 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from rlsync import ConfigError, TensorMeta, WeightsWriter, __version__
+from rlsync import ConfigError, SyncOptions, TensorMeta, WeightsWriter, __version__
 from rlsync.adapters.openrlhf._versions import clock
 from rlsync.adapters.openrlhf._worker import APPLY, HANDSHAKE
 from rlsync.layouts import flat_partitions
@@ -97,8 +97,8 @@ def broadcast_to_vllm(self: Any) -> None:
         if box[0] is None:
             raise ConfigError("rlsync's weight sync was not initialised on trainer rank 0 (no vLLM engines?)")
         src = flat_partitions([_meta(n, p) for n, p in _params(self)], world)
-        self._rlsync_writers = [WeightsWriter(src, None, rank, engine, transport=opts["transport"], timeout=float(opts["timeout"]),
-                                                   wire=opts.get("wire", "full"))
+        options = SyncOptions(transport=opts["transport"], timeout=float(opts["timeout"]), wire=opts.get("wire", "full"))
+        self._rlsync_writers = [WeightsWriter(src, None, rank, engine, options=options)
                                 for engine in box[0]]
         self._rlsync_version = max(1, *(w.next_version for w in self._rlsync_writers)) - 1
     version = self._rlsync_version + 1

@@ -42,8 +42,8 @@ class RlsyncWorkerWrap(WorkerWrap, RlsyncWorkerExtension):  # type: ignore[misc]
         if hello["rlsync"] != __version__:
             raise ConfigError(f"rlsync versions differ: trainer side {hello['rlsync']}, vLLM side {__version__}: "
                               "install the same rlsync in both environments")
-        return self.rlsync_start(hello["tensors"], transport=hello["transport"], host=hello["host"],
-                                 apply_timeout=float(hello["timeout"]))
+        return self.rlsync_start(hello["tensors"], options={"transport": hello["transport"], "host": hello["host"],
+                                                            "timeout": float(hello["timeout"])})
 
     def update_weight(self, name: str, dtype: Any, shape: Any, empty_cache: bool = False) -> int:
         if name != APPLY:

@@ -31,8 +31,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from rlsync.adapters.vllm._staging import StagedReceiver
-from rlsync.core._errors import ConfigError, RlsyncError
+from rlsync import ConfigError, RlsyncError, StagedReceiver, SyncOptions
 
 #: the import path to allow with ``--custom-weight-loader`` and to pass as ``load_format``
 LOADER = "rlsync.adapters.sglang.load_landed"
@@ -74,7 +73,7 @@ def load_landed(model: Any, named_tensors: Sequence[tuple[str, Any]]) -> None:
             _receiver.close()
         _check_names(model, message["tensors"])
         host, port = _shift_port(message["address"], _tp_rank())
-        _receiver = StagedReceiver(message["tensors"], transport=message["transport"], host=host, port=port)
+        _receiver = StagedReceiver(message["tensors"], options=SyncOptions(transport=message["transport"], host=host, port=port))
         return
     if _receiver is None:
         raise ConfigError("rlsync received no 'start' in this SGLang worker: call SglangWeights.start() first")
@@ -113,7 +112,7 @@ def _check_names(model: Any, tensors: Sequence[Sequence[Any]]) -> None:
     refuses, or a parameter that no tensor reaches, is a ``ConfigError`` naming it."""
     import torch
 
-    from rlsync.adapters.vllm._staging import tensor_metas
+    from rlsync.layouts import tensor_metas
 
     metas = tensor_metas(tensors)
 

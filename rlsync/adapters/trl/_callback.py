@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from rlsync import ConfigError, Decision, MaxStaleness, Sample, VersionError
+from rlsync import ConfigError, Decision, MaxStaleness, Sample, SyncOptions, VersionError
 from rlsync.adapters.vllm import VllmServer
 from rlsync.patches.trl import rlsync_owns_sync
 
@@ -38,14 +38,13 @@ class RlsyncSyncCallback(TrainerCallback):
     """Takes over ``trainer``'s weight sync (``trainer.add_callback(RlsyncSyncCallback(trainer))``).
 
     ``max_staleness``: drop samples whose oldest token is more than this many optimizer steps behind
-    (``None``: keep all, as TRL does). ``transport``: ``shm`` (same host) or ``tcp``. ``timeout``: seconds
-    one sync may take. ``wire="delta"``: send only the values that changed since the last sync (a few
-    percent of them at RL learning rates; ``rlsync/bytes`` logs what moved). ``verify=True``: the engine checks
-    a CRC per tensor of every version and refuses one whose bytes differ, naming the tensor.
+    (``None``: keep all, as TRL does). ``options`` (``rlsync.SyncOptions``): ``transport`` (``shm``, same
+    host, or ``tcp``), ``timeout`` (seconds one sync may take), ``wire="delta"`` (send only the values that
+    changed since the last sync: a few percent of them at RL learning rates; ``rlsync/bytes`` logs what moved),
+    ``verify=True`` (the engine checks a CRC per tensor of every version and refuses one whose bytes differ).
     """
 
-    def __init__(self, trainer: Any, *, max_staleness: int | None = None, transport: str = "shm", timeout: float = 600.0,
-                 wire: str = "full", verify: bool = False) -> None:
+    def __init__(self, trainer: Any, *, max_staleness: int | None = None, options: SyncOptions | None = None) -> None:
         generation = getattr(trainer, "vllm_generation", None)
         if generation is None or getattr(generation, "mode", None) != "server":
             raise ConfigError("RlsyncSyncCallback needs a GRPOTrainer generating with a vLLM server: "
@@ -59,7 +58,7 @@ class RlsyncSyncCallback(TrainerCallback):
                 raise ConfigError(f"the vLLM server at {client.base_url} does not receive weights through rlsync: start it "
                                   "with --weight-transfer-config '{\"backend\": \"rlsync\"}' and import rlsync.adapters.trl "
                                   "before building the trainer")
-            self.server = VllmServer(client.base_url, transport=transport, timeout=timeout, wire=wire, verify=verify)
+            self.server = VllmServer(client.base_url, options=options)
         self._base: int | None = None
         generation.sync_weights = self._sync
         self._generate = trainer._generate_and_score_completions

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from rlsync import SyncOptions
 from rlsync.adapters.vllm import PublishStats, VllmServer
 from rlsync.patches.trl import apply_async
 
@@ -20,15 +21,14 @@ from rlsync.patches.trl import apply_async
 class RlsyncWeightTransfer:
     """``AsyncGRPOTrainer(..., weight_transfer=RlsyncWeightTransfer())``.
 
-    ``server_url``: the vLLM server (TRL's default ``vllm_server_base_url`` unless given). ``transport``:
-    ``shm`` (same host) or ``tcp``. ``timeout``: seconds one sync may take. ``wire="delta"``: send only
-    the values that changed since the last sync. ``verify=True``: a CRC per tensor, checked by the engine.
+    ``server_url``: the vLLM server (TRL's default ``vllm_server_base_url`` unless given). ``options``
+    (``rlsync.SyncOptions``): transport, timeout, ``wire="delta"`` (only the values that changed since the last
+    sync), ``verify=True`` (a CRC per tensor, checked by the engine).
     """
 
-    def __init__(self, server_url: str = "http://localhost:8000", *, transport: str = "shm", timeout: float = 600.0,
-                 wire: str = "full", verify: bool = False) -> None:
+    def __init__(self, server_url: str = "http://localhost:8000", *, options: SyncOptions | None = None) -> None:
         apply_async()  # before the trainer is built: its constructor needs CUDA otherwise
-        self.server = VllmServer(server_url, transport=transport, timeout=timeout, wire=wire, verify=verify)
+        self.server = VllmServer(server_url, options=options)
         self.last_stats: PublishStats | None = None  # the last sync's version, bytes and seconds (TRL logs them)
 
     def init_weight_transfer(self) -> None:

@@ -30,7 +30,15 @@ import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 from verl.workers.rollout.utils import ensure_async_iterator
 
-from rlsync import ConfigError, LandedVersions, TensorMeta, WeightMismatchError, WeightsReader, WeightsWriter
+from rlsync import (
+    ConfigError,
+    LandedVersions,
+    SyncOptions,
+    TensorMeta,
+    WeightMismatchError,
+    WeightsReader,
+    WeightsWriter,
+)
 from rlsync.layouts import fsdp
 
 
@@ -44,13 +52,13 @@ def _free_port(host: str) -> int:
 class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is untyped
     """verl checkpoint-engine backend ``rlsync``; see the module docstring."""
 
-    def __init__(self, bucket_size: int, is_master: bool = False, *, transport: str = "shm", host: str = "127.0.0.1",
-                 verify: bool = False, timeout: float = 600.0, wire: str = "full") -> None:
-        # bucket_size: rlsync moves each rank's chunk of every tensor straight into the readers' memory, no bucket
-        self.transport, self.host, self.verify, self.timeout = transport, host, bool(verify), float(timeout)
-        if wire not in ("full", "delta"):
-            raise ConfigError(f"engine_kwargs.rlsync.wire={wire!r}: use 'full' or 'delta'")
-        self.wire = wire
+    def __init__(self, bucket_size: int, is_master: bool = False, **engine_kwargs: Any) -> None:
+        # bucket_size: rlsync moves each rank's chunk of every tensor straight into the readers' memory, no bucket.
+        # engine_kwargs: what the user set under +...checkpoint_engine.engine_kwargs.rlsync (SyncOptions' keys)
+        self.options = SyncOptions.from_mapping(engine_kwargs, where="actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.rlsync")
+        if self.options.codec is not None:
+            raise ConfigError(f"engine_kwargs.rlsync.wire={self.options.wire!r}: use 'full' or 'delta'")
+        self.host, self.timeout = self.options.host, self.options.timeout
         self.role: str | None = None  # "actor" or "rollout", known from init_process_group on
         self._address: str | None = None
         self._readers: list[str] = []
@@ -93,9 +101,8 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         if self._reader is not None:
             self._reader.close()
         host, port = readers[rank].removeprefix("tcp://").rsplit(":", 1)
-        self._reader = WeightsReader(None, None, rank, replicas=world_size, transport=self.transport, landing="staged",
-                                     host=host, port=int(port), checksum=self.verify, on_version=self._landed.on_version,
-                                     on_refused=self._landed.on_refused)
+        self._reader = WeightsReader(None, None, rank, replicas=world_size, options=self.options.replace(host=host, port=int(port)),
+                                     landing="staged", on_version=self._landed.on_version, on_refused=self._landed.on_refused)
 
     def finalize(self) -> None:
         pass  # readers, landing memory and links are kept for the next sync
@@ -113,8 +120,7 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         if self._writer is None or self._writer.src != src:
             if self._writer is not None:
                 self._writer.close()
-            self._writer = WeightsWriter(src, None, self._rank, self._readers, transport=self.transport,
-                                         checksum=self.verify, timeout=self.timeout, wire=self.wire)
+            self._writer = WeightsWriter(src, None, self._rank, self._readers, options=self.options)
             self._version = self._writer.next_version - 1
         self._version += 1
         writer = self._writer

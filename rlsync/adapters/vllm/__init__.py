@@ -9,7 +9,7 @@ from rlsync.adapters.vllm._driver import apply_next_version
 from rlsync.adapters.vllm._extension import RlsyncWorkerExtension
 from rlsync.adapters.vllm._lora import LORA_ID_BASE, apply_next_lora
 from rlsync.adapters.vllm._server import PublishStats, VllmServer, reserve_ports
-from rlsync.adapters.vllm._staging import engine_layout
+from rlsync.layouts import engine_layout
 
 __all__ = ["LORA_ID_BASE", "PublishStats", "RlsyncWorkerExtension", "VllmServer", "apply_next_lora", "apply_next_version",
            "engine_layout", "reserve_ports"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlsync.core._errors import VersionError
+from rlsync import VersionError
 
 
 def apply_next_version(llm: Any, timeout: float = 600.0) -> int:

@@ -28,11 +28,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from rlsync import Finish, StagedReceiver, SyncOptions, VersionError
 from rlsync.adapters.vllm._probe import learn_parts
 from rlsync.adapters.vllm._reload import reload_atomically
-from rlsync.adapters.vllm._staging import StagedReceiver
-from rlsync.core._handoff import Finish
-from rlsync.core._errors import VersionError
 
 
 @dataclass
@@ -44,7 +42,7 @@ class RlsyncInitInfo(WeightTransferInitInfo):
     # per worker). The trainer does not need it (it learns the layout from the workers).
     boxes_file: str | None = None
     # a CRC per tensor, sent by the trainer and checked on landing (the trainer's writer must send them)
-    checksum: bool = False
+    verify: bool = False
 
 
 @dataclass
@@ -66,8 +64,8 @@ class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpda
         if init_info.boxes_file is not None and world.rank == 0:
             Path(init_info.boxes_file).write_text(json.dumps(boxes))
         host, port = init_info.address.removeprefix("tcp://").rsplit(":", 1)
-        self._receiver = StagedReceiver(tensors, boxes=boxes, rank=world.rank, transport=init_info.transport,
-                                        host=host, port=int(port) + world.rank, checksum=init_info.checksum)
+        options = SyncOptions(transport=init_info.transport, host=host, port=int(port) + world.rank, verify=init_info.verify)
+        self._receiver = StagedReceiver(tensors, boxes=boxes, rank=world.rank, options=options)
         self._finish: Finish | None = None
 
     def start_weight_update(self) -> None:

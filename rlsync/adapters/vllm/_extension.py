@@ -22,13 +22,13 @@ engine keeps serving the previous version either way.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rlsync import ConfigError, StagedReceiver, SyncOptions
 from rlsync.adapters.vllm._probe import learn_parts, probe_worker
 from rlsync.adapters.vllm._reload import reload_atomically
-from rlsync.adapters.vllm._staging import RankBoxes, StagedReceiver
-from rlsync.core._errors import ConfigError
+from rlsync.layouts import RankBoxes
 
 
 class RlsyncWorkerExtension:
@@ -39,12 +39,13 @@ class RlsyncWorkerExtension:
         learned by running vLLM's loader on probe data (cached; see ``_probe``)."""
         return probe_worker(self, tensors)
 
-    def rlsync_start(self, tensors: Sequence[Sequence[Any]], boxes: RankBoxes | None = None, transport: str = "shm",
-                     host: str = "127.0.0.1", apply_timeout: float = 600.0) -> str:
+    def rlsync_start(self, tensors: Sequence[Sequence[Any]], boxes: RankBoxes | None = None,
+                     options: Mapping[str, Any] | None = None) -> str:
         """Start receiving the checkpoint tensors ``[(name, dtype, shape), ...]``; returns the address for the
         writer. Every worker checks the list against its loader and learns its part of each tensor (a
         collective: call it on all workers, as ``collective_rpc`` does); tied aliases are left out. ``boxes``
-        (every worker's ``rlsync_probe``) is optional and must agree with what the workers learn."""
+        (every worker's ``rlsync_probe``) is optional and must agree with what the workers learn. ``options``: the
+        keys of ``rlsync.SyncOptions`` as plain data (it crosses ``collective_rpc``)."""
         from vllm.config import set_current_vllm_config
         from vllm.distributed.parallel_state import get_world_group
 
@@ -53,8 +54,8 @@ class RlsyncWorkerExtension:
         if boxes is not None and json.loads(json.dumps([dict(b) for b in boxes])) != learned:
             raise ConfigError("the boxes given to rlsync_start differ from what the workers' loaders read: drop the "
                               "boxes argument (rlsync_start learns them)")
-        self._rlsync = StagedReceiver(kept, boxes=learned, rank=self.rank, transport=transport,  # type: ignore[attr-defined]
-                                      host=host, apply_timeout=apply_timeout)
+        self._rlsync = StagedReceiver(kept, boxes=learned, rank=self.rank,  # type: ignore[attr-defined]
+                                      options=SyncOptions.from_mapping(options, where="rlsync_start"))
         self._rlsync_version = -1
         return self._rlsync.address
 
@@ -84,13 +85,13 @@ class RlsyncWorkerExtension:
         self._rlsync.close()
 
     def rlsync_lora_start(self, tensors: Sequence[Sequence[Any]], peft_config: dict[str, Any], keep: int = 1,
-                          transport: str = "shm", host: str = "127.0.0.1", apply_timeout: float = 600.0) -> str:
+                          options: Mapping[str, Any] | None = None) -> str:
         """Start receiving LoRA adapter versions (``[(name, dtype, shape), ...]`` of the PEFT state dict and its
         ``adapter_config``); returns the address for the writer. See ``rlsync.adapters.vllm._lora``."""
         from rlsync.adapters.vllm._lora import LoraReceiver
 
-        self._rlsync_lora = LoraReceiver(self, tensors, peft_config, keep=keep, transport=transport, host=host,
-                                         apply_timeout=apply_timeout)
+        self._rlsync_lora = LoraReceiver(self, tensors, peft_config, keep=keep,
+                                         options=SyncOptions.from_mapping(options, where="rlsync_lora_start"))
         return self._rlsync_lora.address
 
     def rlsync_lora_apply(self, timeout: float = 600.0) -> int:

@@ -22,8 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rlsync.adapters.vllm._staging import StagedReceiver
-from rlsync.core._errors import ConfigError, VersionError
+from rlsync import ConfigError, StagedReceiver, SyncOptions, VersionError
 
 #: adapter ids of synced versions: far above ids users give their own adapters
 LORA_ID_BASE = 1_000_000_000
@@ -35,7 +34,7 @@ class LoraReceiver:
     """One worker's receiver of adapter versions (see the module docstring)."""
 
     def __init__(self, worker: Any, tensors: Sequence[Sequence[Any]], peft_config: Mapping[str, Any], *, keep: int = 1,
-                 transport: str = "shm", host: str = "127.0.0.1", apply_timeout: float = 600.0) -> None:
+                 options: SyncOptions | None = None) -> None:
         from vllm.distributed.parallel_state import get_world_group
         from vllm.lora.peft_helper import PEFTHelper
 
@@ -57,8 +56,7 @@ class LoraReceiver:
         self.versions: list[int] = []  # registered, oldest first
         world = get_world_group().world_size
         whole = {str(name): [[0] * len(shape), list(shape)] for name, _, shape in tensors}
-        self._staged = StagedReceiver(tensors, boxes=[whole] * world, rank=worker.rank, transport=transport, host=host,
-                                      apply_timeout=apply_timeout)
+        self._staged = StagedReceiver(tensors, boxes=[whole] * world, rank=worker.rank, options=options)
 
     @property
     def address(self) -> str:

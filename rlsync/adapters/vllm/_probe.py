@@ -35,8 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from rlsync.core._errors import ConfigError
-from rlsync.core._layout import Box, TensorMeta
+from rlsync import Box, ConfigError, TensorMeta
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +74,7 @@ def probe_worker(worker: Any, tensors: Sequence[Sequence[Any]]) -> dict[str, lis
     worker extension's ``rlsync_probe``)."""
     from vllm.config import set_current_vllm_config
 
-    from rlsync.adapters.vllm._staging import tensor_metas
+    from rlsync.layouts import tensor_metas
 
     with set_current_vllm_config(worker.vllm_config):
         boxes, _ = probe_boxes(worker.model_runner.get_model(), tensor_metas(tensors), _rank_info())
@@ -89,7 +88,7 @@ def learn_parts(model: Any, tensors: Sequence[Sequence[Any]], group: Any) -> tup
     exchanged, and every worker reaches the same verdict. Raises ``ConfigError`` naming a tensor the loader
     refuses, a parameter no tensor fills, or a tensor no worker reads; leaves out tensors that are aliases of
     another in the engine (a tied ``lm_head.weight``)."""
-    from rlsync.adapters.vllm._staging import tensor_metas
+    from rlsync.layouts import tensor_metas
 
     boxes, unfilled = probe_boxes(model, tensor_metas(tensors), _rank_info())
     mine = {"boxes": {n: [list(b.offsets), list(b.sizes)] for n, b in boxes.items()}, "unfilled": unfilled}

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from rlsync.core._errors import ConfigError
+from rlsync import ConfigError
 
 SUPPORTED_VLLM = ("0.32.",)  # the layerwise reload internals this module relies on
 

@@ -23,9 +23,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from rlsync.core._builders import from_state_dict
-from rlsync.core._errors import ConfigError, PeerLostError, RlsyncWarning
-from rlsync.core._weights import WeightsWriter
+from rlsync import ConfigError, PeerLostError, RlsyncWarning, SyncOptions, WeightsWriter
+from rlsync.layouts import from_state_dict
 
 _SERVER_FLAGS = "VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{\"backend\": \"rlsync\"}'"
 
@@ -64,24 +63,23 @@ def reserve_ports(host: str, count: int) -> int:
 class VllmServer:
     """Drives one vLLM server's weight-transfer routes with rlsync as the backend.
 
-    ``url``: the server's base URL (``http://127.0.0.1:8000``). ``transport``: ``shm`` (same host, the
-    default) or ``tcp``. ``timeout``: seconds a version may take to go live. ``host``: where the engine's
-    workers bind their readers (default: the server's own host). ``wire``: ``"full"`` or ``"delta"``
-    (only the values that changed since the server's last version; see ``rlsync.WeightsWriter``).
-    ``verify``: a CRC per tensor checked by the engine on landing; a mismatch refuses the version, naming the tensor.
+    ``url``: the server's base URL (``http://127.0.0.1:8000``). ``options`` (``rlsync.SyncOptions``):
+    ``transport`` (``shm``, same host, the default; or ``tcp``), ``timeout`` (seconds a version may take to go
+    live), ``host`` (where the engine's workers bind their readers; default: the server's own host), ``wire``
+    (``"full"`` or ``"delta"``: only the values that changed since the server's last version) and ``verify``
+    (a CRC per tensor checked by the engine on landing; a mismatch refuses the version, naming the tensor).
     """
 
-    def __init__(self, url: str, *, transport: str = "shm", timeout: float = 600.0, host: str | None = None,
-                 wire: str = "full", verify: bool = False) -> None:
-        self.verify = bool(verify)
-        if wire not in ("full", "delta"):
-            raise ConfigError(f"wire={wire!r}: a vLLM server takes 'full' or 'delta' (fp8 needs an fp8 engine's tensor list)")
-        self.wire = wire
+    def __init__(self, url: str, *, options: SyncOptions | None = None) -> None:
+        options = options or SyncOptions()
+        if options.codec is not None:
+            raise ConfigError(f"wire={options.wire!r}: a vLLM server takes 'full' or 'delta' (fp8 needs an fp8 engine's tensor list)")
         self.url = url.rstrip("/")
-        self.transport, self.timeout = transport, float(timeout)
-        self.host = host or urllib.parse.urlparse(self.url).hostname or "127.0.0.1"
-        if self.host == "localhost":
-            self.host = "127.0.0.1"
+        server_host = urllib.parse.urlparse(self.url).hostname or "127.0.0.1"
+        host = options.host if options.host != SyncOptions.host else server_host  # the workers bind beside the server
+        self.options = options.replace(host="127.0.0.1" if host == "localhost" else host)
+        self.verify, self.wire, self.transport, self.timeout = options.verify, options.wire, options.transport, options.timeout
+        self.host = self.options.host
         self._writer: WeightsWriter | None = None
         self._names: list[str] = []
         self._dtype: Any = None
@@ -206,10 +204,9 @@ class VllmServer:
         workers = int(self.call("/get_world_size", method="GET")["world_size"])
         base = reserve_ports(self.host, workers)
         self.call("/init_weight_transfer_engine", {"init_info": {"address": f"tcp://{self.host}:{base}", "tensors": tensors,
-                                                                "transport": self.transport, "checksum": self.verify}})
+                                                                "transport": self.transport, "verify": self.verify}})
         readers = [f"tcp://{self.host}:{base + r}" for r in range(workers)]
-        self._writer = WeightsWriter(from_state_dict(state), None, 0, readers, transport=self.transport, timeout=self.timeout,
-                                     wire=self.wire, checksum=self.verify)
+        self._writer = WeightsWriter(from_state_dict(state), None, 0, readers, options=self.options)
         self._names = list(state)
         self._dtype = next(iter(state.values())).dtype
 

@@ -3,15 +3,15 @@
 OpenRLHF has no plugin point for weight sync. The launcher puts the options in the environment variable
 ``RLSYNC_OPENRLHF`` (JSON) of every process it starts, and:
 
-- the trainer side (``apply_trainer_side``; in the driver and, through Ray's ``worker_process_setup_hook``
-  ``setup_worker``, in every Ray worker): ``ActorPPOTrainer._init_vllm_sync_group`` and
-  ``ActorPPOTrainer.broadcast_to_vllm`` become rlsync's (``rlsync.adapters.openrlhf._trainer``);
-  ``SamplesGenerator.generate_samples`` stamps each sample with the weight version that generated it and
-  ``BasePPOTrainer.train_step`` drops the stale ones first (``rlsync.adapters.openrlhf._versions``);
-- the vLLM side (``apply_engine_side``; from rlsync's ``vllm.general_plugins`` entry point, which every vLLM
-  process runs before it resolves ``worker_extension_cls``: vLLM's engine processes are not Ray workers):
-  ``openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap``, the ``worker_extension_cls`` OpenRLHF passes to vLLM,
-  becomes ``RlsyncWorkerWrap`` (``rlsync.adapters.openrlhf._worker``).
+- the trainer side (``apply_trainer_side``): ``ActorPPOTrainer._init_vllm_sync_group`` and
+  ``ActorPPOTrainer.broadcast_to_vllm`` become the given functions; ``SamplesGenerator.generate_samples`` and
+  ``BasePPOTrainer.train_step`` are wrapped by the given decorators;
+- the vLLM side (``apply_engine_side``): ``openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap``, the
+  ``worker_extension_cls`` OpenRLHF passes to vLLM, becomes the given class.
+
+What replaces OpenRLHF's code is the adapter's (``rlsync.adapters.openrlhf``), handed in by its caller: these
+patches import no adapter. The adapter applies them in the launcher's driver, in every Ray worker (Ray's
+``worker_process_setup_hook``) and in vLLM's engine processes (its ``vllm.general_plugins`` entry point).
 
 Supported OpenRLHF versions: ``SUPPORTED``. Any other is a ``ConfigError`` naming it, on either side.
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
@@ -51,39 +52,29 @@ def options() -> dict[str, Any] | None:
     return None if not raw else dict(json.loads(raw))
 
 
-def setup_worker() -> None:
-    """Ray's ``worker_process_setup_hook``: every Ray worker the launcher's cluster starts runs this first."""
-    if options() is not None:
-        apply_trainer_side()
-
-
-def apply_trainer_side() -> None:
+def apply_trainer_side(*, init_vllm_sync_group: Callable[..., Any], broadcast_to_vllm: Callable[..., Any],
+                       tag_samples: Callable[[Any], Any], gate_samples: Callable[[Any], Any]) -> None:
+    """Replace OpenRLHF's trainer-side weight sync and wrap its sample generation and train step (once)."""
     check_version(installed_version())
-    from openrlhf.trainer.ray import ppo_actor
-
-    from rlsync.adapters.openrlhf import _trainer
-
     from openrlhf.trainer import ppo_trainer
     from openrlhf.trainer.ppo_utils import samples_generator
-
-    from rlsync.adapters.openrlhf import _versions
+    from openrlhf.trainer.ray import ppo_actor
 
     trainer = ppo_actor.ActorPPOTrainer
     if getattr(trainer, "_rlsync_patched", False):
         return
-    trainer._init_vllm_sync_group = _trainer.init_vllm_sync_group
-    trainer.broadcast_to_vllm = _trainer.broadcast_to_vllm
+    trainer._init_vllm_sync_group = init_vllm_sync_group
+    trainer.broadcast_to_vllm = broadcast_to_vllm
     generator = samples_generator.SamplesGenerator
-    generator.generate_samples = _versions.tag_samples(generator.generate_samples)
+    generator.generate_samples = tag_samples(generator.generate_samples)
     base = ppo_trainer.BasePPOTrainer
-    base.train_step = _versions.gate_samples(base.train_step, (options() or {}).get("max_staleness"))
+    base.train_step = gate_samples(base.train_step)
     trainer._rlsync_patched = True
 
 
-def apply_engine_side() -> None:
+def apply_engine_side(worker_wrap: type) -> None:
+    """Make ``worker_wrap`` what OpenRLHF's ``worker_extension_cls`` resolves to in this (vLLM) process."""
     check_version(installed_version())
     from openrlhf.trainer.ray import vllm_worker_wrap
 
-    from rlsync.adapters.openrlhf._worker import RlsyncWorkerWrap
-
-    vllm_worker_wrap.WorkerWrap = RlsyncWorkerWrap  # what worker_extension_cls resolves to
+    vllm_worker_wrap.WorkerWrap = worker_wrap

@@ -17,8 +17,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from rlsync import ConfigError, RlsyncError  # noqa: E402
 from rlsync.adapters.sglang import LOADER, SglangWeights  # noqa: E402
-from rlsync.core._errors import ConfigError, RlsyncError  # noqa: E402
 
 HERE = Path(__file__).parent
 TRAINER = HERE.parent / "vllm" / "trainer.py"  # the same trainer process as the vLLM tests (no vLLM import)

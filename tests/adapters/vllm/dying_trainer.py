@@ -6,7 +6,7 @@ import signal
 import sys
 from pathlib import Path
 
-from rlsync.plugins._transport_shm import ShmLink
+from rlsync.plugins import ShmLink
 
 _write = ShmLink.write
 _calls = [0]

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from rlsync.core._errors import ConfigError  # noqa: E402
+from rlsync import ConfigError  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore::UserWarning")]
 

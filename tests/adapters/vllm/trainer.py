@@ -9,7 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
-from rlsync import WeightsWriter
+from rlsync import SyncOptions, WeightsWriter
 from rlsync.layouts import from_state_dict
 
 CONFIGS = {
@@ -63,7 +63,7 @@ if __name__ == "__main__":
         if args.alias:
             state["lm_head.weight"] = model.get_output_embeddings().weight.detach()
         if writer is None:  # the destination layout comes from the engine's workers
-            writer = WeightsWriter(from_state_dict(state), None, 0, args.address, timeout=600)
+            writer = WeightsWriter(from_state_dict(state), None, 0, args.address, options=SyncOptions(timeout=600))
         writer.multi_put(state)
         writer.complete(args.first_version + i)
         print(json.dumps({"completed": args.first_version + i}), flush=True)

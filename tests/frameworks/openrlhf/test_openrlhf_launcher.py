@@ -9,9 +9,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import openrlhf_parts as parts
 import pytest
 
-import openrlhf_parts as parts
 from rlsync.adapters.openrlhf._versions import gate_samples, live_version, tag_samples
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning"),

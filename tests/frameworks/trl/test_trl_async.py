@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from trl_helpers import PROMPTS, checkpoint, fresh_greedy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning"),

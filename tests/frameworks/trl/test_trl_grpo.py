@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 import torch
-
 from trl_helpers import PROMPTS, checkpoint, example, fresh_greedy
+
+from rlsync import SyncOptions
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -88,13 +89,13 @@ def test_a_sample_older_than_the_allowed_staleness_never_reaches_the_loss(model_
 
 def test_delta_syncs_at_an_rl_learning_rate_move_a_fraction_and_serve_the_trainers_weights(
         model_dir: Path, server: Any, tmp_path: Path) -> None:
-    """``RlsyncSyncCallback(trainer, wire="delta", verify=True)`` at lr 1e-6: after the first sync only changed values
+    """``RlsyncSyncCallback(trainer, options=SyncOptions(wire="delta", verify=True))`` at lr 1e-6: after the first sync only changed values
     cross, the engine's CRC of every tensor matches the trainer's (at this learning rate greedy output alone could not
     tell a stale version from the new one), and greedy output equals a fresh engine's."""
     from rlsync.adapters.trl import RlsyncSyncCallback
 
     trainer = _trainer(model_dir, server, tmp_path, steps=3, lr=1e-6)
-    trainer.add_callback(RlsyncSyncCallback(trainer, wire="delta", verify=True))  # the engine checks every tensor's CRC
+    trainer.add_callback(RlsyncSyncCallback(trainer, options=SyncOptions(wire="delta", verify=True)))  # the engine checks every tensor's CRC
     rlsync_sync = trainer.vllm_generation.sync_weights
     seen: list[tuple[dict[str, torch.Tensor], list[list[int]]]] = []
 

@@ -66,11 +66,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 class Cluster:
     def __init__(self, model_dir: Path, engine_kwargs: dict[str, Any], vllm: tuple[str, str] | None = None) -> None:
+        import verl_workers
         from verl.checkpoint_engine import CheckpointEngineManager
         from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
         from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
-
-        import verl_workers
 
         self.config = CheckpointEngineConfig(backend="rlsync", update_weights_bucket_megabytes=1,
                                              engine_kwargs={"rlsync": engine_kwargs})

@@ -28,6 +28,8 @@ from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.rollout import BaseRollout, RolloutReplica
 
+from rlsync import SyncOptions
+
 
 class FsdpTrainer(Worker):  # type: ignore[misc]
     """FAKE of verl's trainer worker; see the module docstring."""
@@ -145,7 +147,7 @@ class VllmServerAdapter(RecordingServerAdapter):
         if self.writer is None:
             tensors = [[n, str(t.dtype), list(t.shape)] for n, t in state.items()]
             _post(self.base, "/init_weight_transfer_engine", {"init_info": {"address": self.address, "tensors": tensors}})
-            self.writer = WeightsWriter(from_state_dict(state), None, 0, [self.address], timeout=300)
+            self.writer = WeightsWriter(from_state_dict(state), None, 0, [self.address], options=SyncOptions(timeout=300))
         self.version += 1
         self.writer.multi_put(state)
         _post(self.base, "/start_weight_update", {})

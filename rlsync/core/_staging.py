@@ -1,4 +1,5 @@
-"""Staged landing for vLLM: a ``WeightsReader`` whose complete versions wait for the engine.
+"""The engine-neutral staged receiver: a ``WeightsReader`` whose complete versions wait for the engine's
+loader (vLLM's, SGLang's, any engine that loads HF-named tensors).
 
 Complete versions reach the engine thread through ``LandedVersions``: the trainer's ``complete(v)``
 returns only when the engine serves ``v``, and a loader error reaches the trainer.
@@ -22,18 +23,13 @@ import numpy as np
 from rlsync.core._builders import from_state_dict, own_buffer_shard
 from rlsync.core._errors import ConfigError
 from rlsync.core._handoff import Finish, LandedVersions
-from rlsync.core._layout import (
-    Box,
-    BufferSpec,
-    Layout,
-    TensorMeta,
-    contiguous_strides,
-    make_layout,
-)
-from rlsync.core._weights import WeightsReader, region_offsets
+from rlsync.core._layout import Box, BufferSpec, Layout, TensorMeta, contiguous_strides, make_layout
+from rlsync.core._options import SyncOptions
+from rlsync.core._reader import WeightsReader
+from rlsync.core._regions import region_offsets
 
 #: Per engine rank, ``{checkpoint tensor name: [offsets, sizes]}`` of the part that rank loads
-#: (what ``rlsync_probe`` returns, one entry per worker in rank order).
+#: (what an engine's loader probe returns, one entry per worker in rank order).
 RankBoxes = Sequence[Mapping[str, Sequence[Sequence[int]]]]
 SLACK = ("rlsync.slack.head", "rlsync.slack.tail")  # first and last buffer of every worker's region
 
@@ -44,7 +40,7 @@ def tensor_metas(tensors: Sequence[Sequence[Any]]) -> list[TensorMeta]:
 
 
 def engine_layout(tensors: Sequence[Sequence[Any]], boxes: RankBoxes | None = None) -> Layout:
-    """The layout an engine receives into: with ``boxes`` (from ``rlsync_probe``), each rank gets only the
+    """The layout an engine receives into: with ``boxes`` (from the engine's loader probe), each rank gets only the
     part of each checkpoint tensor its loader reads; without, one rank gets every tensor whole.
     The trainer builds its ``WeightsWriter`` with this as the destination layout."""
     metas = tensor_metas(tensors)
@@ -53,7 +49,7 @@ def engine_layout(tensors: Sequence[Sequence[Any]], boxes: RankBoxes | None = No
     held = {name for rank in boxes for name in rank}
     unread = [m.name for m in metas if m.name not in held]
     if unread:
-        raise ConfigError(f"vLLM's loader reads no part of {len(unread)} tensor(s) on any worker, e.g. {unread[:3]}: "
+        raise ConfigError(f"the engine's loader reads no part of {len(unread)} tensor(s) on any worker, e.g. {unread[:3]}: "
                           f"leave them out of the tensor list (a tied lm_head.weight is one such) or check their names")
     slack = max(m.nbytes for m in metas)
     shards, buffers = [], []
@@ -84,22 +80,28 @@ def whole_tensor_view(region: np.ndarray, byte_offset: int, meta: TensorMeta, bo
 
 
 class StagedReceiver:
-    """Receives the HF-named ``tensors`` (``[(name, dtype, shape), ...]``) into a staging area; the trainer's
-    ``WeightsWriter(src, None, rank, addresses)`` learns this layout from the reader."""
+    """Receives the HF-named ``tensors`` (``[(name, dtype, shape), ...]``) into a staging area, for an engine
+    thread that loads each version (``next``) and says when it did (``finish``). The trainer's
+    ``WeightsWriter(src, None, rank, addresses)`` learns this layout from the reader.
+
+    ``boxes``: per engine rank, the part of each tensor that rank's loader reads (default: all of it).
+    ``options``: ``SyncOptions`` (transport, host, port, secret, ``verify``; ``timeout`` is how long a
+    landed version may wait for the engine to load it before the writers hear that it failed).
+    Called on: the engine's worker process, one receiver per worker rank.
+    """
 
     def __init__(self, tensors: Sequence[Sequence[Any]], *, boxes: RankBoxes | None = None, rank: int = 0,
-                 transport: str = "shm", host: str = "127.0.0.1", port: int = 0, apply_timeout: float = 600.0,
-                 checksum: bool = False) -> None:
+                 options: SyncOptions | None = None) -> None:
+        options = options or SyncOptions()
         layout = engine_layout(tensors, boxes)
         self.boxes = {s.tensor: s.box for s in layout.shards if s.rank == rank}
         self.metas = [m for m in layout.tensors if m.name in self.boxes]  # what this rank's loader reads
         self._offsets, self._region_nbytes = region_offsets(layout, rank)
-        self._landed = LandedVersions(apply_timeout)
-        # the writers' layout comes with their hello: one trainer process or many, whole tensors or shards
-        # checksum: the writers' CRC per tensor is checked against what landed; a mismatch refuses the version,
-        # and the engine waiting for it hears why at once (on_refused)
-        self.reader = WeightsReader(None, layout, rank, transport=transport, landing="staged", host=host, port=port,
-                                    checksum=checksum, on_version=self._landed.on_version, on_refused=self._landed.on_refused)
+        self._landed = LandedVersions(options.timeout)
+        # the writers' layout comes with their hello: one trainer process or many, whole tensors or shards;
+        # with verify, a version whose CRCs differ is refused and the engine waiting for it hears why at once
+        self.reader = WeightsReader(None, layout, rank, options=options, landing="staged",
+                                    on_version=self._landed.on_version, on_refused=self._landed.on_refused)
 
     @property
     def address(self) -> str:

@@ -1,0 +1,32 @@
+"""Where the OpenRLHF patches are applied: the launcher's driver (``patch_trainer``), every Ray worker of
+the launcher's cluster (``setup_worker``, Ray's ``worker_process_setup_hook``) and every vLLM process
+(``register_vllm_plugin``, a ``vllm.general_plugins`` entry point: vLLM's engine processes are not Ray
+workers, and they run their plugins before resolving ``worker_extension_cls``)."""
+
+from __future__ import annotations
+
+import os
+
+from rlsync.patches.openrlhf import OPTIONS_ENV, apply_engine_side, apply_trainer_side, options
+
+
+def patch_trainer() -> None:
+    from rlsync.adapters.openrlhf import _trainer, _versions
+
+    apply_trainer_side(init_vllm_sync_group=_trainer.init_vllm_sync_group, broadcast_to_vllm=_trainer.broadcast_to_vllm,
+                       tag_samples=_versions.tag_samples,
+                       gate_samples=lambda step: _versions.gate_samples(step, (options() or {}).get("max_staleness")))
+
+
+def setup_worker() -> None:
+    """Ray's ``worker_process_setup_hook``: every Ray worker the launcher's cluster starts runs this first."""
+    if options() is not None:
+        patch_trainer()
+
+
+def register_vllm_plugin() -> None:
+    """rlsync's OpenRLHF entry in ``vllm.general_plugins``: in a run of ``rlsync launch openrlhf`` only."""
+    if os.environ.get(OPTIONS_ENV):
+        from rlsync.adapters.openrlhf._worker import RlsyncWorkerWrap
+
+        apply_engine_side(RlsyncWorkerWrap)

@@ -1,0 +1,89 @@
+"""``SyncOptions``: the settings every weight-sync piece shares, declared once.
+
+A ``WeightsWriter``, a ``WeightsReader``, a ``StagedReceiver`` and every framework adapter take one
+``SyncOptions`` (or build it from the keys a user typed: ``SyncOptions.from_mapping``) instead of
+re-declaring transport, host, secret, timeout, verification and wire format with defaults of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Final, final
+
+from rlsync.core._errors import ConfigError
+
+#: seconds one sync may take before the side waiting for it gives up (one default, everywhere)
+DEFAULT_TIMEOUT: Final = 300.0
+#: what a writer may put on the wire (``SyncOptions(wire=...)``)
+WIRES: Final = ("full", "delta", "fp8", "fp8+delta")
+
+
+@final
+@dataclasses.dataclass(frozen=True)
+class SyncOptions:
+    """How weights travel, shared by writers, readers and adapters.
+
+    * ``transport``: a registered transport name (``shm``, ``tcp``, ``nixl``, ``torchdist`` or a plugin's)
+      or a ``Transport`` subclass.
+    * ``host``/``port``: where a reader listens (loopback by default; any other address needs ``secret``).
+    * ``secret``: the shared secret that signs control messages (default: ``RLSYNC_SECRET``).
+    * ``timeout``: seconds a sync may take before the waiting side raises ``TransferTimeoutError``.
+    * ``verify``: writers send a CRC-32 per tensor and readers refuse a version whose bytes differ.
+    * ``wire``: ``"full"``, ``"delta"``, ``"fp8"`` or ``"fp8+delta"`` (writer side; see ``rlsync.wire``).
+    * ``transport_options``: passed to the transport as they are.
+    """
+
+    transport: Any = "shm"
+    host: str = "127.0.0.1"
+    port: int = 0
+    secret: str | None = None
+    timeout: float = DEFAULT_TIMEOUT
+    verify: bool = False
+    wire: str = "full"
+    transport_options: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.wire not in WIRES:
+            raise ConfigError(f"wire={self.wire!r}: use one of {', '.join(WIRES)}")
+        if not self.timeout > 0:
+            raise ConfigError(f"timeout={self.timeout!r}: a number of seconds above 0")
+
+    @property
+    def delta(self) -> bool:
+        """Whether a writer sends only what changed where it can."""
+        return "delta" in self.wire
+
+    @property
+    def codec(self) -> str | None:
+        """The per-tensor wire codec (``"fp8"``), if any: a name registered through ``rlsync_register_wire_codecs``."""
+        name = self.wire.replace("delta", "").strip("+")
+        return None if name in ("", "full") else name
+
+    def replace(self, **changes: Any) -> SyncOptions:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any] | None, *, where: str = "options") -> SyncOptions:
+        """Options from user-typed keys (a verl ``engine_kwargs`` block, a launcher's JSON): unknown keys are an
+        error that lists the known ones."""
+        values = dict(values or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(values.keys() - known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown rlsync option(s) {unknown}; known: {sorted(known)}")
+        if "timeout" in values:
+            values["timeout"] = float(values["timeout"])
+        if "port" in values:
+            values["port"] = int(values["port"])
+        if "verify" in values and isinstance(values["verify"], str):
+            values["verify"] = values["verify"].lower() in ("1", "true", "yes")
+        return cls(**values)
+
+    def to_mapping(self) -> dict[str, Any]:
+        """Plain data (for a launcher's environment variable); a transport class travels by its name."""
+        out = dataclasses.asdict(self)
+        if not isinstance(self.transport, str):
+            out["transport"] = self.transport.name
+        out["transport_options"] = None if self.transport_options is None else dict(self.transport_options)
+        return out

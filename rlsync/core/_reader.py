@@ -1,0 +1,360 @@
+"""``WeightsReader``: the engine side of one rank. Versions land in transport memory and go live only
+when every byte of a version has landed (and, with ``verify``, its CRC-32s match).
+
+Landing modes:
+
+* ``direct``: the regions are what the engine reads. Two slots: a version is written into the slot
+  not being served, then the reader flips. A writer dying midway leaves the served slot untouched.
+* ``staged``: one staging slot; when a version is complete the reader hands views of it to
+  ``on_version`` (the engine's loader, a local copy) before the version counts as live.
+
+Writers that restart (a new session) make the reader discard unfinished parts that may pair with
+bytes the dead session never finished (``_discard_partners``). Delta writers get an inbox
+(``rlsync.core._delta``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import Literal
+
+import numpy as np
+import pluggy
+
+from rlsync.core._builders import replicated
+from rlsync.core._control import Ack, AskLayout, Done, Hello, LayoutIs, Refuse, Welcome, bind_router
+from rlsync.core._delta import INBOX_SHARE
+from rlsync.core._delta import apply as apply_delta
+from rlsync.core._errors import ConfigError, RlsyncError, TransferTimeoutError, WeightMismatchError
+from rlsync.core._layout import Layout, dtype_size, tensor_fingerprints
+from rlsync.core._options import SyncOptions
+from rlsync.core._planner import Plan, build_plan
+from rlsync.core._plugins import default_plugin_manager, resolve_transport
+from rlsync.core._regions import ALIGN, PairRuns, crc32, region_offsets, runs_by_pair
+from rlsync.core._transport import Landing
+
+#: ``"direct"`` (two slots in the engine's memory) or ``"staged"`` (one slot, handed to ``on_version``)
+LandingMode = Literal["direct", "staged"]
+
+
+class WeightsReader:
+    """Engine side of one rank: receives versions into transport memory; see the module docstring.
+
+    ``address`` is what writers connect to. ``version`` is the newest live version (-1: none).
+    ``on_version(version, buffers)`` runs in the reader's service thread when a version's bytes
+    have all landed, before it goes live; ``buffers`` maps buffer names to ``uint8`` arrays.
+    If it raises, the version is refused and the previous one stays live. ``on_refused(version,
+    reason)`` runs when a complete version is refused before that (its checksums did not match).
+
+    ``options`` (``SyncOptions``): the transport, where to listen (``host``, ``port``), the ``secret``,
+    and ``verify`` (refuse a version whose CRC-32s differ from the writers'). ``plugins``: the plugin
+    manager whose hooks fire (default: the process's, ``rlsync.plugin_manager()``).
+    """
+
+    def __init__(
+        self,
+        src: Layout | None,
+        dst: Layout | None,
+        rank: int,
+        *,
+        replicas: int | None = None,
+        options: SyncOptions | None = None,
+        landing: LandingMode = "direct",
+        on_version: Callable[[int, dict[str, np.ndarray]], None] | None = None,
+        on_refused: Callable[[int, str], None] | None = None,
+        plugins: pluggy.PluginManager | None = None,
+    ) -> None:
+        if landing not in ("direct", "staged"):
+            raise ValueError(f"landing must be 'direct' or 'staged', not {landing!r}")
+        if dst is None and (replicas is None or replicas < 1 or src is not None):
+            raise ConfigError("WeightsReader needs its destination layout, or dst=None with replicas=N (N readers "
+                              "that each hold a whole copy of what the writers send, learned from their layout)")
+        options = options or SyncOptions()
+        self.options = options
+        self.rank = rank
+        self.landing_mode = landing
+        self._plugins = plugins or default_plugin_manager()
+        self.replicas = replicas
+        self.dst: Layout | None = None
+        self.plan: Plan | None = None
+        self._expected: set[int] = set()
+        self._pair_runs: dict[tuple[int, int], PairRuns] = {}
+        self._tensors_of: dict[tuple[int, str], str] = {}  # (writer rank, its buffer) -> the tensor it holds
+        self._transport = resolve_transport(options.transport, self._plugins)
+        self._transport_options = options.transport_options
+        self._landing: Landing | None = None
+        if dst is not None:
+            self._set_dst(dst)
+        if src is not None:
+            self._adopt(src)
+        self._checksum = options.verify
+        self._on_version = on_version
+        self._on_refused = on_refused
+        self._channel, self.address = bind_router(options.host, options.port, options.secret)
+        self._live_slot = 0
+        self._target_slot = 1 if landing == "direct" else 0
+        self._version = -1
+        self._pending_version: int | None = None
+        self._done: dict[int, tuple[bytes, Done]] = {}
+        self._sessions: dict[int, tuple[str, int]] = {}  # writer rank -> (session, epoch it started in)
+        self._epoch = 0  # counts writer restarts
+        self.discarded: list[int] = []  # unfinished versions given up because a writer restarted
+        self._held: dict[int, dict[int, int]] = {}  # writer rank -> {slot: the version its part of that slot holds}
+        self._inbox: Landing | None = None  # where delta writers put their deltas
+        self._inbox_parts: dict[int, tuple[int, int]] = {}  # writer rank -> (offset, capacity) in the inbox
+        self._cond = threading.Condition()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=f"rlsync-reader-{rank}", daemon=True)
+        self._thread.start()
+
+    def _set_dst(self, dst: Layout) -> None:
+        """Receive into ``dst``: this rank's buffers and their landing memory."""
+        self.dst = dst
+        self._dst_fingerprint = dst.fingerprint()
+        self._dst_tensors = tensor_fingerprints(dst)
+        self._offsets, self._nbytes = region_offsets(dst, self.rank)
+        self._sizes = {b.name: b.numel * dtype_size(b.dtype) for b in dst.buffers if b.rank == self.rank}
+        slots = 2 if self.landing_mode == "direct" else 1
+        self._landing = self._transport.landing(self._nbytes, slots, self._transport_options)
+
+    def _adopt(self, src: Layout) -> None:
+        """Build this rank's plan from the writers' layout ``src``."""
+        assert self.dst is not None
+        self.plan = build_plan(src, self.dst, dst_ranks=[self.rank])
+        self._expected = {t.src_rank for t in self.plan.transfers}
+        self._pair_runs = runs_by_pair(self.plan.transfers, self._offsets)
+        self._tensors_of = {(t.src_rank, t.src_buffer): t.tensor for t in self.plan.transfers}
+
+    # -- what the engine uses --------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def buffers(self, slot: int | None = None) -> dict[str, np.ndarray]:
+        """``uint8`` views of this rank's buffers in ``slot`` (default: the live one)."""
+        if self._landing is None:
+            return {}
+        region = self._landing.regions[self._live_slot if slot is None else slot]
+        return {name: region[off : off + self._sizes[name]] for name, off in self._offsets.items()}
+
+    def wait_for_version(self, version: int | None = None, timeout: float | None = None) -> int:
+        """Block until ``version`` (default: any version newer than now) is live; return the live version."""
+        target = self._version + 1 if version is None else version
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._version >= target or self._closed.is_set(), timeout):
+                raise TransferTimeoutError(f"reader rank {self.rank}: version {target} did not arrive within {timeout} s")
+        return self._version
+
+    def get(self, name: str, out: np.ndarray) -> None:
+        """Copy buffer ``name`` of the live version into the caller-owned ``out`` (any dtype, same bytes)."""
+        self.multi_get({name: out})
+
+    def multi_get(self, outs: Mapping[str, np.ndarray]) -> None:
+        with self._cond:
+            live = self.buffers()
+            for name, out in outs.items():
+                if name not in live:
+                    raise WeightMismatchError(f"reader rank {self.rank} has no buffer {name!r}; it has {sorted(live)[:5]}...")
+                target = out.reshape(-1).view(np.uint8)
+                if target.nbytes != live[name].nbytes:
+                    raise WeightMismatchError(f"buffer {name!r}: {live[name].nbytes} bytes, but the destination has {target.nbytes}")
+                np.copyto(target, live[name])
+
+    @property
+    def lock(self) -> threading.Condition:
+        """Held while a version flips; hold it while reading the live buffers to see one version."""
+        return self._cond
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=5)
+        self._channel.close()
+        if self._landing is not None:
+            self._landing.close()
+        if self._inbox is not None:
+            self._inbox.close()
+
+    def __enter__(self) -> WeightsReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the service thread ----------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            if self._landing is not None:
+                self._landing.progress()
+            got = self._channel.recv(timeout_ms=20)
+            if got is None:
+                continue
+            identity, msg = got
+            assert identity is not None  # ROUTER sockets always prefix the sender's identity
+            if isinstance(msg, Hello):
+                self._hello(identity, msg)
+            elif isinstance(msg, AskLayout):
+                self._layout_asked(identity, msg)
+            elif isinstance(msg, Done):
+                self._finish_part(identity, msg)
+
+    def _replicate(self, src: Layout | None) -> None:
+        """A replica reader (``dst=None, replicas=N``) holds a whole copy of the writers' tensors."""
+        if self.dst is None and src is not None and self.replicas is not None:
+            self._set_dst(replicated(src.tensors, tuple(range(self.replicas))))
+            self._adopt(src)
+
+    def _layout_asked(self, identity: bytes, msg: AskLayout) -> None:
+        self._replicate(msg.src)
+        if self.dst is None:
+            self._channel.send(Refuse(f"reader rank {self.rank} learns its layout from the writers: ask with yours"), identity)
+            return
+        self._channel.send(LayoutIs(self.dst, self._version), identity)
+
+    def _hello(self, identity: bytes, msg: Hello) -> None:
+        self._replicate(msg.src)
+        if self.plan is None and self.dst is not None and msg.src is not None and msg.dst_fingerprint == self._dst_fingerprint:
+            try:
+                self._adopt(msg.src)
+            except RlsyncError as exc:
+                self._channel.send(Refuse(f"reader rank {self.rank} cannot receive from the writers' layout: {exc}"), identity)
+                return
+        if self.plan is None or self._landing is None:
+            self._channel.send(Refuse(f"reader rank {self.rank} was built without the writers' layout and the writer "
+                                      f"sent none: give WeightsReader the source layout"), identity)
+            return
+        if msg.dst_fingerprint != self._dst_fingerprint or msg.src_fingerprint != self.plan.src_fingerprint:
+            side, theirs, ours = (
+                ("destination", msg.dst_tensors, self._dst_tensors)
+                if msg.dst_fingerprint != self._dst_fingerprint
+                else ("source", {}, {})
+            )
+            first = next((n for n in [*ours, *theirs] if ours.get(n) != theirs.get(n)), None)
+            detail = f" first differing tensor: {first!r}" if first else ""
+            reason = f"writer and reader rank {self.rank} were built with different {side} layouts;{detail}. Build both from the same layouts."
+            self._channel.send(Refuse(reason), identity)
+            return
+        previous = self._sessions.get(msg.writer_rank)
+        if previous is not None and previous[0] != msg.session:
+            self._epoch += 1
+            self._discard_partners(msg.writer_rank, previous[1])
+        self._sessions[msg.writer_rank] = (msg.session, self._epoch)
+        self._done.pop(msg.writer_rank, None)  # a writer that reconnects starts its version over
+        self._held.get(msg.writer_rank, {}).pop(self._target_slot, None)  # it may have written part of the slot
+        welcome = Welcome(self.rank, self._transport.name, self._landing.describe(), self._version, self._target_slot)
+        if msg.delta:
+            inbox = self._open_inbox()
+            welcome.inbox = inbox.describe()
+            welcome.inbox_offset, welcome.inbox_capacity = self._inbox_parts.get(msg.writer_rank, (0, 0))
+        self._channel.send(welcome, identity)
+
+    def _open_inbox(self) -> Landing:
+        """The inbox for delta writers: each writer a part of ``INBOX_SHARE`` times its bytes for this rank."""
+        if self._inbox is None:
+            at = 0
+            for writer in sorted(self._expected):
+                nbytes = sum(n for _, runs in self._pair_runs.get((writer, self.rank), []) for _, _, n in runs)
+                capacity = -(-int(nbytes * INBOX_SHARE) // ALIGN) * ALIGN
+                self._inbox_parts[writer] = (at, capacity)
+                at += capacity
+            self._inbox = self._transport.landing(max(at, ALIGN), 1, self._transport_options)
+        return self._inbox
+
+    def _discard_partners(self, restarted: int, epoch: int) -> None:
+        """Writer rank ``restarted`` came back with a new session (its old one died, maybe mid-version). Parts of
+        the unfinished version sent by sessions as old as the dead one may pair with bytes it never finished, so
+        they are discarded and their senders told to send again; parts from sessions that started after an
+        earlier restart (the rest of a restarting trainer) are kept. The slot is not live and the next version
+        overwrites it."""
+        stale = {r: d for r, d in self._done.items() if r != restarted and self._sessions[r][1] <= epoch}
+        if not stale:
+            return
+        version = self._pending_version
+        self._done = {r: d for r, d in self._done.items() if r not in stale}
+        self.discarded.append(-1 if version is None else version)
+        reason = (f"reader rank {self.rank} discarded the parts of unfinished version {version} from writer ranks "
+                  f"{sorted(stale)}: writer rank {restarted} restarted before the version completed; complete it "
+                  f"again from every writer rank")
+        for ident, _ in stale.values():
+            self._channel.send(Refuse(reason, "restart"), ident)
+
+    def _finish_part(self, identity: bytes, msg: Done) -> None:
+        if self.plan is None or msg.writer_rank not in self._sessions:
+            self._channel.send(Refuse("send a Hello before Done"), identity)
+            return
+        if msg.version <= self._version:
+            self._channel.send(Refuse(f"version {msg.version} is not newer than live version {self._version}", "version"), identity)
+            return
+        if msg.slot != self._target_slot:
+            self._channel.send(Refuse(f"wrote slot {msg.slot}, expected {self._target_slot}; reconnect", "version"), identity)
+            return
+        held = self._held.get(msg.writer_rank, {}).pop(msg.slot, None)  # from here its part holds the new bytes
+        if msg.delta_base is not None:
+            error = self._land_delta(msg, held)
+            if error is not None:
+                self._channel.send(Refuse(error, "delta"), identity)
+                return
+        if self._pending_version != msg.version:
+            self._pending_version = msg.version
+            self._done = {r: d for r, d in self._done.items() if d[1].version == msg.version}
+        self._done[msg.writer_rank] = (identity, msg)
+        if not self._expected <= self._done.keys():
+            return
+        done, self._done = self._done, {}
+        self._pending_version = None
+        error = self._verify(done) if self._checksum else None
+        kind = "checksum" if error is not None else "load"
+        if error is not None and self._on_refused is not None:
+            self._on_refused(msg.version, error)
+        if error is None and self._on_version is not None:
+            try:
+                self._on_version(msg.version, self.buffers(self._target_slot))
+            except Exception as exc:  # noqa: BLE001 - reported to every writer, version stays out
+                error = f"the engine failed to load version {msg.version}: {exc!r}"
+        if error is not None:
+            for ident, _ in done.values():
+                self._channel.send(Refuse(error, kind), ident)
+            return
+        for writer in done:
+            self._held.setdefault(writer, {})[self._target_slot] = msg.version
+        with self._cond:
+            if self.landing_mode == "direct":
+                self._live_slot, self._target_slot = self._target_slot, self._live_slot
+            self._version = msg.version
+            self._cond.notify_all()
+        for ident, _ in done.values():
+            self._channel.send(Ack(msg.version, self._target_slot), ident)
+        self._plugins.hook.rlsync_weights_applied(version=msg.version, stats={"rank": self.rank, "writers": sorted(done)})
+
+    def _land_delta(self, msg: Done, held: int | None) -> str | None:
+        """Write a writer's delta from its inbox part into the target slot; what went wrong, if anything."""
+        offset, capacity = self._inbox_parts.get(msg.writer_rank, (0, 0))
+        if self._inbox is None or msg.delta_nbytes > capacity:
+            return f"reader rank {self.rank} has no inbox of {msg.delta_nbytes} bytes for writer rank {msg.writer_rank}: send in full"
+        if held != msg.delta_base:
+            return (f"writer rank {msg.writer_rank} sent a delta against version {msg.delta_base}, but its part of slot "
+                    f"{msg.slot} on reader rank {self.rank} holds {'unknown bytes' if held is None else f'version {held}'}: send in full")
+        assert self._landing is not None
+        try:
+            apply_delta(self._inbox.regions[0][offset : offset + msg.delta_nbytes], self._landing.regions[msg.slot])
+        except ValueError as exc:
+            return f"reader rank {self.rank}: a bad delta from writer rank {msg.writer_rank} ({exc}): send in full"
+        return None
+
+    def _verify(self, done: Mapping[int, tuple[bytes, Done]]) -> str | None:
+        """Each writer's per-buffer CRC-32 against the bytes that landed; the first mismatch, named."""
+        assert self.plan is not None and self._landing is not None
+        region = self._landing.regions[self._target_slot]
+        for writer, (_, msg) in done.items():
+            got: dict[str, int] = {}  # per source buffer, over its runs in plan order (as the writer computed it)
+            for buffer, runs in self._pair_runs.get((writer, self.rank), []):
+                got[buffer] = crc32((region[d : d + n] for _, d, n in runs), got.get(buffer, 0))
+            for buffer, value in got.items():
+                sent = None if msg.checksums is None else msg.checksums.get(buffer)
+                if sent != value:
+                    tensor = self._tensors_of.get((writer, buffer), buffer)
+                    return (f"checksum mismatch in tensor {tensor!r} (from writer rank {writer}) for version {msg.version}: "
+                            f"what landed differs from what was sent; version refused, the previous one stays live")
+        return None

@@ -1,0 +1,75 @@
+"""Where each buffer sits in a reader's landing region, the runs a writer copies, CRC-32s, and tensors as bytes.
+
+Both sides compute these from the same plan, so nothing but fingerprints crosses the control plane.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from rlsync.core._errors import TransportError, WeightMismatchError
+from rlsync.core._layout import Layout, dtype_size
+from rlsync.core._transfer import Transfer
+
+#: every buffer starts on this byte boundary inside its region
+ALIGN = 64
+
+#: ``[(source buffer, [(src_offset, region_offset, nbytes), ...]), ...]`` for one (writer rank, reader rank) pair
+PairRuns = list[tuple[str, list[tuple[int, int, int]]]]
+
+
+def region_offsets(layout: Layout, rank: int) -> tuple[dict[str, int], int]:
+    """Byte offset of each of ``rank``'s buffers inside its landing region, and the region size."""
+    offsets: dict[str, int] = {}
+    at = 0
+    for b in layout.buffers:
+        if b.rank == rank:
+            offsets[b.name] = at
+            at += -(-(b.numel * dtype_size(b.dtype)) // ALIGN) * ALIGN
+    return offsets, at
+
+
+def runs_by_pair(transfers: Iterable[Transfer], offsets: Mapping[str, int]) -> dict[tuple[int, int], PairRuns]:
+    """``{(src_rank, dst_rank): [(src_buffer, [(src_off, region_off, nbytes), ...]), ...]}`` in plan order,
+    adjacent runs merged."""
+    out: dict[tuple[int, int], PairRuns] = {}
+    for t in transfers:
+        groups = out.setdefault((t.src_rank, t.dst_rank), [])
+        if not groups or groups[-1][0] != t.src_buffer:
+            groups.append((t.src_buffer, []))
+        runs = groups[-1][1]
+        base = offsets[t.dst_buffer]
+        for s, d, n in t.runs():
+            if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == base + d:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
+            else:
+                runs.append((s, base + d, n))
+    return out
+
+
+def crc32(chunks: Iterable[np.ndarray], value: int = 0) -> int:
+    """CRC-32 over the chunks in order, continuing from ``value``."""
+    for chunk in chunks:
+        value = zlib.crc32(chunk.data, value)
+    return value
+
+
+def as_bytes(name: str, tensor: Any) -> np.ndarray:
+    """A ``uint8`` view of a contiguous CPU tensor or numpy array (no copy)."""
+    if isinstance(tensor, np.ndarray):
+        if not tensor.flags.c_contiguous:
+            raise WeightMismatchError(f"tensor {name!r} is not contiguous; pass np.ascontiguousarray(...)")
+        return tensor.reshape(-1).view(np.uint8)
+    import torch
+
+    if tensor.device.type != "cpu":
+        raise TransportError(f"tensor {name!r} is on {tensor.device}; this transport reads CPU memory: move it or use a GPU-capable transport")
+    if not tensor.is_contiguous():
+        raise WeightMismatchError(f"tensor {name!r} is not contiguous; call .contiguous() before put()")
+    return np.asarray(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+

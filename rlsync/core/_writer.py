@@ -1,0 +1,297 @@
+"""``WeightsWriter``: the trainer side of one rank. ``put``/``multi_put`` this rank's tensors, then
+``complete(version)`` sends its part to every reader at once and returns when each has it live.
+
+A writer whose options say ``wire="delta"`` sends, where it can, only the values that changed since the
+version its part of the reader's target slot holds (``rlsync.core._delta``), into an inbox the reader
+allocates for it; it sends in full when it does not know what the slot holds, or when the delta would
+not fit. A wire codec (``wire="fp8"``, registered through ``rlsync_register_wire_codecs``) changes the
+layout that crosses and encodes each tensor in ``put``.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pluggy
+
+from rlsync.core._control import Ack, Channel, Done, Hello, Refuse, Welcome, connect_dealer
+from rlsync.core._delta import ChangeLog
+from rlsync.core._delta import encode as encode_delta
+from rlsync.core._errors import (
+    PeerLostError,
+    TransferTimeoutError,
+    TransportError,
+    VersionError,
+    WeightMismatchError,
+)
+from rlsync.core._layout import Layout, dtype_size
+from rlsync.core._layout_exchange import ask_layout
+from rlsync.core._options import SyncOptions
+from rlsync.core._planner import build_plan
+from rlsync.core._plugins import default_plugin_manager, resolve_transport, wire_codecs
+from rlsync.core._regions import PairRuns, as_bytes, crc32, region_offsets, runs_by_pair
+from rlsync.core._transport import Link
+from rlsync.core._wire import WireCodec
+
+
+class WeightsWriter:
+    """Trainer side of one rank: ``put``/``multi_put`` this rank's buffers, then ``complete(version)``.
+
+    ``readers`` maps each destination rank to its reader's ``address``. ``dst=None`` asks the
+    first reader for the destination layout (readers know it: an engine derives it from its own
+    loader), so a trainer needs nothing but its own layout and the addresses; tensors of ``src``
+    that the destination does not hold (a tied ``lm_head.weight``, say) are then simply not sent.
+
+    ``complete`` sends this rank's part to every reader at once (one thread per reader), notifies
+    them, and returns once each has the version live; a reader that does not confirm within
+    ``timeout`` raises ``TransferTimeoutError`` naming it, after the others got the version.
+
+    ``options`` (``SyncOptions``): transport, secret, timeout, ``verify`` (send CRC-32s the readers check)
+    and ``wire``, what crosses (off by default: ``"full"``, every byte of every version):
+
+    * ``"delta"``: only what changed since the version a reader's slot holds (see the module
+      docstring); the writer keeps a copy of its last version's bytes to find the changes.
+    * ``"fp8"``: for an engine that serves the fp8 block-quantized checkpoint format
+      (``rlsync.wire.Fp8Codec``): ``src`` stays the trainer's layout, ``put`` takes the model-dtype tensors
+      and quantizes the weights that format quantizes (each shard on 128-element block bounds).
+    * ``"fp8+delta"``: both.
+
+    ``last_bytes`` is what the last ``complete`` moved to all readers.
+    """
+
+    def __init__(
+        self,
+        src: Layout,
+        dst: Layout | None,
+        rank: int,
+        readers: Mapping[int, str] | Sequence[str],
+        *,
+        options: SyncOptions | None = None,
+        plugins: pluggy.PluginManager | None = None,
+    ) -> None:
+        options = options or SyncOptions()
+        self.options = options
+        self._plugins = plugins or default_plugin_manager()
+        self._codec: WireCodec | None = None
+        if options.codec is not None:
+            self._codec = wire_codecs(self._plugins).create(options.codec, src, rank)
+            src = self._codec.layout
+        delta = options.delta
+        secret, timeout = options.secret, options.timeout
+        self.rank = rank
+        self._readers = dict(enumerate(readers)) if not isinstance(readers, Mapping) else dict(readers)
+        self.next_version = 1  # with dst=None: the first reader's live version + 1
+        if dst is None:
+            if not self._readers:
+                raise WeightMismatchError("WeightsWriter needs the readers' addresses to learn the destination layout")
+            dst, live = ask_layout(self._readers[min(self._readers)], src, secret, timeout)
+            self.next_version = live + 1
+        self.src, self.dst = src, dst
+        plan = build_plan(src, dst)
+        self.stats = plan.stats  # the whole plan's: bytes sent by all writer ranks, the busiest sender's share
+        self._fingerprints = (plan.src_fingerprint, plan.dst_fingerprint, plan.dst_tensors)
+        self._session = secrets.token_hex(8)
+        mine = plan.for_src_rank(rank)
+        self._runs: dict[int, PairRuns] = {}
+        for dst_rank in sorted({t.dst_rank for t in mine}):
+            if dst_rank not in self._readers:
+                raise WeightMismatchError(f"writer rank {rank} sends to destination rank {dst_rank}, but no reader address was given for it")
+            offsets, _ = region_offsets(dst, dst_rank)
+            self._runs[dst_rank] = runs_by_pair((t for t in mine if t.dst_rank == dst_rank), offsets)[(rank, dst_rank)]
+        self._specs = {b.name: b for b in src.buffers if b.rank == rank}
+        self._needed = {name for groups in self._runs.values() for name, _ in groups}
+        self._transport = resolve_transport(options.transport, self._plugins)
+        self._options = options.transport_options
+        self._secret = secret
+        self._checksum = options.verify
+        self.timeout = timeout
+        self._sources: dict[str, np.ndarray] = {}
+        self._channels: dict[int, Channel] = {}
+        self._links: dict[int, Link] = {}
+        self._slots: dict[int, int] = {}
+        self._part_bytes = {r: sum(n for _, runs in groups for _, _, n in runs) for r, groups in self._runs.items()}  # full send, per reader
+        self.bytes_per_version = sum(self._part_bytes.values())
+        self._itemsizes = {name: dtype_size(b.dtype) for name, b in self._specs.items()}
+        self._changes = ChangeLog(self._itemsizes) if delta else None
+        self._inboxes: dict[int, tuple[Link, int, int, np.ndarray]] = {}  # reader rank -> (link, offset, capacity, staging)
+        self._held: dict[int, dict[int, int]] = {}  # reader rank -> {slot: version this rank's part of it holds}
+        self._sent: dict[int, int] = {}  # reader rank -> bytes the last version moved to it
+        self.last_bytes = 0
+
+    def put(self, name: str, tensor: Any) -> None:
+        """Bind this rank's buffer ``name`` (for plain and FSDP layouts: the parameter name) to ``tensor``.
+
+        The tensor is read when ``complete`` runs: keep it alive and unchanged until then.
+        """
+        if self._codec is not None:
+            encoded = self._codec.encode(name, tensor)
+            if encoded is not None:  # the codec's tensors replace this one (fp8: the weight and its scales)
+                for part, value in encoded.items():
+                    self._put_raw(part, value)
+                return
+        self._put_raw(name, tensor)
+
+    def _put_raw(self, name: str, tensor: Any) -> None:
+        spec = self._specs.get(name)
+        if spec is None:
+            near = sorted(self._specs)[:5]
+            raise WeightMismatchError(f"writer rank {self.rank} has no buffer {name!r} in its layout; it has e.g. {near}")
+        changed = self._plugins.hook.rlsync_transform_tensor(name=name, tensor=tensor)
+        tensor = tensor if changed is None else changed
+        dtype = str(getattr(tensor, "dtype", "")).removeprefix("torch.")
+        if dtype != spec.dtype:
+            raise WeightMismatchError(f"tensor {name!r}: dtype {dtype} but the layout says {spec.dtype}; cast it before put()")
+        numel = int(tensor.numel()) if callable(getattr(tensor, "numel", None)) else int(tensor.size)
+        if numel != spec.numel:
+            raise WeightMismatchError(f"tensor {name!r}: {numel} elements but the layout says {spec.numel} (shape {tuple(tensor.shape)})")
+        self._sources[name] = as_bytes(name, tensor)
+
+    def multi_put(self, tensors: Mapping[str, Any]) -> None:
+        for name, tensor in tensors.items():
+            self.put(name, tensor)
+
+    def _connect(self, dst_rank: int) -> None:
+        if dst_rank in self._links:
+            return
+        channel = connect_dealer(self._readers[dst_rank], self._secret)
+        src_fp, dst_fp, dst_tensors = self._fingerprints
+        channel.send(Hello(self.rank, src_fp, dst_fp, dst_tensors, self._session, self.src, delta=self._changes is not None))
+        got = channel.recv(timeout_ms=int(self.timeout * 1000))
+        if got is None:
+            channel.close()
+            raise TransferTimeoutError(f"reader rank {dst_rank} at {self._readers[dst_rank]} did not answer within {self.timeout} s")
+        msg = got[1]
+        if isinstance(msg, Refuse):
+            channel.close()
+            raise WeightMismatchError(f"reader rank {dst_rank} refused: {msg.reason}")
+        assert isinstance(msg, Welcome)
+        if msg.transport != self._transport.name:
+            channel.close()
+            raise TransportError(f"reader rank {dst_rank} uses transport {msg.transport!r}, this writer {self._transport.name!r}")
+        self._links[dst_rank] = self._transport.open(msg.description, self._options)
+        self._channels[dst_rank] = channel
+        self._slots[dst_rank] = msg.next_slot
+        self._held[dst_rank] = {}  # what its slots hold is unknown until a version of ours goes live there
+        if self._changes is not None and msg.inbox is not None:
+            staging = np.empty(msg.inbox_capacity, np.uint8)  # one buffer per reader, registered once with the transport
+            self._inboxes[dst_rank] = (self._transport.open(msg.inbox, self._options), msg.inbox_offset, msg.inbox_capacity, staging)
+
+    def _drop(self, dst_rank: int) -> None:
+        link, channel = self._links.pop(dst_rank, None), self._channels.pop(dst_rank, None)
+        inbox = self._inboxes.pop(dst_rank, None)
+        for one in (link, None if inbox is None else inbox[0]):
+            try:
+                if one is not None:
+                    one.close()
+            except Exception:  # noqa: BLE001 - the peer is gone; nothing to release cleanly
+                pass
+        if channel is not None:
+            channel.close()
+
+    def complete(self, version: int, progress: Callable[[int], None] | None = None) -> None:
+        """Send this rank's part of ``version`` to every reader and return once it is live on each."""
+        missing = sorted(self._needed - self._sources.keys())
+        if missing:
+            raise WeightMismatchError(f"writer rank {self.rank}: no tensor was put for {missing[:5]} (and {max(0, len(missing) - 5)} more)")
+        names = sorted(self._sources)
+        self._plugins.hook.rlsync_before_export(version=version, names=names)
+        started = time.perf_counter()
+        if self._changes is not None:
+            self._changes.record(version, self._sources)
+        self._sent = {}
+        failed: dict[int, str] = {}
+        if len(self._runs) > 1:  # readers get their parts at once: publishing to N readers costs ~one reader
+            with ThreadPoolExecutor(len(self._runs), thread_name_prefix=f"rlsync-writer-{self.rank}") as pool:
+                outcomes = list(pool.map(lambda r: self._post(r, version, progress), self._runs))
+        else:
+            outcomes = [self._post(r, version, progress) for r in self._runs]
+        sent = [r for r, error in zip(self._runs, outcomes) if error is None]
+        failed.update({r: error for r, error in zip(self._runs, outcomes) if error is not None})
+        deadline = time.monotonic() + self.timeout
+        for dst_rank in sent:
+            channel = self._channels[dst_rank]
+            remaining = max(0.0, deadline - time.monotonic())
+            got = channel.recv(timeout_ms=int(remaining * 1000))
+            if got is not None and isinstance(got[1], Refuse) and got[1].kind == "delta":  # it cannot take our delta
+                resent = self._post(dst_rank, version, progress, full=True)
+                got = None if resent is not None else channel.recv(timeout_ms=int(max(0.0, deadline - time.monotonic()) * 1000))
+            if got is None:
+                failed[dst_rank] = f"did not confirm version {version} within {self.timeout} s (it may have died)"
+                self._drop(dst_rank)
+                continue
+            msg = got[1]
+            if isinstance(msg, Ack) and msg.version == version:
+                self._held[dst_rank][self._slots[dst_rank]] = version
+                self._slots[dst_rank] = msg.next_slot
+            elif isinstance(msg, Refuse) and msg.kind in ("version", "restart"):
+                raise VersionError(f"reader rank {dst_rank} refused version {version}: {msg.reason}")
+            elif isinstance(msg, Refuse) and msg.kind == "checksum":
+                raise WeightMismatchError(f"reader rank {dst_rank}: {msg.reason}")
+            else:
+                failed[dst_rank] = getattr(msg, "reason", f"unexpected answer {msg!r}")
+        if failed:
+            ok = [r for r in sent if r not in failed]
+            detail = "; ".join(f"reader rank {r} ({self._readers[r]}): {why}" for r, why in sorted(failed.items()))
+            error = TransferTimeoutError if all("did not confirm" in why for why in failed.values()) else PeerLostError
+            raise error(f"version {version} is not live everywhere: {detail}. Live on reader ranks {ok}.")
+        self.last_bytes = sum(self._sent.values())
+        self._plugins.hook.rlsync_after_export(
+            version=version, stats={"bytes": self.last_bytes, "seconds": time.perf_counter() - started}
+        )
+
+    def _delta_for(self, dst_rank: int, slot: int) -> tuple[int, np.ndarray] | None:
+        """``(base version, encoded delta)`` of this rank's part for what ``slot`` of ``dst_rank`` holds, if one fits."""
+        base = self._held[dst_rank].get(slot)
+        if self._changes is None or base is None or dst_rank not in self._inboxes:
+            return None
+        groups = self._runs[dst_rank]
+        changed = {name: self._changes.since(base, name) for name, _ in groups}
+        capacity = min(self._inboxes[dst_rank][2], self._part_bytes[dst_rank] - 1)  # smaller than a full send, or none
+        payload = encode_delta(groups, changed, self._sources, self._itemsizes, capacity)
+        return None if payload is None else (base, payload)
+
+    def _post(self, dst_rank: int, version: int, progress: Callable[[int], None] | None, full: bool = False) -> str | None:
+        """Write this rank's part of ``version`` to one reader and notify it; the error, if any."""
+        try:
+            self._connect(dst_rank)
+            link, slot = self._links[dst_rank], self._slots[dst_rank]
+            delta = None if full else self._delta_for(dst_rank, slot)
+            self._held[dst_rank].pop(slot, None)  # overwritten from here on
+            crcs: dict[str, int] = {}
+            for name, runs in self._runs[dst_rank]:
+                source = self._sources[name]
+                if delta is None:
+                    link.write(source, [(s, slot, d, n) for s, d, n in runs])
+                if self._checksum:  # over the whole part: what the slot must hold, however it got there
+                    crcs[name] = crc32((source[s : s + n] for s, _, n in runs), crcs.get(name, 0))
+                if progress is not None:
+                    progress(sum(n for _, _, n in runs))
+            if delta is not None and len(delta[1]):
+                inbox, offset, _, staging = self._inboxes[dst_rank]
+                staging[: len(delta[1])] = delta[1]
+                inbox.write(staging, [(0, 0, offset, len(delta[1]))])
+                inbox.flush()
+            link.flush()
+            self._sent[dst_rank] = len(delta[1]) if delta is not None else self._part_bytes[dst_rank]
+            self._channels[dst_rank].send(Done(self.rank, version, slot, crcs if self._checksum else None,
+                                               delta_base=None if delta is None else delta[0],
+                                               delta_nbytes=0 if delta is None else len(delta[1])))
+        except TransportError as exc:
+            self._drop(dst_rank)
+            return str(exc)
+        return None
+
+    def close(self) -> None:
+        for dst_rank in list(self._links):
+            self._drop(dst_rank)
+
+    def __enter__(self) -> WeightsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,218 @@
+"""For plugin authors: an in-memory transport and the conformance checks every built-in passes.
+
+    from rlsync.testing import check_storage, check_transport
+    check_transport(MyTransport)            # raises AssertionError naming what broke the contract
+    check_storage(lambda: MyStorage(...))   # a fresh, empty storage per call
+
+``MemoryTransport`` moves bytes between a writer and a reader of one process (threads), with no
+copies beyond the write itself: use it to test code that drives ``WeightsWriter``/``WeightsReader``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import msgspec
+import numpy as np
+
+from rlsync import (
+    Landing,
+    Link,
+    Run,
+    Sample,
+    Storage,
+    SyncOptions,
+    Transport,
+    TransportError,
+    WeightsReader,
+    WeightsWriter,
+)
+from rlsync.layouts import from_state_dict
+
+__all__ = ["MemoryTransport", "check_storage", "check_transport"]
+
+_landings: dict[int, MemoryLanding] = {}
+_ids = itertools.count()
+_lock = threading.Lock()
+
+
+class MemoryLanding(Landing):
+    """Regions in this process's memory, found by a key in the process-wide table."""
+
+    name = "memory"
+    same_host_only = True
+
+    def __init__(self, nbytes: int, slots: int, options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(nbytes, slots, options)
+        self._regions = [np.zeros(nbytes, np.uint8) for _ in range(slots)]  # zeros: pages touched
+        with _lock:
+            self.key = next(_ids)
+            _landings[self.key] = self
+
+    @property
+    def regions(self) -> Sequence[np.ndarray]:
+        return self._regions
+
+    def describe(self) -> dict[str, Any]:
+        return {"key": self.key}
+
+    def close(self) -> None:
+        with _lock:
+            _landings.pop(self.key, None)
+
+
+class MemoryLink(Link):
+    def __init__(self, landing: MemoryLanding) -> None:
+        self.landing = landing
+
+    def write(self, source: np.ndarray, runs: Sequence[Run]) -> None:
+        regions = self.landing.regions
+        for src, slot, dst, n in runs:
+            regions[slot][dst : dst + n] = source[src : src + n]
+
+
+class MemoryTransport(Transport):
+    """``SyncOptions(transport=MemoryTransport)``: reader and writer in one process."""
+
+    name: ClassVar[str] = "memory"
+    landing: ClassVar[type[Landing]] = MemoryLanding
+
+    @classmethod
+    def open(cls, description: dict[str, Any], options: Mapping[str, Any] | None = None) -> Link:
+        with _lock:
+            landing = _landings.get(int(description["key"]))
+        if landing is None:
+            raise TransportError(f"no memory landing {description['key']} in this process: it was closed, or the "
+                                 f"reader lives in another process (MemoryTransport reaches this process only)")
+        return MemoryLink(landing)
+
+
+# -- conformance: transports ----------------------------------------------------------------------
+
+
+def check_transport(transport: type[Transport], *, options: Mapping[str, Any] | None = None) -> None:
+    """Check ``transport`` against the contract in ``rlsync.Transport``'s module: raises ``AssertionError``.
+
+    Runs in this process: the reader's side and the writer's side each in their own objects, as two
+    processes would hold them. Checks the capability flags, region shapes, that a description survives
+    msgpack (no pickle on the control plane), that written runs land exactly where they say and nowhere
+    else, and that a writer and a reader built on it deliver three versions byte for byte.
+    """
+    name = getattr(transport, "name", None)
+    assert isinstance(name, str) and name, f"{transport.__name__}.name must be a non-empty string"
+    assert transport.landing.name == name, f"{transport.__name__}.landing.name is {transport.landing.name!r}, not {name!r}"
+    available = transport.available()
+    assert isinstance(available, bool), f"{name}: available() must return a bool, not {available!r}"
+    assert available, f"{name}: available() says it cannot run here; install what it needs before checking it"
+    assert transport.landing.memory in ("host", "device"), f"{name}: Landing.memory must be 'host' or 'device'"
+
+    nbytes, slots = 4096 + 64, 2
+    landing = transport.landing(nbytes, slots, options)
+    try:
+        regions = landing.regions
+        assert len(regions) == slots, f"{name}: {len(regions)} regions for {slots} slots"
+        for region in regions:
+            assert region.dtype == np.uint8 and region.ndim == 1 and region.nbytes == nbytes, \
+                f"{name}: a region must be a 1-D uint8 array of {nbytes} bytes, not {region.dtype} {region.shape}"
+            region[:] = 0xAB  # writable, and a pattern that shows what a write touched
+        description = landing.describe()
+        wire = msgspec.msgpack.decode(msgspec.msgpack.encode(description))
+        assert wire == description, f"{name}: describe() must be plain data that survives msgpack, got {description!r}"
+
+        rng = np.random.default_rng(0)
+        source = rng.integers(0, 255, 8192, dtype=np.uint8)
+        runs: list[Run] = [(0, 0, 0, 1000), (1000, 1, 64, 3000), (5000, 0, 2048, 1), (6000, 1, 4096, 64)]
+        link = transport.open(wire, options)
+        try:
+            link.write(source, runs)
+            link.flush()
+        finally:
+            link.close()
+        expected = [np.full(nbytes, 0xAB, np.uint8) for _ in range(slots)]
+        for src, slot, dst, n in runs:
+            expected[slot][dst : dst + n] = source[src : src + n]
+        for slot in range(slots):
+            landing.progress()
+            differs = np.flatnonzero(np.asarray(regions[slot]) != expected[slot])
+            assert differs.size == 0, f"{name}: slot {slot} differs from what was written at byte {differs[0]} " \
+                                      f"({differs.size} bytes differ)"
+    finally:
+        landing.close()
+    _check_versions(transport, options)
+
+
+def _check_versions(transport: type[Transport], options: Mapping[str, Any] | None) -> None:
+    """Three versions through a real writer and reader on ``transport``, each landing byte for byte."""
+    import torch
+
+    state = {"a.weight": torch.zeros(64, 32, dtype=torch.bfloat16), "b.bias": torch.zeros(17, dtype=torch.float32)}
+    layout = from_state_dict(state)
+    sync = SyncOptions(transport=transport, timeout=30.0, verify=True, transport_options=options)
+    for landing in ("direct", "staged"):
+        loaded: list[int] = []
+        with WeightsReader(layout, layout, 0, options=sync, landing=landing,
+                           on_version=lambda v, _: loaded.append(v)) as reader:
+            with WeightsWriter(layout, layout, 0, [reader.address], options=sync) as writer:
+                for version in (1, 2, 3):
+                    for tensor in state.values():
+                        tensor.copy_(torch.randn(tensor.shape))
+                    writer.multi_put(state)
+                    writer.complete(version)
+                    assert reader.version == version, f"{transport.name}: version {version} not live ({landing} landing)"
+                    live = reader.buffers()
+                    for tname, tensor in state.items():
+                        sent = tensor.reshape(-1).view(torch.uint8).numpy()
+                        assert np.array_equal(live[tname], sent), \
+                            f"{transport.name}: tensor {tname!r} of version {version} landed wrong ({landing} landing)"
+        assert loaded == [1, 2, 3], f"{transport.name}: on_version saw {loaded} ({landing} landing)"
+
+
+# -- conformance: storages ------------------------------------------------------------------------
+
+
+def check_storage(make: Callable[[], Storage]) -> None:
+    """Check a ``Storage`` implementation (``make()`` returns a fresh, empty one): raises ``AssertionError``.
+
+    Checks oldest-version-first and first-in-first-out order, that ``ack`` removes for good, ``__len__``,
+    the state round trip, and that a ``RolloutBuffer`` on it hands out batches in that order.
+    """
+    from rlsync import RolloutBuffer
+
+    def sample(prompt: str, version: int) -> Sample:
+        return Sample(prompt, np.array([1, 2, 3, 4]), 2, np.zeros(2, np.float32), np.full(2, version, np.int64))
+
+    storage = make()
+    try:
+        assert isinstance(storage, Storage), f"{type(storage).__name__} lacks a method of rlsync.Storage"
+        assert len(storage) == 0, "a fresh storage must be empty"
+        batch = [sample("late-v2", 2), sample("first-v1", 1), sample("second-v1", 1), sample("v0", 0)]
+        storage.append(batch)
+        assert len(storage) == 4, f"after appending 4 samples len() is {len(storage)}"
+        taken = storage.take(3)
+        got = [s.prompt_id for s in taken]
+        assert got == ["v0", "first-v1", "second-v1"], f"take() must hand out oldest version first, FIFO within one: {got}"
+        assert len(storage) == 1, f"taken samples are no longer waiting: len() is {len(storage)}"
+        storage.ack([s.sample_id for s in taken])
+        rest = storage.take(10)
+        assert [s.prompt_id for s in rest] == ["late-v2"], f"after ack the rest is the v2 sample, got {rest}"
+        storage.ack([s.sample_id for s in rest])
+        assert storage.take(1) == [] and len(storage) == 0, "acknowledged samples must never come back"
+        storage.save_state({"version": 7, "consumed": 3})
+        state = storage.load_state()
+        assert {k: state[k] for k in ("version", "consumed")} == {"version": 7, "consumed": 3}, f"state round trip: {state}"
+    finally:
+        storage.close()
+
+    buffer = RolloutBuffer(batch_size=2, max_staleness=10, storage=make())
+    try:
+        buffer.publish(2)
+        buffer.put([sample("b", 2), sample("a", 1)])
+        got_batch = buffer.get(timeout=5)
+        assert got_batch is not None and [s.prompt_id for s in got_batch.samples] == ["a", "b"], \
+            f"a RolloutBuffer on this storage handed out {got_batch}"
+    finally:
+        buffer.close()
+

@@ -74,11 +74,11 @@ from rlsync.core import default_plugin_manager as plugin_manager
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_TIMEOUT",
     "Batch",
     "Box",
     "BufferSpec",
     "ConfigError",
+    "DEFAULT_TIMEOUT",
     "Decision",
     "Finish",
     "Gate",

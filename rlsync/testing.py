@@ -125,12 +125,26 @@ def check_transport(transport: type[Transport], *, options: Mapping[str, Any] | 
         rng = np.random.default_rng(0)
         source = rng.integers(0, 255, 8192, dtype=np.uint8)
         runs: list[Run] = [(0, 0, 0, 1000), (1000, 1, 64, 3000), (5000, 0, 2048, 1), (6000, 1, 4096, 64)]
-        link = transport.open(wire, options)
-        try:
-            link.write(source, runs)
-            link.flush()
-        finally:
-            link.close()
+        errors: list[BaseException] = []
+
+        def write() -> None:  # the writer's side, as another process would run it
+            try:
+                link = transport.open(wire, options)
+                try:
+                    link.write(source, runs)
+                    link.flush()
+                finally:
+                    link.close()
+            except BaseException as exc:  # noqa: BLE001 - reported below, in the checking thread
+                errors.append(exc)
+
+        writer = threading.Thread(target=write, name=f"rlsync-check-{name}")
+        writer.start()
+        while writer.is_alive():  # the reader's service thread: transports whose target must progress do it here
+            landing.progress()
+            writer.join(0.001)
+        if errors:
+            raise AssertionError(f"{name}: writing runs failed: {errors[0]!r}") from errors[0]
         expected = [np.full(nbytes, 0xAB, np.uint8) for _ in range(slots)]
         for src, slot, dst, n in runs:
             expected[slot][dst : dst + n] = source[src : src + n]

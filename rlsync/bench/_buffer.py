@@ -117,7 +117,8 @@ def bench_redis(repeats: int) -> tuple[float, float]:
                 pipe.execute()
 
             def get() -> int:
-                entries: Any = r.xreadgroup("g", "c", {"plain": ">"}, count=BATCH)[0][1]  # type: ignore[index]
+                read: Any = r.xreadgroup("g", "c", {"plain": ">"}, count=BATCH)
+                entries = read[0][1]
                 got = [decode_sample(fields[b"d"]) for _, fields in entries]
                 r.xack("plain", "g", *[i for i, _ in entries])
                 return len(got)

@@ -145,7 +145,7 @@ def _engine(config: dict[str, Any], model_dir: str) -> None:
             state = states[cmd["version"] % 2]
             llm.collective_rpc(lambda worker, st=state: worker.reload_weights(weights_iterator=iter(st.items())))
         elif cmd["cmd"] == "generate":
-            out = llm.generate([{"prompt_token_ids": PROMPT}], greedy, use_tqdm=False)
+            out = llm.generate([{"prompt_token_ids": PROMPT}], greedy, use_tqdm=False)  # type: ignore[arg-type, unused-ignore]
             reply["tokens"] = list(out[0].outputs[0].token_ids)
         if cmd["cmd"] in ("rlsync", "reload", "gloo", "floor"):
             llm.reset_prefix_cache()

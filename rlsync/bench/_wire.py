@@ -66,7 +66,8 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "shm", progress
 
     config = bench_spec(nbytes)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in config.items() if k != "model_type"}, max_position_embeddings=256))
+    model = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in config.items() if k != "model_type"},  # type: ignore[no-untyped-call, unused-ignore]
+                                         max_position_embeddings=256))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     params = dict(model.named_parameters())
     state = {name: p.detach().to(torch.bfloat16).contiguous() for name, p in params.items()}

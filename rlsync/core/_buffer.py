@@ -60,6 +60,8 @@ class Storage(Protocol):
     again what a dead client took and never acknowledged), ``__len__`` (samples waiting, not taken),
     ``load_state``/``save_state`` (the buffer's counters, ``{str: int}``, kept across restarts where the
     storage is durable), ``close``.
+
+    Called on: the process that owns the ``RolloutBuffer`` (generators and trainers reach it through that buffer).
     """
 
     def append(self, samples: Sequence[Sample]) -> None: ...

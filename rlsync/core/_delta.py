@@ -75,7 +75,8 @@ class ChangeLog:
         keep = np.empty(len(merged), bool)
         keep[:1] = True
         np.not_equal(merged[1:], merged[:-1], out=keep[1:])
-        return merged[keep]
+        unique: np.ndarray = merged[keep]
+        return unique
 
 
 def encode(

@@ -28,7 +28,10 @@ class Decision(Enum):
 class Gate(Protocol):
     """A staleness gate for one buffer (``RolloutBuffer(gates=[...])``): called in the buffer's process when a
     sample is about to join a batch. Return ``Decision.DROP`` to drop it; ``Decision.TRAIN`` or None lets
-    the other gates decide."""
+    the other gates decide.
+
+    Called on: the process that owns the buffer, once per sample, when a batch is formed.
+    """
 
     def __call__(self, sample: Sample, trainer_version: int) -> Decision | None: ...
 

@@ -32,6 +32,9 @@ class SyncOptions:
     * ``verify``: writers send a CRC-32 per tensor and readers refuse a version whose bytes differ.
     * ``wire``: ``"full"``, ``"delta"``, ``"fp8"`` or ``"fp8+delta"`` (writer side; see ``rlsync.wire``).
     * ``transport_options``: passed to the transport as they are.
+
+    Called on: every process that moves weights; plain data, so a launcher can hand it to the processes it
+    starts (``to_mapping``/``from_mapping``).
     """
 
     transport: Any = "shm"

@@ -87,7 +87,7 @@ class StagedReceiver:
     ``boxes``: per engine rank, the part of each tensor that rank's loader reads (default: all of it).
     ``options``: ``SyncOptions`` (transport, host, port, secret, ``verify``; ``timeout`` is how long a
     landed version may wait for the engine to load it before the writers hear that it failed).
-    Called on: the engine's worker process, one receiver per worker rank.
+    Called on: the engine's worker process, one receiver per worker rank; ``next`` from the engine's own thread.
     """
 
     def __init__(self, tensors: Sequence[Sequence[Any]], *, boxes: RankBoxes | None = None, rank: int = 0,

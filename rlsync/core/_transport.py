@@ -52,7 +52,11 @@ Run = tuple[int, int, int, int]
 
 
 class Landing(ABC):
-    """Reader-side memory that a transport writes into. Created, used and closed by the reader process."""
+    """Reader-side memory that a transport writes into.
+
+    Called on: the reader's process (engine worker): built once per reader, ``describe`` once per writer that
+    says hello, ``progress`` from the reader's service thread, ``close`` at the end.
+    """
 
     #: registry name, the same as its ``Transport``'s (e.g. ``"shm"``)
     name: ClassVar[str]
@@ -91,7 +95,11 @@ class Landing(ABC):
 
 
 class Link(ABC):
-    """Writer-side connection to one reader's landing. Created by ``Transport.open``, used by one writer."""
+    """Writer-side connection to one reader's landing.
+
+    Called on: the writer's process (trainer rank): made by ``Transport.open`` once per reader; ``write`` and
+    ``flush`` every version, from one thread per reader; ``close`` once.
+    """
 
     @abstractmethod
     def write(self, source: np.ndarray, runs: Sequence[Run]) -> None:
@@ -110,6 +118,8 @@ class Transport(ABC):
 
     Register it from a plugin (``rlsync_register_transports``) or pass the class itself wherever a
     transport name is accepted (``SyncOptions(transport=MyTransport)``).
+
+    Called on: both sides: the reader's process builds ``landing``; the writer's process calls ``open``.
     """
 
     name: ClassVar[str]

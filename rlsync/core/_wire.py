@@ -24,6 +24,8 @@ class WireCodec(Protocol):
     ``WeightsWriter.put`` for every tensor this rank puts; it returns the tensors to send in its place
     (keyed by buffer name of ``layout``) or None to send ``tensor`` unchanged. Raise
     ``WeightMismatchError`` naming the tensor for input the codec cannot encode.
+
+    Called on: the trainer's process, each rank: built in ``WeightsWriter.__init__``, ``encode`` in every ``put``.
     """
 
     layout: Layout

@@ -169,3 +169,11 @@ def test_samples_a_dead_client_held_come_back_once_its_lease_runs_out(redis_serv
     assert sorted(s.sample_id for s in batch.samples) == ["s0", "s1", "s2", "s3"]
     time.sleep(1.2)
     assert buf.storage.take(10) == [] and len(buf.storage) == 0  # handed to the trainer: acknowledged, gone for good
+
+
+def test_the_redis_storage_keeps_the_storage_contract(redis_server: RedisServer) -> None:
+    from rlsync.plugins import RedisStorage
+    from rlsync.testing import check_storage
+
+    names = iter(range(100))
+    check_storage(lambda: RedisStorage(redis_server.url, name=f"conformance-{next(names)}"))

@@ -18,8 +18,8 @@ import sys
 from collections.abc import Sequence
 
 from rlsync import ConfigError, __version__
-from rlsync.adapters.openrlhf._versions import clock
 from rlsync.adapters.openrlhf._hooks import patch_trainer
+from rlsync.adapters.openrlhf._versions import clock
 from rlsync.patches.openrlhf import OPTIONS_ENV, check_version, installed_version
 
 ENTRY = "openrlhf.cli.train_ppo_ray"

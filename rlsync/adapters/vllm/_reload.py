@@ -61,7 +61,7 @@ def reload_atomically(model: Any, model_config: Any, weights: Iterable[tuple[str
             layerwise.initialize_layerwise_reload(model)
             exposed = _left_live(model)
             model.load_weights(weights)
-            layerwise.finalize_layerwise_reload(model, model_config)
+            layerwise.finalize_layerwise_reload(model, model_config)  # type: ignore[no-untyped-call, unused-ignore]
         except BaseException:
             fixes.exit(ok=False)
             _roll_back(model, snapshot, exposed)
@@ -97,7 +97,7 @@ def _roll_back(model: Any, snapshot: list[tuple[Any, dict[str, Any], dict[str, A
     for module, attributes, parameters, buffers, non_persistent in snapshot:
         info = layerwise.LAYERWISE_INFO.get(module)
         if info is not None and info.can_load():
-            info.reset()
+            info.reset()  # type: ignore[no-untyped-call, unused-ignore]
         for key in set(module.__dict__) - set(attributes):
             del module.__dict__[key]
         module.__dict__.update(attributes)

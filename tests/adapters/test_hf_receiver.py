@@ -3,7 +3,6 @@ exactly what a model loaded with the new state dict generates."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -13,13 +12,11 @@ import torch
 
 pytest.importorskip("transformers")
 
+from _support import hf_writer  # noqa: E402
+
 from rlsync.adapters.hf import ModuleReceiver  # noqa: E402
 
-WRITER = Path(__file__).with_name("hf_writer.py")
-_spec = importlib.util.spec_from_file_location("rlsync_test_hf_writer", WRITER)
-assert _spec is not None and _spec.loader is not None
-hf_writer = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(hf_writer)
+WRITER = Path(hf_writer.__file__)  # also run as the trainer's process
 
 PROMPT = torch.tensor([[3, 17, 42, 99, 5, 64]])
 

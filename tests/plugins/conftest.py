@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -12,12 +11,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _support import sync_processes as procs
 
-SCRIPT = Path(__file__).with_name("sync_processes.py")
-_spec = importlib.util.spec_from_file_location("rlsync_test_sync_processes", SCRIPT)
-assert _spec is not None and _spec.loader is not None
-procs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(procs)
+SCRIPT = Path(procs.__file__)  # also run as the writer's and the readers' processes
 
 
 class Sync:

@@ -4,36 +4,24 @@ loads each with its own loader, and greedy output equals a model built with the 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from _support import fake_sglang as fake  # noqa: E402
+from _support import model_trainer as trainer  # noqa: E402  the same trainer process as the vLLM tests (no vLLM import)
+
 from rlsync import ConfigError, RlsyncError  # noqa: E402
 from rlsync.adapters.sglang import LOADER, SglangWeights  # noqa: E402
 
-HERE = Path(__file__).parent
-TRAINER = HERE.parent / "vllm" / "trainer.py"  # the same trainer process as the vLLM tests (no vLLM import)
-
-
-def _load(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-fake = _load("rlsync_test_fake_sglang", HERE / "fake_sglang.py")
-trainer = _load("rlsync_test_sglang_trainer", TRAINER)
+TRAINER = Path(trainer.__file__)
 PROMPTS = [[5, 17, 42, 99, 3], [200, 1, 77]]
 
 

@@ -4,7 +4,6 @@ engine generating exactly as before; the next good version loads normally."""
 
 from __future__ import annotations
 
-import importlib.util
 import socket
 import subprocess
 import sys
@@ -19,18 +18,12 @@ from rlsync import reader_layout  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore::UserWarning")]
 
-HERE = Path(__file__).parent
-_spec = importlib.util.spec_from_file_location("rlsync_test_vllm_updates", HERE / "test_vllm_updates.py")
-assert _spec is not None and _spec.loader is not None
-common = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(common)
-vllm_env = common.vllm_env
-cleanup = common.cleanup
+from _support import vllm_engines as common  # noqa: E402
 
 
-def push(address: str, arch: str, seed: int, version: int, *extra: str, script: str = "trainer.py") -> subprocess.Popen[str]:
+def push(address: str, arch: str, seed: int, version: int, *extra: str, script: Path = common.TRAINER) -> subprocess.Popen[str]:
     """A trainer process sending one version (its ``complete`` returns once the engine loaded it)."""
-    return subprocess.Popen([sys.executable, str(HERE / script), "--arch", arch, "--address", address, "--seeds", str(seed),
+    return subprocess.Popen([sys.executable, str(script), "--arch", arch, "--address", address, "--seeds", str(seed),
                              "--first-version", str(version), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -134,7 +127,7 @@ def test_native_api_survives_a_dead_trainer_and_a_failed_load(tmp_path: Path) ->
         llm.update_weights({"update_info": {"version": version, "timeout": timeout}})
         llm.finish_weight_update(weight_version=str(version))
 
-    dying = push(address, "qwen2", 7, 1, script="dying_trainer.py")  # killed after a few writes
+    dying = push(address, "qwen2", 7, 1, script=common.DYING_TRAINER)  # killed after a few writes
     assert ended(dying)[0] == -9
     with pytest.raises(Exception, match="no weight version arrived"):
         update(1, timeout=2.0)

@@ -3,7 +3,6 @@ weight updates through its HTTP routes, generation equal to a fresh engine with 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import socket
@@ -20,12 +19,7 @@ pytest.importorskip("vllm")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore::UserWarning")]
 
-HERE = Path(__file__).parent
-_spec = importlib.util.spec_from_file_location("rlsync_test_vllm_updates_http", HERE / "test_vllm_updates.py")
-assert _spec is not None and _spec.loader is not None
-common = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(common)
-vllm_env = common.vllm_env
+from _support import vllm_engines as common  # noqa: E402
 
 
 def _port() -> int:

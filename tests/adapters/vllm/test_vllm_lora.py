@@ -4,7 +4,6 @@ serving that adapter loaded fresh from a PEFT checkpoint directory (vLLM's own l
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 from pathlib import Path
 
@@ -21,12 +20,7 @@ from rlsync.wire import lora_state
 
 pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore::UserWarning")]
 
-HERE = Path(__file__).parent
-_spec = importlib.util.spec_from_file_location("rlsync_test_vllm_updates", HERE / "test_vllm_updates.py")
-assert _spec is not None and _spec.loader is not None
-common = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(common)
-vllm_env = common.vllm_env  # the same private, small-footprint vLLM settings
+from _support import vllm_engines as common  # noqa: E402
 
 
 def new_adapter_weights(model: torch.nn.Module, seed: int) -> None:

@@ -4,7 +4,6 @@ start/update/finish, and greedy output equals a fresh engine loaded with the new
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
 import subprocess
@@ -18,12 +17,7 @@ pytest.importorskip("vllm")
 # vLLM itself raises deprecation and future warnings on import and at start-up: not ours to fix.
 pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore::UserWarning")]
 
-HERE = Path(__file__).parent
-_spec = importlib.util.spec_from_file_location("rlsync_test_vllm_updates", HERE / "test_vllm_updates.py")
-assert _spec is not None and _spec.loader is not None
-common = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(common)
-vllm_env = common.vllm_env  # the same private, small-footprint vLLM settings
+from _support import vllm_engines as common  # noqa: E402
 
 
 def test_native_weight_transfer_api_with_the_rlsync_backend(tmp_path: Path) -> None:

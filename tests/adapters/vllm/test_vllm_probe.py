@@ -4,7 +4,6 @@ and a tensor the loader refuses is named."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -15,12 +14,7 @@ from rlsync import ConfigError  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore::UserWarning")]
 
-HERE = Path(__file__).parent
-_spec = importlib.util.spec_from_file_location("rlsync_test_vllm_updates", HERE / "test_vllm_updates.py")
-assert _spec is not None and _spec.loader is not None
-common = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(common)
-vllm_env = common.vllm_env
+from _support import vllm_engines as common  # noqa: E402
 
 
 @pytest.mark.parametrize("arch", ["qwen3-moe"])

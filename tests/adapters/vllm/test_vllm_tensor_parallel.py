@@ -5,7 +5,6 @@ like a fresh engine with the new weights."""
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
 import os
 import subprocess
@@ -23,11 +22,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::FutureWarnin
               pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning"),
               pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two vLLM CPU workers need two cores")]
 
-HERE = Path(__file__).parent
-_spec = importlib.util.spec_from_file_location("rlsync_test_vllm_updates", HERE / "test_vllm_updates.py")
-assert _spec is not None and _spec.loader is not None
-common = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(common)
+from _support import vllm_engines as common  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -3,11 +3,9 @@ greedy generation after every update equals the reference for the new weights.""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,54 +18,7 @@ from rlsync.adapters.vllm import apply_next_version
 # vLLM itself raises deprecation and future warnings on import and at start-up: not ours to fix.
 pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore::UserWarning")]
 
-TRAINER = Path(__file__).with_name("trainer.py")
-_spec = importlib.util.spec_from_file_location("rlsync_test_vllm_trainer", TRAINER)
-assert _spec is not None and _spec.loader is not None
-trainer = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(trainer)
-
-PROMPTS = [[5, 17, 42, 99, 3], [200, 1, 77]]
-NEW_TOKENS = 8
-
-
-@pytest.fixture(autouse=True)
-def vllm_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-
-
-def engine(model_dir: Path):  # type: ignore[no-untyped-def]
-    from vllm import LLM
-
-    return LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-               distributed_executor_backend="uni", max_model_len=128, seed=0,
-               worker_extension_cls="rlsync.adapters.vllm.RlsyncWorkerExtension")
-
-
-def generate(llm) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, detokenize=False)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def save(arch: str, seed: int, where: Path) -> Path:
-    trainer.build(arch, seed).save_pretrained(where)
-    return where
-
-
-@pytest.fixture
-def cleanup() -> Iterator[list[object]]:
-    held: list[object] = []
-    yield held
-    for llm in held:
-        try:
-            llm.collective_rpc("rlsync_stop")  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001
-            pass
+from _support.vllm_engines import DYING_TRAINER, TRAINER, engine, generate, save, trainer  # noqa: E402
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen2-tied", "qwen3-moe"])
@@ -105,7 +56,7 @@ def test_a_trainer_killed_midway_leaves_the_engine_on_the_previous_version(tmp_p
     before = generate(llm)
     [address] = llm.collective_rpc("rlsync_start", args=(trainer.tensors(trainer.build("qwen2", 100)),))
     # a writer that dies after a few of its writes: version 1 never completes
-    dying = subprocess.run([sys.executable, str(TRAINER.with_name("dying_trainer.py")), "--arch", "qwen2",
+    dying = subprocess.run([sys.executable, str(DYING_TRAINER), "--arch", "qwen2",
                             "--address", address, "--seeds", "7"], capture_output=True, text=True, timeout=120)
     assert dying.returncode == -9, dying.stderr
     with pytest.raises(Exception, match="no weight version arrived"):

@@ -16,18 +16,12 @@ Stand-ins, each a FAKE named as such, for what needs CUDA:
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
-
-_spec = importlib.util.spec_from_file_location("rlsync_test_vllm_trainer", Path(__file__).parents[2] / "adapters" / "vllm" / "trainer.py")
-assert _spec is not None and _spec.loader is not None
-models = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(models)
+from _support import model_trainer as models
 
 PROMPTS = [[5, 17, 42, 99, 3], [200, 1, 77]]
 NEW_TOKENS = 8

@@ -7,6 +7,8 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+# the example itself, as a user runs it (a script in examples/, not a helper: examples/ is no package and must
+# not go on sys.path, where its verl/ folder would pass for the verl package)
 _spec = importlib.util.spec_from_file_location("rlsync_example_trl_grpo", Path(__file__).parents[3] / "examples" / "trl_grpo.py")
 assert _spec is not None and _spec.loader is not None
 example = importlib.util.module_from_spec(_spec)

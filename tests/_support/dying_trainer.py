@@ -20,5 +20,5 @@ def _dying_write(self, source, runs):  # type: ignore[no-untyped-def]
 
 
 ShmLink.write = _dying_write  # type: ignore[method-assign]
-sys.argv[0] = str(Path(__file__).with_name("trainer.py"))
+sys.argv[0] = str(Path(__file__).with_name("model_trainer.py"))
 runpy.run_path(sys.argv[0], run_name="__main__")

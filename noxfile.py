@@ -48,7 +48,7 @@ def core(session: nox.Session) -> None:
     session.install("-e", ".[nixl,redis,ray,dev]", MYPY, IMPORT_LINTER)
     session.run("lint-imports")
     session.run(
-        "pytest", "tests/core", "tests/plugins", "tests/adapters", "tests/cli", "tests/wire", "tests/docs",
+        "pytest", "tests/core", "tests/plugins", "tests/adapters", "tests/cli", "tests/wire", "tests/docs", "tests/gpu",
         "tests/test_public_api.py", "-p", "no:cacheprovider", *session.posargs,
     )
     if not session.posargs:  # a full run: the whole package type-checks (strict, pyproject's [tool.mypy])

@@ -1,10 +1,12 @@
 """Plain torch / transformers models as weight receivers: weights land in place in an
 ``nn.Module``'s parameters.
 
-The parameters are re-pointed at the reader's landing memory (two slots, direct landing): a
-version is written into the slot the model is not using and, once all its bytes are there, the
-parameters switch to it between two forward passes (``with receiver.serving(): model(...)``).
-No copy, no ``load_state_dict``, and a writer dying midway leaves the model as it was.
+A version lands in a host staging slot (``WeightsReader``, staged landing); once all its bytes are
+there it is copied into the parameters in place, between two forward passes (``with
+receiver.serving(): model(...)``), on whatever device they live. A parameter's memory never moves
+(a CUDA graph that captured its address stays right), no second copy of the model is made on the
+device, and a writer dying midway leaves the model as it was. Extra memory: one host copy of the
+module's weights (the staging slot).
 
 ``wire="fp8"``: the module receives the fp8 block-quantized checkpoint format (``rlsync.wire``;
 the writer uses ``wire="fp8"`` too) into a staging slot and loads it as transformers loads an
@@ -51,27 +53,18 @@ class ModuleReceiver:
             raise ConfigError(f"ModuleReceiver: wire={options.wire!r} is not one it can load; use 'full', 'delta' or 'fp8'")
         self.module = module
         self.wire = "fp8" if options.codec == "fp8" else "full"
-        wire = self.wire
         self._params = dict(module.named_parameters())
-        for name, p in self._params.items():
-            if p.device.type != "cpu" or not p.is_contiguous():
-                raise ValueError(f"parameter {name!r} must be a contiguous CPU tensor to receive in place (it is on {p.device})")
         self._serving = threading.RLock()
-        if wire == "fp8":
+        dst = module_layout(module)
+        if self.wire == "fp8":
             from rlsync.wire import fp8_metas
 
             warnings.warn("ModuleReceiver(wire='fp8'): the module gets the fp8-dequantized weights (lossy against the "
                           "trainer's; what transformers loads from an fp8 checkpoint without fp8 kernels)", RlsyncWarning, stacklevel=2)
-            dst = from_state_dict(fp8_metas(module_layout(module).tensors))
-            self.reader = WeightsReader(src, dst, 0, options=options, landing="staged", on_version=self._dequantize)
-            return
-        dst = module_layout(module)
-        self.reader = WeightsReader(src, dst, 0, options=options, landing="direct", on_version=self._switch)
-        live = self.reader.buffers()
-        with torch.no_grad():
-            for name, p in self._params.items():  # version "current": the weights the module was built with
-                np.copyto(live[name], p.detach().reshape(-1).view(torch.uint8).numpy())
-        self._point_at(live)
+            dst = from_state_dict(fp8_metas(dst.tensors))
+        # a version lands off to the side (one host slot) and is copied into the parameters once complete: their
+        # memory, on whatever device, never moves (CUDA graphs captured it), and no second model is held there
+        self.reader = WeightsReader(src, dst, 0, options=options, landing="staged", on_version=self._commit)
 
     @property
     def address(self) -> str:
@@ -90,36 +83,22 @@ class ModuleReceiver:
     def wait_for_version(self, version: int | None = None, timeout: float | None = None) -> int:
         return self.reader.wait_for_version(version, timeout)
 
-    def _point_at(self, buffers: dict[str, np.ndarray]) -> None:
-        for name, p in self._params.items():
-            p.data = torch.from_numpy(buffers[name]).view(p.dtype).view(p.shape)
-
-    def _switch(self, version: int, buffers: dict[str, np.ndarray]) -> None:
-        with self._serving:
-            self._point_at(buffers)
-
-    def _dequantize(self, version: int, buffers: dict[str, np.ndarray]) -> None:
-        """Load an fp8-format version: the new weights are built beside the live ones, then swapped in."""
+    def _commit(self, version: int, buffers: dict[str, np.ndarray]) -> None:
+        """Copy a landed version into the parameters, in place, between two forward passes (``serving``)."""
         from rlsync.wire import SCALE_SUFFIX, dequantize, is_quantized, scale_shape
 
-        new: dict[str, torch.Tensor] = {}
-        for name, p in self._params.items():
-            raw = torch.from_numpy(buffers[name])
-            if is_quantized(name, tuple(p.shape)):
-                scale = torch.from_numpy(buffers[name + SCALE_SUFFIX]).view(torch.float32).view(scale_shape(tuple(p.shape)))
-                new[name] = dequantize(raw.view(torch.float8_e4m3fn).view(p.shape), scale, p.dtype)
-            else:
-                new[name] = raw.view(p.dtype).view(p.shape).clone()
-        with self._serving:
+        with self._serving, torch.no_grad():
             for name, p in self._params.items():
-                p.data = new[name]
+                raw = torch.from_numpy(buffers[name])
+                if self.wire == "fp8" and is_quantized(name, tuple(p.shape)):  # dequantized on the parameter's device
+                    scale = torch.from_numpy(buffers[name + SCALE_SUFFIX]).view(torch.float32).view(scale_shape(tuple(p.shape)))
+                    q = raw.view(torch.float8_e4m3fn).view(p.shape).to(p.device)
+                    p.copy_(dequantize(q, scale.to(p.device), p.dtype))
+                else:
+                    p.copy_(raw.view(p.dtype).view(p.shape))
 
     def close(self) -> None:
-        """Stop receiving; the parameters keep the live version (copied out of the landing memory)."""
-        with self._serving:
-            if self.wire == "full":
-                for p in self._params.values():
-                    p.data = p.data.clone()
+        """Stop receiving; the parameters keep the live version (their own memory)."""
         self.reader.close()
 
     def __enter__(self) -> ModuleReceiver:

@@ -39,6 +39,7 @@ from rlsync.core._errors import (
 from rlsync.core._gates import Decision, Gate, MaxStaleness, freshest_per_group, importance_weights
 from rlsync.core._handoff import Finish, LandedVersions
 from rlsync.core._hookspecs import hookimpl, hookspec
+from rlsync.core._host_staging import HostStaging
 from rlsync.core._layout import (
     Box,
     BufferSpec,
@@ -79,7 +80,7 @@ from rlsync.core._writer import WeightsWriter
 
 __all__ = [
     "BUILTIN_PLUGINS", "DEFAULT_TIMEOUT", "ENTRY_POINT_GROUP", "PRESETS", "SLACK", "WIRES",
-    "Batch", "Box", "BufferSpec", "ChangeLog", "ConfigError", "Decision", "Finish", "Gate", "Landing", "LandedVersions",
+    "Batch", "Box", "BufferSpec", "ChangeLog", "HostStaging", "ConfigError", "Decision", "Finish", "Gate", "Landing", "LandedVersions",
     "LandingMode", "Layout", "LayoutError", "Link", "MaxStaleness", "MemoryStorage", "ModelSpec", "Param",
     "PeerLostError", "Plan", "PlanError", "PlanMismatchError", "PlanStats", "PluginError", "PolicyVersionClock",
     "RankBoxes", "Region", "Registry", "RlsyncError", "RlsyncWarning", "RolloutBuffer", "RolloutBufferError", "Run",

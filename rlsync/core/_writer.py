@@ -29,6 +29,7 @@ from rlsync.core._errors import (
     VersionError,
     WeightMismatchError,
 )
+from rlsync.core._host_staging import HostStaging
 from rlsync.core._layout import Layout, dtype_size
 from rlsync.core._layout_exchange import ask_layout
 from rlsync.core._options import SyncOptions
@@ -121,12 +122,18 @@ class WeightsWriter:
         self._inboxes: dict[int, tuple[Link, int, int, np.ndarray]] = {}  # reader rank -> (link, offset, capacity, staging)
         self._held: dict[int, dict[int, int]] = {}  # reader rank -> {slot: version this rank's part of it holds}
         self._sent: dict[int, int] = {}  # reader rank -> bytes the last version moved to it
+        self._staging = HostStaging()  # host copies of tensors put from device memory (or strided), reused
         self.last_bytes = 0
 
     def put(self, name: str, tensor: Any) -> None:
         """Bind this rank's buffer ``name`` (for plain and FSDP layouts: the parameter name) to ``tensor``.
 
-        The tensor is read when ``complete`` runs: keep it alive and unchanged until then.
+        ``tensor``: a torch tensor on any device, or a numpy array, of the layout's dtype and size. A contiguous
+        host tensor is read in place when ``complete`` runs: keep it alive and unchanged until then. Device
+        memory (a GPU trainer's parameters) and strided views are copied now into a host buffer that this writer
+        allocates once (pinned where CUDA runs) and reuses every version; the copy from a GPU is asynchronous,
+        and ``complete`` waits for it. Cast on the device before ``put`` (``t.to(torch.bfloat16)``), so that the
+        smaller dtype is what crosses PCIe.
         """
         if self._codec is not None:
             encoded = self._codec.encode(name, tensor)
@@ -149,7 +156,12 @@ class WeightsWriter:
         numel = int(tensor.numel()) if callable(getattr(tensor, "numel", None)) else int(tensor.size)
         if numel != spec.numel:
             raise WeightMismatchError(f"tensor {name!r}: {numel} elements but the layout says {spec.numel} (shape {tuple(tensor.shape)})")
-        self._sources[name] = as_bytes(name, tensor)
+        if not isinstance(tensor, np.ndarray) and self._staging.needs_staging(tensor):
+            # device memory or a strided view: copied (asynchronously from a GPU) into a reused host buffer;
+            # complete() waits for the copies before a byte is sent
+            self._sources[name] = as_bytes(name, self._staging.stage(name, tensor))
+        else:
+            self._sources[name] = as_bytes(name, tensor)
 
     def multi_put(self, tensors: Mapping[str, Any]) -> None:
         for name, tensor in tensors.items():
@@ -199,6 +211,7 @@ class WeightsWriter:
         if missing:
             raise WeightMismatchError(f"writer rank {self.rank}: no tensor was put for {missing[:5]} (and {max(0, len(missing) - 5)} more)")
         names = sorted(self._sources)
+        self._staging.wait()  # the device-to-host copies put() issued
         self._plugins.hook.rlsync_before_export(version=version, names=names)
         started = time.perf_counter()
         if self._changes is not None:

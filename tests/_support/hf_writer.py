@@ -30,6 +30,8 @@ if __name__ == "__main__":
     parser.add_argument("--version", type=int, required=True)
     parser.add_argument("--tied", action="store_true")
     parser.add_argument("--die-after-writes", type=int, default=0, help="SIGKILL itself after this many writes")
+    parser.add_argument("--device", default="cpu", help="where the trainer's model lives (cuda: the GPU check)")
+    parser.add_argument("--transport", default="shm")
     args = parser.parse_args()
     if args.die_after_writes:
         write, calls = ShmLink.write, [0]
@@ -41,8 +43,9 @@ if __name__ == "__main__":
             write(self, source, runs)
 
         ShmLink.write = write_then_die  # type: ignore[method-assign]
-    model = tiny_qwen2(args.seed, args.tied)
+    model = tiny_qwen2(args.seed, args.tied).to(args.device)
     state = model.state_dict()  # what a trainer has: a tied model's lm_head.weight alias included
-    with WeightsWriter(from_state_dict(state), None, 0, [args.address], options=SyncOptions(transport="shm")) as writer:  # layout from the receiver
+    options = SyncOptions(transport=args.transport)
+    with WeightsWriter(from_state_dict(state), None, 0, [args.address], options=options) as writer:  # layout from the receiver
         writer.multi_put(state)
         writer.complete(args.version)

@@ -31,6 +31,7 @@ def greedy(model: torch.nn.Module) -> list[int]:
 def test_generation_after_each_update_equals_a_model_loaded_with_the_new_weights(tied: bool) -> None:
     model = hf_writer.tiny_qwen2(seed=0, tied=tied)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    addresses = {n: p.data_ptr() for n, p in model.named_parameters()}
     with ModuleReceiver(model) as receiver:
         for version, seed in ((1, 11), (2, 22), (3, 33)):
             fresh = hf_writer.tiny_qwen2(seed=seed, tied=tied)
@@ -43,6 +44,8 @@ def test_generation_after_each_update_equals_a_model_loaded_with_the_new_weights
                     assert torch.equal(p, dict(fresh.named_parameters())[name]), name
             with receiver.serving(), torch.no_grad():
                 assert greedy(model) == greedy(fresh)
+            # copied in place: a CUDA graph that captured these addresses would still read the live weights
+            assert {n: p.data_ptr() for n, p in model.named_parameters()} == addresses
     assert not all(torch.equal(before[n], p) for n, p in model.named_parameters())
 
 

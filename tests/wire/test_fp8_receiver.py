@@ -38,7 +38,8 @@ def fresh_fp8_load(trainer: Qwen2ForCausalLM, where: Path) -> torch.nn.Module:
     save_file({n: t.contiguous() for n, t in fp8_tensors(trainer.state_dict())}, str(where / "model.safetensors"))
     config = trainer.config.to_dict() | {"quantization_config": FP8_CONFIG, "architectures": ["Qwen2ForCausalLM"]}
     (where / "config.json").write_text(json.dumps(config))
-    return AutoModelForCausalLM.from_pretrained(where, dtype=torch.bfloat16).eval()
+    # device_map="cpu": the comparison is on the CPU on purpose; without it, transformers warns on a machine with a GPU
+    return AutoModelForCausalLM.from_pretrained(where, dtype=torch.bfloat16, device_map="cpu").eval()
 
 
 def greedy(model: torch.nn.Module) -> list[int]:

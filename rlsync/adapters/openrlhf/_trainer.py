@@ -68,7 +68,8 @@ def init_vllm_sync_group(self: Any, backend: str) -> None:
 
 
 def _my_parts(trainer: Any, rank: int, world: int) -> dict[str, Any]:
-    """This rank's flat part of every parameter, on the host (``flat_partitions``' buffers of ``rank``)."""
+    """This rank's flat part of every parameter where it lives (``flat_partitions``' buffers of ``rank``): the writer
+    copies device memory into host buffers it allocates once."""
     parts = {}
     for name, param in _params(trainer):
         numel = int(getattr(param, "ds_numel", param.numel()))
@@ -80,7 +81,7 @@ def _my_parts(trainer: Any, rank: int, world: int) -> dict[str, Any]:
             flat = param.ds_tensor.detach().reshape(-1)[: hi - lo]
         else:  # ZeRO-1/2: the whole parameter is here; send one part of it
             flat = param.detach().reshape(-1)[lo:hi]
-        parts[name] = flat.to("cpu").contiguous()
+        parts[name] = flat
     return parts
 
 

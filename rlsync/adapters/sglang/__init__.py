@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlsync import ConfigError, RlsyncError, StagedReceiver, SyncOptions
+from rlsync.core import HostStaging
 
 #: the import path to allow with ``--custom-weight-loader`` and to pass as ``load_format``
 LOADER = "rlsync.adapters.sglang.load_landed"
@@ -92,12 +93,18 @@ def load_landed(model: Any, named_tensors: Sequence[tuple[str, Any]]) -> None:
     finish(None)
 
 
+_snapshot_buffers = HostStaging()  # host buffers for the rollback snapshot (pinned on a GPU), reused every version
+
+
 class _Snapshot:
-    """A host copy of a model's parameters (each shared one once), to put back after a failed load."""
+    """A host copy of a model's parameters (each shared one once), to put back after a failed load. It goes into
+    host buffers allocated on the first version and reused after (``HostStaging``): no device memory, no fresh
+    host allocation per version."""
 
     def __init__(self, model: Any) -> None:
         params = {id(p): p for p in model.parameters()}
-        self.saved = [(p, p.detach().to("cpu", copy=True)) for p in params.values()]
+        self.saved = [(p, _snapshot_buffers.stage(str(i), p)) for i, p in enumerate(params.values())]
+        _snapshot_buffers.wait()
 
     def restore(self) -> None:
         import torch

@@ -39,6 +39,7 @@ from rlsync import (
     WeightsReader,
     WeightsWriter,
 )
+from rlsync.core import HostStaging
 from rlsync.layouts import fsdp
 
 
@@ -65,6 +66,7 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         self._rank, self._world = 0, 1
         self._writer: WeightsWriter | None = None
         self._chunks: dict[str, torch.Tensor] = {}  # this actor rank's share of every tensor (host memory, reused)
+        self._host = HostStaging()
         self._version = 0
         self._reader: WeightsReader | None = None
         self._landed = LandedVersions(self.timeout)
@@ -145,10 +147,10 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
             return
         [box] = boxes
         part = tensor.detach()[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))]
-        kept = self._chunks.get(meta.name)
-        if kept is None or kept.shape != part.shape or kept.dtype != part.dtype:
-            kept = self._chunks[meta.name] = torch.empty(part.shape, dtype=part.dtype)
-        kept.copy_(part)
+        # a reused host buffer (pinned where CUDA runs); waited for at once: the generator's next full_tensor()
+        # may need the memory this one holds
+        self._chunks[meta.name] = self._host.stage(meta.name, part)
+        self._host.wait()
 
     # -- rollout workers --------------------------------------------------------------------------
 

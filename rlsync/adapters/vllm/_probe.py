@@ -11,7 +11,9 @@ they are not rectangular, so always correct); tensors that land nowhere on this 
 The stand-ins have the shapes the loader expects (vLLM records them for its layerwise reload,
 before CPU repacking empties the live linears: ``reload/layerwise.py`` ``LAYERWISE_INFO``); the
 live parameters are swapped back untouched afterwards, so a probe never disturbs the weights the
-engine serves. Layers are probed one at a time (by the index in their names) to bound memory.
+engine serves. Layers are probed one at a time (by the index in their names) to bound memory: the
+probe tensors and the stand-ins are float64 on the host, whatever the engine's device, so the peak is
+16 bytes per element of the largest layer (its probe ids and its stand-ins), in host memory only.
 Results are cached on disk under a fingerprint of everything they depend on.
 
 The same run checks the tensor list before a byte moves (``learn_parts``, on every worker and every
@@ -244,7 +246,7 @@ def _collect(scratch: Sequence[Any], group: Sequence[TensorMeta], starts: np.nda
 
 @contextmanager
 def _stand_ins(named: Sequence[tuple[str, Any]]) -> Iterator[list[tuple[list[str], Any]]]:
-    """Swap every tensor of ``modules`` for a zeroed float64 stand-in with the loader-side shape, class
+    """Swap every tensor of ``modules`` for a zeroed float64 stand-in on the host with the loader-side shape, class
     and attributes (its ``weight_loader`` among them); put the live tensors back afterwards."""
     import torch
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
@@ -263,7 +265,9 @@ def _stand_ins(named: Sequence[tuple[str, Any]]) -> Iterator[list[tuple[list[str
                     names.append(qualified)
         else:
             dtype = torch.float64 if source.dtype.is_floating_point else source.dtype
-            tensor = torch.zeros(tuple(source.shape), dtype=dtype, device=device if source.is_meta else source.device)
+            # on the host whatever the engine's device: the ids are read back with numpy, and a GPU engine's memory
+            # is taken by its weights and KV cache (one layer's stand-ins at a time: 8 bytes per element)
+            tensor = torch.zeros(tuple(source.shape), dtype=dtype, device="cpu")
             tensor.__class__ = source.__class__  # vLLM parameter classes carry the loading logic
             tensor.__dict__ = dict(source.__dict__)
             made[key] = restore_layer_refs(tensor, module)

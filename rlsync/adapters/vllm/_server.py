@@ -223,8 +223,6 @@ class VllmServer:
 
 
 def _cast(tensor: Any, dtype: Any) -> Any:
-    """What the server loads: its dtype, contiguous, on the host (vLLM's loader casts the same way on copy)."""
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return t.to(dtype).contiguous()
+    """What the server loads: its dtype (vLLM's loader casts the same way on copy), cast where the tensor lives
+    (on a GPU the smaller dtype is what crosses PCIe); the writer copies device memory into reused host buffers."""
+    return tensor.detach().to(dtype)

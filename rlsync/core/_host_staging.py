@@ -1,0 +1,61 @@
+"""Reused host buffers for tensors a host transport cannot read where they are: device memory (a trainer's
+CUDA parameters) and strided views.
+
+Each buffer name gets one host tensor, allocated on first use and reused every version (pinned when a CUDA
+device exists, so device-to-host copies are DMA and can run asynchronously). ``stage`` issues the copy and
+returns the buffer's bytes; ``wait`` returns once every copy issued so far has finished (the writer calls it
+before a byte is sent). The copy is one ``Tensor.copy_``: the same line runs on CPU tensors (a strided view)
+and on device tensors, so CPU tests exercise it; only the event that tracks an asynchronous device copy is
+CUDA-specific.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _pinned() -> bool:
+    """Pin host buffers only where a CUDA device can use them (pinning needs the CUDA runtime)."""
+    return torch.cuda.is_available()
+
+
+class HostStaging:
+    """One reused host buffer per name; see the module docstring. Used by one thread (the writer's caller)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        # (CUDA event recorded after an asynchronous copy, its source): the source is held until the copy is done,
+        # so the caching allocator cannot hand its memory to another tensor while the copy still reads it
+        self._pending: list[tuple[Any, torch.Tensor]] = []
+
+    def needs_staging(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` cannot be read in place by a host transport."""
+        return tensor.device.type != "cpu" or not tensor.is_contiguous()
+
+    def stage(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Copy ``tensor`` into ``name``'s host buffer (asynchronously from a CUDA device) and return that buffer:
+        read it only after ``wait``."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = self._buffers[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=_pinned())
+        on_cuda = tensor.device.type == "cuda"
+        with torch.no_grad():
+            buffer.copy_(tensor.detach(), non_blocking=on_cuda and buffer.is_pinned())
+        if on_cuda:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call, unused-ignore]
+            event.record(torch.cuda.current_stream(tensor.device))
+            self._pending.append((event, tensor))
+        return buffer
+
+    def wait(self) -> None:
+        """Return once every copy issued by ``stage`` has finished."""
+        for event, _ in self._pending:
+            event.synchronize()
+        self._pending.clear()
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory held by the buffers (allocated once, kept for the next version)."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())

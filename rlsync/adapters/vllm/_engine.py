@@ -11,7 +11,7 @@ Worker ``r`` binds port ``PORT + r`` of the address in the init info (the traine
 trainer knows where to connect before the engine answers, and learns the layout from the workers
 (``WeightsWriter(src, None, 0, addresses)``). At init every worker checks the tensor list against its
 loader and learns its part of each tensor (``learn_parts``): a bad name fails the init, before a byte
-moves. A version is loaded only once all its bytes have landed, all or nothing (``reload_atomically``):
+moves. A version is loaded only once all its bytes have landed, all or nothing (``EngineCommit``):
 a trainer that dies, a timeout or a loader error leaves the engine serving the previous version.
 """
 
@@ -29,8 +29,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from rlsync import Finish, StagedReceiver, SyncOptions, VersionError
-from rlsync.adapters.vllm._probe import learn_parts
-from rlsync.adapters.vllm._reload import reload_atomically
+from rlsync.adapters.vllm._commit import EngineCommit
+from rlsync.adapters.vllm._probe import learn_parts, learn_placements
 
 
 @dataclass
@@ -66,6 +66,7 @@ class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpda
         host, port = init_info.address.removeprefix("tcp://").rsplit(":", 1)
         options = SyncOptions(transport=init_info.transport, host=host, port=int(port) + world.rank, verify=init_info.verify)
         self._receiver = StagedReceiver(tensors, boxes=boxes, rank=world.rank, options=options)
+        self._commit = EngineCommit(self.model, learn_placements(self.model, init_info.tensors))
         self._finish: Finish | None = None
 
     def start_weight_update(self) -> None:
@@ -80,7 +81,7 @@ class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpda
             finish(error)
             raise error
         try:
-            reload_atomically(self.model, self.model_config, views)
+            self._commit.load(self.model, self.model_config, views)
         except Exception as exc:
             finish(exc)
             raise

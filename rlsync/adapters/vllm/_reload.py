@@ -3,13 +3,13 @@
 ``reload_atomically(model, model_config, weights)`` either loads every weight or leaves the engine
 exactly as it was. vLLM's own reload is not a transaction: ``initialize_layerwise_reload`` swaps every
 layer's tensors for meta tensors, each layer is processed once its weights are in and its result
-copied into the live ("kernel") tensors at once. A loader error halfway leaves the first layers on the
-new weights and the rest on meta: every later forward pass fails. Here the copies into the live
-tensors wait until every layer has loaded and been processed (``_copy_and_restore_kernel_tensors`` is
-deferred for the duration; vLLM 0.32, ``reload/layerwise.py``), and on any error each module gets its
-tensors and attributes back (processing also sets attributes, e.g. the CPU GEMM closures of
-``dispatch_cpu_unquantized_gemm``), so the live tensors were never touched. The cost: the processed
-new tensors of all layers are held until the commit (about one extra model in memory during an update).
+copied into the live ("kernel") tensors at once (vLLM 0.32, ``reload/layerwise.py``). A loader error halfway
+leaves the first layers on the new weights and the rest on meta: every later forward pass fails. Here the
+values of the live tensors the reload may write are first copied to host memory (reused buffers, pinned on a
+GPU), vLLM then reloads layer by layer as it does (one layer's new tensors on the device at a time), and on any
+error every live tensor gets its old values back and each module its tensors and attributes (processing also
+sets attributes, e.g. the CPU GEMM closures of ``dispatch_cpu_unquantized_gemm``). The cost: a host copy of the
+reloaded modules' tensors; modules the caller commits in place (``keep``) are left out of it.
 
 vLLM 0.32 reloads weights in place (``vllm/model_executor/model_loader/reload/layerwise.py``:
 ``initialize_layerwise_reload``, the model's ``load_weights``, ``finalize_layerwise_reload``), running each
@@ -28,73 +28,70 @@ of the weights are not redone there, and an engine then computes with the old or
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from rlsync import ConfigError
+from rlsync.core import HostStaging
 
 SUPPORTED_VLLM = ("0.32.",)  # the layerwise reload internals this module relies on
 
 
-def reload_atomically(model: Any, model_config: Any, weights: Iterable[tuple[str, Any]]) -> None:
+def reload_atomically(model: Any, model_config: Any, weights: Iterable[tuple[str, Any]], *,
+                      snapshot: HostStaging | None = None, keep: Collection[Any] = ()) -> None:
     """vLLM's layerwise reload of ``weights`` into ``model``, all or nothing (see the module docstring).
-    Call it under ``set_current_vllm_config``, with the engine paused (no forward pass runs meanwhile)."""
+    Call it under ``set_current_vllm_config``, with the engine paused (no forward pass runs meanwhile).
+
+    ``snapshot``: the reused host buffers the rollback copy goes to (one per engine worker, kept across versions).
+    ``keep``: modules the caller guarantees this reload leaves alone (committed in place, given no weights here):
+    their tensors are not snapshotted."""
     from vllm.model_executor.model_loader.reload import layerwise
 
     _check_vllm_version()
-    snapshot = [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), set(m._non_persistent_buffers_set))
-                for m in model.modules()]
-    deferred: list[tuple[Any, Any]] = []
-    copy_into_live = layerwise._copy_and_restore_kernel_tensors
-
-    def defer(layer: Any, info: Any) -> None:
-        deferred.append((layer, type(info)(restore_metadata=info.restore_metadata, restore_device=info.restore_device,
-                                           loaded_weights=list(info.loaded_weights), kernel_tensors=info.kernel_tensors,
-                                           kernel_non_persistent_buffers=set(info.kernel_non_persistent_buffers))))
-
+    snapshot = snapshot if snapshot is not None else HostStaging()
+    kept = {id(m) for m in keep}
+    modules = [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), set(m._non_persistent_buffers_set))
+               for m in model.modules()]
+    live = _live_tensors(model, kept)
+    saved = [(tensor, snapshot.stage(str(i), tensor)) for i, tensor in enumerate(live)]  # the values, in host memory
+    snapshot.wait()
     fixes = reprocessing_skipped_steps(model)
-    exposed: list[tuple[Any, Any]] = []  # live tensors the loader writes in place, and their old values
-    layerwise._copy_and_restore_kernel_tensors = defer
+    fixes.enter()
     try:
-        fixes.enter()
-        try:
-            layerwise.initialize_layerwise_reload(model)
-            exposed = _left_live(model)
-            model.load_weights(weights)
-            layerwise.finalize_layerwise_reload(model, model_config)  # type: ignore[no-untyped-call, unused-ignore]
-        except BaseException:
-            fixes.exit(ok=False)
-            _roll_back(model, snapshot, exposed)
-            raise
-    finally:
-        layerwise._copy_and_restore_kernel_tensors = copy_into_live
-    for layer, info in deferred:  # every layer loaded and processed: now the live tensors change
-        copy_into_live(layer, info)
+        layerwise.initialize_layerwise_reload(model)
+        model.load_weights(weights)
+        layerwise.finalize_layerwise_reload(model, model_config)  # type: ignore[no-untyped-call, unused-ignore]
+    except BaseException:
+        fixes.exit(ok=False)
+        _roll_back(model, modules, saved)
+        raise
     fixes.exit(ok=True)
 
 
-def _left_live(model: Any) -> list[tuple[Any, Any]]:
-    """Tensors the reload leaves in place instead of swapping for meta ones (``bias``: ``reload/meta.py``
-    ``SKIP_TENSORS``): the loader writes into them directly, so their old values are kept to roll back."""
-    seen: dict[int, tuple[Any, Any]] = {}
+def _live_tensors(model: Any, kept: set[int]) -> list[Any]:
+    """Every live parameter and buffer of the modules a reload may write (each shared tensor once): vLLM copies a
+    layer's processed weights into them as soon as the layer is loaded."""
+    seen: dict[int, Any] = {}
     for module in model.modules():
+        if id(module) in kept:
+            continue
         for tensor in (*module._parameters.values(), *module._buffers.values()):
-            if tensor is not None and not tensor.is_meta and id(tensor) not in seen:
-                seen[id(tensor)] = (tensor, tensor.detach().clone())
+            if tensor is not None and not tensor.is_meta and tensor.numel() and id(tensor) not in seen:
+                seen[id(tensor)] = tensor
     return list(seen.values())
 
 
-def _roll_back(model: Any, snapshot: list[tuple[Any, dict[str, Any], dict[str, Any], dict[str, Any], set[str]]],
-               exposed: list[tuple[Any, Any]]) -> None:
+def _roll_back(model: Any, modules: list[tuple[Any, dict[str, Any], dict[str, Any], dict[str, Any], set[str]]],
+               saved: list[tuple[Any, Any]]) -> None:
     """Every module as it was before the reload: the same tensor objects, their old values, its attributes."""
     import torch
     from vllm.model_executor.model_loader.reload import layerwise
 
     with torch.no_grad():
-        for tensor, old in exposed:
+        for tensor, old in saved:
             tensor.copy_(old)
 
-    for module, attributes, parameters, buffers, non_persistent in snapshot:
+    for module, attributes, parameters, buffers, non_persistent in modules:
         info = layerwise.LAYERWISE_INFO.get(module)
         if info is not None and info.can_load():
             info.reset()  # type: ignore[no-untyped-call, unused-ignore]

@@ -29,8 +29,8 @@ from typing import Any
 
 from rlsync import ConfigError
 from rlsync.adapters.vllm._probe import Placements
-from rlsync.core import HostStaging
 from rlsync.adapters.vllm._reload import reload_atomically
+from rlsync.core import HostStaging
 
 #: quant methods that use a module's weights as loaded (vLLM's unquantized linear and embedding methods)
 IN_PLACE_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")

@@ -20,6 +20,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::FutureWarnin
 
 from _support import vllm_engines as common  # noqa: E402
 
+from rlsync.adapters.vllm import apply_next_version  # noqa: E402
+
 
 def push(address: str, arch: str, seed: int, version: int, *extra: str, script: Path = common.TRAINER) -> subprocess.Popen[str]:
     """A trainer process sending one version (its ``complete`` returns once the engine loaded it)."""
@@ -75,7 +77,7 @@ def test_bad_names_are_refused_at_init_and_a_tied_alias_is_left_out(tmp_path: Pa
     [address] = llm.collective_rpc("rlsync_start", args=([*tensors, ["lm_head.weight", embed[1], embed[2]]],))
     assert "lm_head.weight" not in reader_layout(address).tensor_map()  # recognised as the embedding's alias: never sent
     pushed = push(address, "qwen2-tied", 7, 1, "--alias")  # the trainer offers it, as state_dict() has it
-    assert common.apply_next_version(llm, 120.0) == 1
+    assert apply_next_version(llm, 120.0) == 1
     assert ended(pushed)[0] == 0
     assert common.generate(llm) == fresh_output("qwen2-tied", 7, tmp_path / "v1")
 
@@ -87,14 +89,14 @@ def test_a_load_that_fails_after_the_bytes_landed_leaves_the_previous_version(ar
     cleanup.append(llm)
     [address] = llm.collective_rpc("rlsync_start", args=(common.trainer.tensors(common.trainer.build(arch, 100)),))
     pushed = push(address, arch, 7, 1)
-    assert common.apply_next_version(llm, 120.0) == 1
+    assert apply_next_version(llm, 120.0) == 1
     assert ended(pushed)[0] == 0
     before = common.generate(llm)
 
     llm.collective_rpc(fail_halfway)
     pushed = push(address, arch, 8, 2)
     with pytest.raises(Exception, match="injected: the loader failed halfway"):
-        common.apply_next_version(llm, 120.0)
+        apply_next_version(llm, 120.0)
     code, err = ended(pushed)
     assert code != 0 and "injected: the loader failed halfway" in err  # the trainer hears why
     llm.reset_prefix_cache()
@@ -102,7 +104,7 @@ def test_a_load_that_fails_after_the_bytes_landed_leaves_the_previous_version(ar
     assert llm.collective_rpc("rlsync_version") == [1]
 
     pushed = push(address, arch, 9, 2)  # the next good version loads normally
-    assert common.apply_next_version(llm, 120.0) == 2
+    assert apply_next_version(llm, 120.0) == 2
     assert ended(pushed)[0] == 0
     assert common.generate(llm) == fresh_output(arch, 9, tmp_path / "v2")
 

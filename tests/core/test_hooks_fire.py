@@ -177,27 +177,29 @@ def test_a_buffers_own_gate_is_asked_first_and_only_there() -> None:
     assert dropped_by_mine == ["odd-1"]
 
 
-def test_the_default_manager_is_built_once_and_fires_without_plugins_argument(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rlsync.core._plugins, "_default", None)  # a fresh process's state
+def test_the_default_manager_is_built_once_and_fires_without_plugins_argument() -> None:
     calls: list[int] = []
-    module = types.ModuleType("rlsync_recording_plugin")
 
-    @hookimpl
-    def rlsync_after_export(version: int, stats: dict[str, Any]) -> None:
-        calls.append(version)
+    class AfterExport:
+        @hookimpl
+        def rlsync_after_export(self, version: int, stats: dict[str, Any]) -> None:
+            calls.append(version)
 
-    module.rlsync_after_export = rlsync_after_export  # type: ignore[attr-defined]
-    monkeypatch.setattr(importlib.metadata, "distributions", lambda: [_installed(module)])
-    monkeypatch.delenv("RLSYNC_DISABLE_PLUGIN_AUTOLOAD", raising=False)
-    assert rlsync.plugin_manager() is rlsync.plugin_manager()
-    state = {"w": torch.ones(4)}
-    layout = from_state_dict(state)
-    options = SyncOptions(transport=MemoryTransport, timeout=20)
-    with WeightsReader(layout, layout, 0, options=options) as reader, \
-            WeightsWriter(layout, layout, 0, [reader.address], options=options) as writer:
-        writer.multi_put(state)
-        writer.complete(1)
-    assert calls == [1]  # an installed plugin's hook ran, though nobody passed plugins=
+    manager = rlsync.plugin_manager()
+    assert manager is rlsync.plugin_manager()  # one per process
+    plugin = AfterExport()
+    manager.register(plugin, name="after-export-recorder")  # what an installed plugin's entry point amounts to
+    try:
+        state = {"w": torch.ones(4)}
+        layout = from_state_dict(state)
+        options = SyncOptions(transport=MemoryTransport, timeout=20)
+        with WeightsReader(layout, layout, 0, options=options) as reader, \
+                WeightsWriter(layout, layout, 0, [reader.address], options=options) as writer:
+            writer.multi_put(state)
+            writer.complete(1)
+    finally:
+        manager.unregister(plugin)
+    assert calls == [1]  # the plugin's hook ran, though nobody passed plugins=
 
 
 def test_a_misspelled_hook_is_an_error_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:

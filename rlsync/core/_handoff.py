@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 from rlsync.core._errors import TransferTimeoutError, WeightMismatchError
+from rlsync.core._options import DEFAULT_TIMEOUT
 
 Finish = Callable[[BaseException | None], None]
 
@@ -25,7 +26,7 @@ class LandedVersions:
     ``load_timeout``: how long a landed version may wait to be loaded before the writers hear it failed.
     """
 
-    def __init__(self, load_timeout: float = 600.0) -> None:
+    def __init__(self, load_timeout: float = DEFAULT_TIMEOUT) -> None:
         self._pending: queue.Queue[tuple[int, dict[str, np.ndarray], threading.Event, list[BaseException]] | BaseException]
         self._pending = queue.Queue(1)
         self.load_timeout = load_timeout

@@ -17,7 +17,7 @@ import runpy
 import sys
 from collections.abc import Sequence
 
-from rlsync import ConfigError, __version__
+from rlsync import DEFAULT_TIMEOUT, ConfigError, __version__
 from rlsync.adapters.openrlhf._hooks import patch_trainer
 from rlsync.adapters.openrlhf._versions import clock
 from rlsync.patches.openrlhf import OPTIONS_ENV, check_version, installed_version
@@ -33,7 +33,7 @@ def parser() -> argparse.ArgumentParser:
                    help="rlsync (every trainer rank sends its share) or OpenRLHF's own broadcast, unpatched")
     p.add_argument("--transport", default="shm", help="shm (one machine, the default), tcp or nixl")
     p.add_argument("--host", default="127.0.0.1", help="where engine workers listen (loopback unless told otherwise)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds one sync may take")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds one sync may take")
     p.add_argument("--wire", choices=("full", "delta"), default="full",
                    help="delta: send only the values that changed since the last sync (a few percent at RL learning rates)")
     p.add_argument("--max-staleness", type=int, default=None,

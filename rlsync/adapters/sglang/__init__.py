@@ -31,7 +31,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from rlsync import ConfigError, RlsyncError, StagedReceiver, SyncOptions
+from rlsync import DEFAULT_TIMEOUT, ConfigError, RlsyncError, StagedReceiver, SyncOptions
 from rlsync.core import HostStaging
 
 #: the import path to allow with ``--custom-weight-loader`` and to pass as ``load_format``
@@ -181,7 +181,7 @@ class SglangWeights:
                    flush_cache=False)
         return self.addresses
 
-    def apply(self, version: int, timeout: float = 600.0) -> None:
+    def apply(self, version: int, timeout: float = DEFAULT_TIMEOUT) -> None:
         """Pause generation, load ``version`` once it has landed, flush the cache, set it as the engine's
         weight version and continue. If the version never lands the engine continues on the old weights.
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlsync import VersionError
+from rlsync import DEFAULT_TIMEOUT, VersionError
 
 
-def apply_next_version(llm: Any, timeout: float = 600.0) -> int:
+def apply_next_version(llm: Any, timeout: float = DEFAULT_TIMEOUT) -> int:
     """Every worker loads the next version that has fully landed (``rlsync_apply``); then the prefix cache is
     reset (cached prefixes hold activations computed with the old weights) and the version becomes the
     engine's weight version, which vLLM reports on every output. Call it between ``generate`` calls.

@@ -28,7 +28,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from rlsync import Finish, StagedReceiver, SyncOptions, VersionError
+from rlsync import DEFAULT_TIMEOUT, Finish, StagedReceiver, SyncOptions, VersionError
 from rlsync.adapters.vllm._commit import EngineCommit
 from rlsync.adapters.vllm._probe import learn_parts, learn_placements
 
@@ -48,7 +48,7 @@ class RlsyncInitInfo(WeightTransferInitInfo):
 @dataclass
 class RlsyncUpdateInfo(WeightTransferUpdateInfo):
     version: int
-    timeout: float = 600.0
+    timeout: float = DEFAULT_TIMEOUT
 
 
 class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpdateInfo]):

@@ -25,7 +25,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rlsync import ConfigError, StagedReceiver, SyncOptions
+from rlsync import DEFAULT_TIMEOUT, ConfigError, StagedReceiver, SyncOptions
 from rlsync.adapters.vllm._commit import EngineCommit
 from rlsync.adapters.vllm._probe import learn_parts, learn_placements, probe_worker
 from rlsync.layouts import RankBoxes
@@ -61,7 +61,7 @@ class RlsyncWorkerExtension:
         self._rlsync_version = -1
         return self._rlsync.address
 
-    def rlsync_apply(self, timeout: float = 600.0) -> int:
+    def rlsync_apply(self, timeout: float = DEFAULT_TIMEOUT) -> int:
         """Engine thread: load the next landed version with vLLM's loader, all or nothing; returns its number."""
         from vllm.config import set_current_vllm_config
 
@@ -96,7 +96,7 @@ class RlsyncWorkerExtension:
                                          options=SyncOptions.from_mapping(options, where="rlsync_lora_start"))
         return self._rlsync_lora.address
 
-    def rlsync_lora_apply(self, timeout: float = 600.0) -> int:
+    def rlsync_lora_apply(self, timeout: float = DEFAULT_TIMEOUT) -> int:
         """Engine thread: register the next landed adapter version; returns it (``apply_next_lora``)."""
         return self._rlsync_lora.apply_next(timeout)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rlsync import ConfigError, StagedReceiver, SyncOptions, VersionError
+from rlsync import DEFAULT_TIMEOUT, ConfigError, StagedReceiver, SyncOptions, VersionError
 
 #: adapter ids of synced versions: far above ids users give their own adapters
 LORA_ID_BASE = 1_000_000_000
@@ -103,7 +103,7 @@ class LoraReceiver:
         self._staged.close()
 
 
-def apply_next_lora(llm: Any, name: str = "policy", timeout: float = 600.0) -> Any:
+def apply_next_lora(llm: Any, name: str = "policy", timeout: float = DEFAULT_TIMEOUT) -> Any:
     """Driver side: every worker registers the next adapter version that has fully landed; returns the
     ``LoRARequest`` that serves it (``llm.generate(..., lora_request=...)``). Call it between ``generate``
     calls; raises if none arrives within ``timeout`` (the registered versions keep serving)."""

@@ -17,19 +17,16 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TRAINER = ROOT / "tests" / "adapters" / "vllm" / "trainer.py"
+TRAINER = ROOT / "tests" / "_support" / "model_trainer.py"  # also run as the trainer's process
 PROMPTS = [[5, 17, 42, 99, 3], [200, 1, 77]]
 SEEDS = [201, 202, 203]
 
 
 def _trainer_module():  # type: ignore[no-untyped-def]
-    import importlib.util
+    sys.path.insert(0, str(ROOT / "tests"))  # the tests' shared helpers (a script run from anywhere)
+    from _support import model_trainer
 
-    spec = importlib.util.spec_from_file_location("rlsync_check_trainer", TRAINER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return model_trainer
 
 
 def _engine(model_dir: Path, allow: bool):  # type: ignore[no-untyped-def]

@@ -4,6 +4,10 @@ rest stays in host staging. The device here is ``meta``, a stand-in for the GPU 
 
 from __future__ import annotations
 
+import types
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
@@ -20,6 +24,26 @@ def test_only_tensors_larger_than_the_bucket_go_to_the_device() -> None:
     assert for_server_adapter(large, 1024, None) is large  # no GPU: verl's shared-memory adapter, host tensors
 
 
+def _bucketed_weight_transfer() -> Any:
+    """verl's ``vllm_rollout/bucketed_weight_transfer.py``. Its package's ``__init__`` requires vLLM at import (it
+    checks the version), and vLLM cannot share verl's environment here (their transformers pins conflict); this
+    module needs neither (torch, zmq, ``verl.utils.device``), so it is loaded from its file."""
+    import importlib.util
+
+    import verl
+
+    path = Path(verl.__file__).parent / "workers" / "rollout" / "vllm_rollout" / "bucketed_weight_transfer.py"
+    spec = importlib.util.spec_from_file_location("verl_bucketed_weight_transfer", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # verl's device module answers "cuda" on a machine without a GPU; the sender and receiver only synchronize and
+    # free the device's caches through it, which on the CPU has nothing to do
+    cpu = types.SimpleNamespace(synchronize=lambda: None, ipc_collect=lambda: None, empty_cache=lambda: None)
+    module.get_torch_device = lambda: cpu
+    return module
+
+
 def test_verls_own_bucketed_sender_takes_what_the_backend_yields(tmp_path: object) -> None:
     """The host tensors the backend yields on a machine without a GPU go through verl's real ``BucketedWeightSender``
     (shared-memory mode, as verl's vLLM adapter runs there) and arrive whole, in order, bit for bit."""
@@ -27,7 +51,8 @@ def test_verls_own_bucketed_sender_takes_what_the_backend_yields(tmp_path: objec
     import threading
     import uuid
 
-    from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver, BucketedWeightSender
+    transfer = _bucketed_weight_transfer()
+    BucketedWeightReceiver, BucketedWeightSender = transfer.BucketedWeightReceiver, transfer.BucketedWeightSender
 
     bucket = 1 << 20
     tensors = [(f"t{i}", torch.randn(n, dtype=torch.bfloat16)) for i, n in enumerate((1000, 300_000, 7, 200_000))]

@@ -1,7 +1,8 @@
 """Fixtures of the OpenRLHF launcher tests: a local CPU Ray started the way ``rlsync launch openrlhf`` starts it.
 
 OpenRLHF 0.11.2 imports flash-attn at import time (a CUDA-only build): ``fakes/flash_attn`` is a FAKE of that
-import surface, on ``PYTHONPATH`` for this process and every Ray worker."""
+import surface, on ``PYTHONPATH`` for this process and every Ray worker, as are these helpers and the shared
+``tests/_support`` (Ray workers import the test actors' modules by name)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import pytest
 
 HERE = Path(__file__).parent
 FAKES = str(HERE / "fakes")
+TESTS = str(HERE.parents[1])  # for _support
 sys.path[:0] = [str(HERE), FAKES]
-os.environ["PYTHONPATH"] = os.pathsep.join([FAKES, str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+os.environ["PYTHONPATH"] = os.pathsep.join([FAKES, str(HERE), TESTS, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
 
 pytest.importorskip("openrlhf")
 pytest.importorskip("vllm")

@@ -8,6 +8,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -79,7 +80,8 @@ class Cluster:
         self.trainer = RayWorkerGroup(
             resource_pool=RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1),
             ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(verl_workers.FsdpTrainer),
-                                                   checkpoint_engine_config=self.config, model_dir=str(model_dir)),
+                                                   checkpoint_engine_config=self.config, model_dir=str(model_dir),
+                                                   store=str(Path(tempfile.mkdtemp(prefix="rlsync-verl-")) / "store")),
             device_name="cpu")
         self.rollout = RayWorkerGroup(
             resource_pool=RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1),

@@ -34,14 +34,17 @@ from rlsync import SyncOptions
 class FsdpTrainer(Worker):  # type: ignore[misc]
     """FAKE of verl's trainer worker; see the module docstring."""
 
-    def __init__(self, checkpoint_engine_config: Any, model_dir: str) -> None:
+    def __init__(self, checkpoint_engine_config: Any, model_dir: str, store: str) -> None:
         super().__init__()
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from transformers import AutoModelForCausalLM
 
-        dist.init_process_group("gloo")
+        # a file store, not verl's MASTER_PORT: a TCP port picked free and bound later can be taken meanwhile by one
+        # of the many processes a test starts (seen: EADDRINUSE while a vLLM server was up)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
         model.model.norm.float()  # mixed dtypes: one float32 tensor among bf16 ones
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))

@@ -183,9 +183,6 @@ class RolloutBuffer:
         self.storage: Storage = storage if storage is not None else MemoryStorage()
         self.gates = list(gates)  # this buffer's own gates, asked before the plugins' (rlsync_gate_sample)
         self.plugins = plugins or default_plugin_manager()
-        # only the built-in MaxStaleness gates: _fill checks the bound inline, a vector test per take (the hot path)
-        self._only_builtin_gate = not self.gates and [
-            impl.plugin_name for impl in self.plugins.hook.rlsync_gate_sample.get_hookimpls()] == [BUILTIN_GATES]
         self._extra_gates = [_as_filter(g) for g in self.gates]
         self.telemetry = BufferTelemetry()
         state = self.storage.load_state()
@@ -273,7 +270,13 @@ class RolloutBuffer:
     def _decide(self, sample: Sample) -> Decision:
         verdict = self.plugins.hook.rlsync_gate_sample.call_extra(
             self._extra_gates, {"sample": sample, "trainer_version": self.version, "max_staleness": self.max_staleness})
-        return Decision.DROP if verdict is Decision.DROP or verdict == Decision.DROP.value else Decision.TRAIN
+        return Decision.TRAIN if verdict is None else Decision(verdict)
+
+    def _only_builtin_gate(self) -> bool:
+        """Whether MaxStaleness is the only gate now (plugins may register after the buffer was built): then _fill
+        checks the bound inline, one test per sample taken, instead of a hook call per sample (the hot path)."""
+        return not self.gates and [impl.plugin_name for impl in self.plugins.hook.rlsync_gate_sample.get_hookimpls()] \
+            == [BUILTIN_GATES]
 
     def _fill(self, want: int) -> None:
         """Move samples from storage to ``_ready`` through the gates and the group assembly."""
@@ -281,7 +284,7 @@ class RolloutBuffer:
             taken = self.storage.take(max(want - len(self._ready), self.group_size))
             if not taken:
                 return
-            if self.group_size == 1 and self._only_builtin_gate:
+            if self.group_size == 1 and self._only_builtin_gate():
                 fresh = [s for s in taken if self.version - s.oldest_version <= self.max_staleness]
                 self._drop([s for s in taken if self.version - s.oldest_version > self.max_staleness])
                 self._ready.extend(fresh)

@@ -3,7 +3,7 @@ CUDA parameters) and strided views.
 
 Each buffer name gets one host tensor, allocated on first use and reused every version (pinned when a CUDA
 device exists, so device-to-host copies are DMA and can run asynchronously). ``stage`` issues the copy and
-returns the buffer's bytes; ``wait`` returns once every copy issued so far has finished (the writer calls it
+returns the buffer; ``wait`` returns once every copy issued so far has finished (the writer calls it
 before a byte is sent). The copy is one ``Tensor.copy_``: the same line runs on CPU tensors (a strided view)
 and on device tensors, so CPU tests exercise it; only the event that tracks an asynchronous device copy is
 CUDA-specific.

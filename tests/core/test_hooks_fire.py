@@ -213,3 +213,19 @@ def test_a_misspelled_hook_is_an_error_naming_it(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(importlib.metadata, "distributions", lambda: [_installed(module)])
     with pytest.raises(rlsync.PluginError, match="rlsync_after_exprot"):
         rlsync.make_plugin_manager()
+
+
+def test_a_gate_plugin_registered_after_the_buffer_was_built_is_asked() -> None:
+    pm = rlsync.make_plugin_manager(autoload=False)
+    buffer = rlsync.make_buffer("memory", plugins=pm, batch_size=1, max_staleness=5)
+
+    class NoBanned:
+        @hookimpl
+        def rlsync_gate_sample(self, sample: Sample) -> Decision | None:
+            return Decision.DROP if sample.prompt_id == "banned" else None
+
+    pm.register(NoBanned(), name="late-gate")  # after the buffer: its fast path must not skip this gate
+    buffer.publish(1)
+    buffer.put([_sample("banned", 1), _sample("ok", 1)])
+    batch = buffer.get(timeout=5)
+    assert batch is not None and [s.prompt_id for s in batch.samples] == ["ok"]

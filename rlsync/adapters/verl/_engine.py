@@ -73,7 +73,6 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         self.options = SyncOptions.from_mapping(engine_kwargs, where="actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.rlsync")
         if self.options.codec is not None:
             raise ConfigError(f"engine_kwargs.rlsync.wire={self.options.wire!r}: use 'full' or 'delta'")
-        self.host, self.timeout = self.options.host, self.options.timeout
         self.role: str | None = None  # "actor" or "rollout", known from init_process_group on
         self._address: str | None = None
         self._readers: list[str] = []
@@ -83,7 +82,7 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         self._host = HostStaging()
         self._version = 0
         self._reader: WeightsReader | None = None
-        self._landed = LandedVersions(self.timeout)
+        self._landed = LandedVersions(self.options.timeout)
 
     # -- topology ---------------------------------------------------------------------------------
 
@@ -91,7 +90,7 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         if self.role == "actor":
             return {}
         if self._address is None:  # reserved now, bound by the rollout worker's reader in init_process_group
-            self._address = f"tcp://{self.host}:{_free_port(self.host)}"
+            self._address = f"tcp://{self.options.host}:{_free_port(self.options.host)}"
         return {"address": self._address}
 
     @classmethod
@@ -169,7 +168,7 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
     # -- rollout workers --------------------------------------------------------------------------
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
-        version, buffers, finish = await asyncio.to_thread(self._landed.next, self.timeout)
+        version, buffers, finish = await asyncio.to_thread(self._landed.next, self.options.timeout)
         reader = self._reader
         assert reader is not None and reader.dst is not None
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None

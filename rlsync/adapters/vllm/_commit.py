@@ -113,9 +113,11 @@ class EngineCommit:
                     if view is None:
                         raise ConfigError(f"version has no tensor {tensor!r}, which engine module {type(module).__name__} "
                                           f"loads; the trainer must send every tensor of its first version")
-                    source = view[tuple(slice(o, o + n) for o, n in zip(src_lo, src_sizes))].reshape(dst_sizes)
+                    source = view[tuple(slice(o, o + n) for o, n in zip(src_lo, src_sizes))]
                     destination = param.data[tuple(slice(o, o + n) for o, n in zip(dst_lo, dst_sizes))]
-                    copies.append((destination, source))
+                    # the two boxes differ only in dims of size 1 (the probe checked): squeezed, both are views of the
+                    # same shape, and copy_ reads the strided staging directly (a reshape would copy it first)
+                    copies.append((destination.squeeze(), source.squeeze()))
         return copies
 
 

@@ -78,8 +78,6 @@ class VllmServer:
         server_host = urllib.parse.urlparse(self.url).hostname or "127.0.0.1"
         host = options.host if options.host != SyncOptions.host else server_host  # the workers bind beside the server
         self.options = options.replace(host="127.0.0.1" if host == "localhost" else host)
-        self.verify, self.wire, self.transport, self.timeout = options.verify, options.wire, options.transport, options.timeout
-        self.host = self.options.host
         self._writer: WeightsWriter | None = None
         self._names: list[str] = []
         self._dtype: Any = None
@@ -91,7 +89,7 @@ class VllmServer:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.url + route, data=data, method=method, headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
+            with urllib.request.urlopen(request, timeout=timeout or self.options.timeout) as response:
                 text = response.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:2000]
@@ -185,14 +183,15 @@ class VllmServer:
         sender = threading.Thread(target=send, name="rlsync-vllm-server-publish", daemon=True)
         sender.start()
         try:
-            self.call("/update_weights", {"update_info": {"version": version, "timeout": self.timeout}}, timeout=self.timeout + 60)
+            self.call("/update_weights", {"update_info": {"version": version, "timeout": self.options.timeout}},
+                      timeout=self.options.timeout + 60)
         except Exception:
             sender.join(timeout=5)
             if failure:
                 raise failure[0] from None
             raise
         self.call("/finish_weight_update", {"weight_version": str(version)})
-        sender.join(self.timeout)
+        sender.join(self.options.timeout)
         if failure:
             raise failure[0]
         writer.next_version = version + 1
@@ -202,10 +201,11 @@ class VllmServer:
     def _open(self, state: dict[str, Any]) -> None:
         tensors = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in state.items()]
         workers = int(self.call("/get_world_size", method="GET")["world_size"])
-        base = reserve_ports(self.host, workers)
-        self.call("/init_weight_transfer_engine", {"init_info": {"address": f"tcp://{self.host}:{base}", "tensors": tensors,
-                                                                "transport": self.transport, "verify": self.verify}})
-        readers = [f"tcp://{self.host}:{base + r}" for r in range(workers)]
+        host, plain = self.options.host, self.options.to_mapping()  # plain: the transport by name, for JSON
+        base = reserve_ports(host, workers)
+        self.call("/init_weight_transfer_engine", {"init_info": {"address": f"tcp://{host}:{base}", "tensors": tensors,
+                                                                "transport": plain["transport"], "verify": plain["verify"]}})
+        readers = [f"tcp://{host}:{base + r}" for r in range(workers)]
         self._writer = WeightsWriter(from_state_dict(state), None, 0, readers, options=self.options)
         self._names = list(state)
         self._dtype = next(iter(state.values())).dtype

@@ -6,6 +6,9 @@
 
 ``MemoryTransport`` moves bytes between a writer and a reader of one process (threads), with no
 copies beyond the write itself: use it to test code that drives ``WeightsWriter``/``WeightsReader``.
+With ``transport_options={"device": "cpu"}`` (or ``"cuda"``) its regions are torch tensors on that device
+and it reports device memory: the path a GPU landing takes (torch views, device checksums, deltas applied
+on the device, sources handed over as tensors), runnable on a CPU.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any, ClassVar
 
 import msgspec
 import numpy as np
+import torch
 
 from rlsync import (
     Landing,
@@ -40,20 +44,27 @@ _lock = threading.Lock()
 
 
 class MemoryLanding(Landing):
-    """Regions in this process's memory, found by a key in the process-wide table."""
+    """Regions in this process's memory, found by a key in the process-wide table: numpy arrays, or torch tensors
+    on ``options["device"]`` (then ``memory`` is ``"device"``)."""
 
     name = "memory"
     same_host_only = True
 
     def __init__(self, nbytes: int, slots: int, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(nbytes, slots, options)
-        self._regions = [np.zeros(nbytes, np.uint8) for _ in range(slots)]  # zeros: pages touched
+        device = self.options.get("device")
+        self._regions: list[Any]
+        if device is None:
+            self._regions = [np.zeros(nbytes, np.uint8) for _ in range(slots)]  # zeros: pages touched
+        else:
+            self.memory = "device"
+            self._regions = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(slots)]
         with _lock:
             self.key = next(_ids)
             _landings[self.key] = self
 
     @property
-    def regions(self) -> Sequence[np.ndarray]:
+    def regions(self) -> Sequence[Any]:
         return self._regions
 
     def describe(self) -> dict[str, Any]:
@@ -68,8 +79,15 @@ class MemoryLink(Link):
     def __init__(self, landing: MemoryLanding) -> None:
         self.landing = landing
 
-    def write(self, source: np.ndarray, runs: Sequence[Run]) -> None:
+    def write(self, source: Any, runs: Sequence[Run]) -> None:
         regions = self.landing.regions
+        if self.landing.memory == "device":
+            source = torch.from_numpy(source) if isinstance(source, np.ndarray) else source
+            for src, slot, dst, n in runs:
+                regions[slot][dst : dst + n].copy_(source[src : src + n])
+            return
+        if isinstance(source, torch.Tensor):
+            source = source.cpu().numpy()
         for src, slot, dst, n in runs:
             regions[slot][dst : dst + n] = source[src : src + n]
 
@@ -79,6 +97,7 @@ class MemoryTransport(Transport):
 
     name: ClassVar[str] = "memory"
     landing: ClassVar[type[Landing]] = MemoryLanding
+    device_sources: ClassVar[bool] = True
 
     @classmethod
     def open(cls, description: dict[str, Any], options: Mapping[str, Any] | None = None) -> Link:
@@ -107,16 +126,22 @@ def check_transport(transport: type[Transport], *, options: Mapping[str, Any] | 
     available = transport.available()
     assert isinstance(available, bool), f"{name}: available() must return a bool, not {available!r}"
     assert available, f"{name}: available() says it cannot run here; install what it needs before checking it"
-    assert transport.landing.memory in ("host", "device"), f"{name}: Landing.memory must be 'host' or 'device'"
 
     nbytes, slots = 4096 + 64, 2
     landing = transport.landing(nbytes, slots, options)
+    memory = landing.memory
+    assert memory in ("host", "device"), f"{name}: Landing.memory must be 'host' or 'device', not {memory!r}"
     try:
         regions = landing.regions
         assert len(regions) == slots, f"{name}: {len(regions)} regions for {slots} slots"
         for region in regions:
-            assert region.dtype == np.uint8 and region.ndim == 1 and region.nbytes == nbytes, \
-                f"{name}: a region must be a 1-D uint8 array of {nbytes} bytes, not {region.dtype} {region.shape}"
+            kind, dtype, shape = (type(region).__name__, region.dtype, tuple(region.shape))
+            if memory == "host":
+                assert isinstance(region, np.ndarray) and dtype == np.uint8 and shape == (nbytes,), \
+                    f"{name}: a host region must be a 1-D uint8 numpy array of {nbytes} bytes, not {kind} {dtype} {shape}"
+            else:
+                assert isinstance(region, torch.Tensor) and dtype == torch.uint8 and shape == (nbytes,), \
+                    f"{name}: a device region must be a 1-D uint8 torch tensor of {nbytes} bytes, not {kind} {dtype} {shape}"
             region[:] = 0xAB  # writable, and a pattern that shows what a write touched
         description = landing.describe()
         wire = msgspec.msgpack.decode(msgspec.msgpack.encode(description))
@@ -125,13 +150,19 @@ def check_transport(transport: type[Transport], *, options: Mapping[str, Any] | 
         rng = np.random.default_rng(0)
         source = rng.integers(0, 255, 8192, dtype=np.uint8)
         runs: list[Run] = [(0, 0, 0, 1000), (1000, 1, 64, 3000), (5000, 0, 2048, 1), (6000, 1, 4096, 64)]
+        # a transport that takes device sources gets the last runs from a tensor on the device the check runs on
+        device = _device(transport, options, landing)
+        writes: list[tuple[Any, list[Run]]] = [(source, runs)]
+        if transport.device_sources:
+            writes = [(source, runs[:2]), (torch.from_numpy(source).to(device), runs[2:])]
         errors: list[BaseException] = []
 
         def write() -> None:  # the writer's side, as another process would run it
             try:
                 link = transport.open(wire, options)
                 try:
-                    link.write(source, runs)
+                    for src, part in writes:
+                        link.write(src, part)
                     link.flush()
                 finally:
                     link.close()
@@ -150,19 +181,34 @@ def check_transport(transport: type[Transport], *, options: Mapping[str, Any] | 
             expected[slot][dst : dst + n] = source[src : src + n]
         for slot in range(slots):
             landing.progress()
-            differs = np.flatnonzero(np.asarray(regions[slot]) != expected[slot])
+            differs = np.flatnonzero(_host(regions[slot]) != expected[slot])
             assert differs.size == 0, f"{name}: slot {slot} differs from what was written at byte {differs[0]} " \
                                       f"({differs.size} bytes differ)"
     finally:
         landing.close()
-    _check_versions(transport, options)
+    _check_versions(transport, options, device)
 
 
-def _check_versions(transport: type[Transport], options: Mapping[str, Any] | None) -> None:
-    """Three versions through a real writer and reader on ``transport``, each landing byte for byte."""
-    import torch
+def _host(region: Any) -> np.ndarray:
+    return region.cpu().numpy() if isinstance(region, torch.Tensor) else np.asarray(region)
 
-    state = {"a.weight": torch.zeros(64, 32, dtype=torch.bfloat16), "b.bias": torch.zeros(17, dtype=torch.float32)}
+
+def _device(transport: type[Transport], options: Mapping[str, Any] | None, landing: Landing) -> torch.device:
+    """Where the check's sources live: the option's device, else the landing's, for a transport that reads
+    device sources; the host otherwise."""
+    if not transport.device_sources:
+        return torch.device("cpu")
+    if options and options.get("device"):
+        return torch.device(options["device"])
+    regions = landing.regions
+    return regions[0].device if regions and isinstance(regions[0], torch.Tensor) else torch.device("cpu")
+
+
+def _check_versions(transport: type[Transport], options: Mapping[str, Any] | None, device: torch.device) -> None:
+    """Three versions through a real writer and reader on ``transport``, each landing byte for byte (with
+    ``verify`` on: the reader checks the writer's checksums of the landing memory's kind)."""
+    state = {"a.weight": torch.zeros(64, 32, dtype=torch.bfloat16, device=device),
+             "b.bias": torch.zeros(17, dtype=torch.float32, device=device)}
     layout = from_state_dict(state)
     sync = SyncOptions(transport=transport, timeout=30.0, verify=True, transport_options=options)
     for landing in ("direct", "staged"):
@@ -172,14 +218,14 @@ def _check_versions(transport: type[Transport], options: Mapping[str, Any] | Non
             with WeightsWriter(layout, layout, 0, [reader.address], options=sync) as writer:
                 for version in (1, 2, 3):
                     for tensor in state.values():
-                        tensor.copy_(torch.randn(tensor.shape))
+                        tensor.copy_(torch.randn(tensor.shape))  # (moved to the tensor's device by copy_)
                     writer.multi_put(state)
                     writer.complete(version)
                     assert reader.version == version, f"{transport.name}: version {version} not live ({landing} landing)"
                     live = reader.buffers()
                     for tname, tensor in state.items():
-                        sent = tensor.reshape(-1).view(torch.uint8).numpy()
-                        assert np.array_equal(live[tname], sent), \
+                        sent = tensor.reshape(-1).view(torch.uint8).cpu().numpy()
+                        assert np.array_equal(_host(live[tname]), sent), \
                             f"{transport.name}: tensor {tname!r} of version {version} landed wrong ({landing} landing)"
         assert loaded == [1, 2, 3], f"{transport.name}: on_version saw {loaded} ({landing} landing)"
 

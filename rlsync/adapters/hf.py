@@ -21,8 +21,8 @@ import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
-import numpy as np
 import torch
 
 from rlsync import ConfigError, Layout, RlsyncWarning, SyncOptions, WeightsReader
@@ -83,15 +83,15 @@ class ModuleReceiver:
     def wait_for_version(self, version: int | None = None, timeout: float | None = None) -> int:
         return self.reader.wait_for_version(version, timeout)
 
-    def _commit(self, version: int, buffers: dict[str, np.ndarray]) -> None:
+    def _commit(self, version: int, buffers: dict[str, Any]) -> None:
         """Copy a landed version into the parameters, in place, between two forward passes (``serving``)."""
         from rlsync.wire import SCALE_SUFFIX, dequantize, is_quantized, scale_shape
 
         with self._serving, torch.no_grad():
             for name, p in self._params.items():
-                raw = torch.from_numpy(buffers[name])
+                raw = torch.as_tensor(buffers[name])  # host staging (numpy) or device staging (a tensor): no copy
                 if self.wire == "fp8" and is_quantized(name, tuple(p.shape)):  # dequantized on the parameter's device
-                    scale = torch.from_numpy(buffers[name + SCALE_SUFFIX]).view(torch.float32).view(scale_shape(tuple(p.shape)))
+                    scale = torch.as_tensor(buffers[name + SCALE_SUFFIX]).view(torch.float32).view(scale_shape(tuple(p.shape)))
                     q = raw.view(torch.float8_e4m3fn).view(p.shape).to(p.device)
                     p.copy_(dequantize(q, scale.to(p.device), p.dtype))
                 else:

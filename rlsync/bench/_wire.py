@@ -25,8 +25,8 @@ from rlsync import SyncOptions
 from rlsync.bench._weights import _read, bench_spec, memcpy_gbps, parse_size
 
 
-def _crcs(buffers: dict[str, np.ndarray]) -> dict[str, int]:
-    return {name: zlib.crc32(buf.data) for name, buf in sorted(buffers.items())}
+def _crcs(buffers: dict[str, Any]) -> dict[str, int]:
+    return {name: zlib.crc32(np.asarray(buf).data) for name, buf in sorted(buffers.items())}
 
 
 def reader(transport: str) -> None:

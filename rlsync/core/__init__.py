@@ -17,6 +17,7 @@ from rlsync.core._builders import (
     replicated,
     zero3,
 )
+from rlsync.core._checksum import Checksums
 from rlsync.core._control import is_loopback, resolve_secret
 from rlsync.core._delta import ChangeLog
 from rlsync.core._delta import apply as apply_delta
@@ -80,7 +81,7 @@ from rlsync.core._writer import WeightsWriter
 
 __all__ = [
     "BUILTIN_PLUGINS", "DEFAULT_TIMEOUT", "ENTRY_POINT_GROUP", "PRESETS", "SLACK", "WIRES",
-    "Batch", "Box", "BufferSpec", "ChangeLog", "HostStaging", "ConfigError", "Decision", "Finish", "Gate", "Landing", "LandedVersions",
+    "Batch", "Box", "BufferSpec", "ChangeLog", "Checksums", "HostStaging", "ConfigError", "Decision", "Finish", "Gate", "Landing", "LandedVersions",
     "LandingMode", "Layout", "LayoutError", "Link", "MaxStaleness", "MemoryStorage", "ModelSpec", "Param",
     "PeerLostError", "Plan", "PlanError", "PlanMismatchError", "PlanStats", "PluginError", "PolicyVersionClock",
     "RankBoxes", "Region", "Registry", "RlsyncError", "RlsyncWarning", "RolloutBuffer", "RolloutBufferError", "Run",

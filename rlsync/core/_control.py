@@ -63,6 +63,8 @@ class Welcome(msgspec.Struct, tag=True):
     inbox: dict[str, Any] | None = None
     inbox_offset: int = 0
     inbox_capacity: int = 0
+    #: the checksum a verifying writer computes (``rlsync.core._checksum``: where the reader's landing memory is)
+    checksum: str = "crc32"
 
 
 class Refuse(msgspec.Struct, tag=True):

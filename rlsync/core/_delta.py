@@ -5,10 +5,15 @@ RL updates are tiny (learning rates around 1e-6): from one step to the next a fe
 values change, scattered evenly, so nearly every 4 KiB block holds a change and sending changed
 blocks saves little; positions + values do (6 bytes per changed bf16 value with 4-byte positions).
 
-The encoding is a list of segments, each ``int64 [base, itemsize, count]``, then ``count`` uint32
-positions (elements of ``itemsize`` bytes after element ``base`` of the reader's region), then the
-``count`` values' bytes, padded to 8 bytes. Equal bits, not equal floats: a value is "changed" when
-its bytes differ, so the reader ends bit-exact (NaN payloads and -0.0 included).
+Everything here is torch ops on whatever device the bytes live on: a GPU trainer finds and encodes
+its delta on the GPU, a reader landing in device memory applies it there, and CPU tests run the same
+lines. (On CPU torch matched the numpy version this replaced: ``rlsync bench --wire delta``.)
+
+The encoding: ``int64 S``, then ``S`` segment headers ``int64 [base, itemsize, count]``, then each
+segment's body: ``count`` positions (uint32: elements of ``itemsize`` bytes after element ``base`` of
+the reader's region) and the ``count`` values' bytes, each padded to 8 bytes. The headers come first so
+that a reader on a GPU reads them in one small copy. Equal bits, not equal floats: a value is "changed"
+when its bytes differ, so the reader ends bit-exact (NaN payloads and -0.0 included).
 """
 
 from __future__ import annotations
@@ -16,50 +21,56 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Final
 
-import numpy as np
+import torch
 
 #: share of a writer's bytes to a reader that the reader's inbox holds for its deltas; a larger
 #: delta is sent in full (with 4-byte positions: up to ~8 % of bf16 values changed)
 INBOX_SHARE: Final = 0.25
-_HEADER: Final = 3 * 8
 _SPAN: Final = 2**32
-_UINT: Final = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+#: integer dtypes compared and copied as bits (signed: equal bits are equal integers either way)
+_WORD: Final = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def typed(raw: np.ndarray, itemsize: int) -> np.ndarray:
-    """A 1-D ``uint8`` array seen as unsigned integers of ``itemsize`` bytes (compared and copied as bits)."""
-    return raw[: len(raw) // itemsize * itemsize].view(_UINT[itemsize])
+def typed(raw: torch.Tensor, itemsize: int) -> torch.Tensor:
+    """A 1-D ``uint8`` tensor seen as integers of ``itemsize`` bytes (compared and copied as bits)."""
+    return raw[: raw.numel() // itemsize * itemsize].view(_WORD[itemsize])
+
+
+def _pad8(nbytes: int) -> int:
+    return -nbytes % 8
 
 
 class ChangeLog:
     """Writer side: which elements of each source buffer changed, version by version (the newest ``depth``).
 
-    Keeps one copy of the last recorded bytes (the writer rank's share of the model) to compare against.
+    Keeps one copy of the last recorded bytes (the writer rank's share of the model) to compare against,
+    on the sources' device: a GPU trainer pays its share of the model in device memory for delta sync.
     """
 
     def __init__(self, itemsizes: Mapping[str, int], depth: int = 4) -> None:
         self._itemsizes = dict(itemsizes)
         self._depth = depth
-        self._shadow: dict[str, np.ndarray] = {}
-        self._history: list[tuple[int, dict[str, np.ndarray | None]]] = []
+        self._shadow: dict[str, torch.Tensor] = {}
+        self._history: list[tuple[int, dict[str, torch.Tensor | None]]] = []
 
-    def record(self, version: int, sources: Mapping[str, np.ndarray]) -> None:
-        """Compare ``sources`` (``uint8`` views) with the last recorded bytes and remember what changed."""
-        changes: dict[str, np.ndarray | None] = {}
+    def record(self, version: int, sources: Mapping[str, torch.Tensor]) -> None:
+        """Compare ``sources`` (``uint8`` tensors) with the last recorded bytes and remember what changed."""
+        changes: dict[str, torch.Tensor | None] = {}
         for name, raw in sources.items():
             now = typed(raw, self._itemsizes[name])
             shadow = self._shadow.get(name)
-            if shadow is None or len(shadow) != len(now):
-                self._shadow[name] = now.copy()
+            if shadow is None or shadow.numel() != now.numel() or shadow.device != now.device:
+                self._shadow[name] = now.clone()
                 changes[name] = None  # never seen: all of it
                 continue
-            changed = np.flatnonzero(now != shadow)
+            changed = torch.nonzero(now != shadow).flatten()
             shadow[changed] = now[changed]
             changes[name] = changed
         self._history = [*self._history, (version, changes)][-self._depth :]
 
-    def since(self, base: int, name: str) -> np.ndarray | None:
-        """Elements of ``name`` that changed after version ``base`` up to the newest recorded; None: unknown."""
+    def since(self, base: int, name: str) -> torch.Tensor | None:
+        """Elements of ``name`` that changed after version ``base`` up to the newest recorded (sorted int64);
+        None: unknown."""
         versions = [v for v, _ in self._history]
         if base not in versions:
             return None
@@ -68,88 +79,117 @@ class ChangeLog:
         if len(parts) < len(found):
             return None
         if not parts:
-            return np.empty(0, np.int64)
+            shadow = self._shadow.get(name)
+            return torch.empty(0, dtype=torch.int64, device=None if shadow is None else shadow.device)
         if len(parts) == 1:
             return parts[0]
-        merged = np.sort(np.concatenate(parts), kind="stable")  # sorted runs: timsort merges them in linear time
-        keep = np.empty(len(merged), bool)
-        keep[:1] = True
-        np.not_equal(merged[1:], merged[:-1], out=keep[1:])
-        unique: np.ndarray = merged[keep]
-        return unique
+        merged: torch.Tensor = torch.unique(torch.cat(parts))  # sorted
+        return merged
+
+
+def _elements(idx: torch.Tensor, runs: Sequence[tuple[int, int, int]], itemsize: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The changed source elements ``idx`` that ``runs`` ``(src_off, region_off, nbytes)`` send, and the region
+    elements they land on."""
+    if len(runs) == 1:  # the usual whole-tensor buffer: one run, positions shift by a constant
+        (s0, d0, n0), = runs
+        bounds = torch.tensor([s0 // itemsize, (s0 + n0) // itemsize], dtype=idx.dtype, device=idx.device)
+        lo, hi = torch.searchsorted(idx, bounds).tolist()
+        idx = idx[lo:hi]
+        return idx, idx + (d0 - s0) // itemsize
+    table = torch.tensor(sorted(runs), dtype=torch.int64, device=idx.device).T.contiguous()  # sorted by source offset
+    src, dst, length = table[0], table[1], table[2]
+    at = idx * itemsize
+    k = torch.searchsorted(src, at, right=True) - 1
+    kc = k.clamp(min=0)
+    inside = (k >= 0) & (at < src[kc] + length[kc])
+    at, kc, idx = at[inside], kc[inside], idx[inside]
+    return idx, (dst[kc] + at - src[kc]) // itemsize
 
 
 def encode(
     groups: Sequence[tuple[str, Sequence[tuple[int, int, int]]]],
-    changed: Mapping[str, np.ndarray | None],
-    sources: Mapping[str, np.ndarray],
+    changed: Mapping[str, torch.Tensor | None],
+    sources: Mapping[str, torch.Tensor],
     itemsizes: Mapping[str, int],
     capacity: int,
-) -> np.ndarray | None:
-    """The delta of one writer's part for one reader: ``groups`` are its ``(source buffer, [(src_off,
-    region_off, nbytes), ...])`` runs; ``changed`` the changed elements per source buffer. None when a
-    buffer's changes are unknown or the encoding would exceed ``capacity`` bytes (send in full then)."""
-    parts: list[np.ndarray] = []
-    size = 0
+) -> torch.Tensor | None:
+    """The delta of one writer's part for one reader, a ``uint8`` tensor on the sources' device: ``groups`` are
+    its ``(source buffer, [(src_off, region_off, nbytes), ...])`` runs; ``changed`` the changed elements per
+    source buffer. None when a buffer's changes are unknown or the encoding would exceed ``capacity`` bytes
+    (send in full then)."""
+    headers: list[int] = []
+    bodies: list[torch.Tensor] = []
+    size = 8
+    device = None
     for name, runs in groups:
         idx = changed.get(name)
         if idx is None:
             return None
-        if not len(idx):
+        if not idx.numel():
             continue
         itemsize = itemsizes[name]
-        if len(runs) == 1:  # the usual whole-tensor buffer: one run, positions shift by a constant
-            (s0, d0, n0), = runs
-            lo, hi = np.searchsorted(idx, [s0 // itemsize, (s0 + n0) // itemsize])
-            idx = idx[lo:hi]
-            if not len(idx):
-                continue
-            element = idx.astype(np.int64) + (d0 - s0) // itemsize
-        else:
-            src = np.array([s for s, _, _ in runs], np.int64)
-            order = np.argsort(src, kind="stable")
-            src = src[order]
-            dst = np.array([d for _, d, _ in runs], np.int64)[order]
-            length = np.array([n for _, _, n in runs], np.int64)[order]
-            at = idx.astype(np.int64) * itemsize
-            k = np.searchsorted(src, at, side="right") - 1
-            inside = (k >= 0) & (at < src[np.maximum(k, 0)] + length[np.maximum(k, 0)])
-            at, k, idx = at[inside], k[inside], idx[inside]
-            if not len(idx):
-                continue
-            element = (dst[k] + at - src[k]) // itemsize
+        device = idx.device
+        idx, element = _elements(idx, runs, itemsize)
+        if not idx.numel():
+            continue
         values = typed(sources[name], itemsize)[idx]
-        if len(runs) > 1 and int(element.max()) - int(element.min()) >= _SPAN:  # several segments: sort to cut them
-            order = np.argsort(element, kind="stable")
-            element, values = element[order], values[order]
-        start = 0
-        while start < len(element):  # segments whose positions fit in uint32
-            low = int(element[start:].min())
-            stop = len(element) if int(element[start:].max()) - low < _SPAN else int(np.searchsorted(element, low + _SPAN, side="left"))
+        low, high = (int(x) for x in torch.stack([element.min(), element.max()]).tolist())
+        if len(runs) > 1 and high - low >= _SPAN:  # several segments: sort to cut them
+            element, order = torch.sort(element, stable=True)
+            values = values[order]
+        start, count_all = 0, element.numel()
+        while start < count_all:  # segments whose positions fit in uint32
+            low = int(element[start:].min()) if start else low
+            stop = count_all if high - low < _SPAN else int(torch.searchsorted(element, low + _SPAN))
             count = stop - start
-            pad = -(count * (4 + itemsize)) % 8
-            size += _HEADER + count * (4 + itemsize) + pad
+            size += 24 + count * 4 + _pad8(count * 4) + count * itemsize + _pad8(count * itemsize)
             if size > capacity:
                 return None
-            parts += [np.array([low, itemsize, count], np.int64).view(np.uint8),
-                      (element[start:stop] - low).astype(np.uint32).view(np.uint8),
-                      values[start:stop].view(np.uint8), np.zeros(pad, np.uint8)]
+            positions = (element[start:stop] - low).view(torch.int32).reshape(-1, 2)[:, 0]  # the low words (little endian)
+            bodies += [positions.clone(memory_format=torch.contiguous_format).view(torch.uint8), _zeros(_pad8(count * 4), device),
+                       values[start:stop].clone(memory_format=torch.contiguous_format).view(torch.uint8),
+                       _zeros(_pad8(count * itemsize), device)]
+            headers += [low, itemsize, count]
             start = stop
-    return np.concatenate(parts) if parts else np.empty(0, np.uint8)
+    if not headers:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    head = torch.tensor([len(headers) // 3, *headers], dtype=torch.int64).view(torch.uint8).to(device)
+    return torch.cat([head, *bodies])
 
 
-def apply(payload: np.ndarray, region: np.ndarray) -> int:
-    """Write an ``encode``-d delta into ``region`` (``uint8``); the number of values written."""
-    at = written = 0
-    while at < len(payload):
-        base, itemsize, count = (int(x) for x in payload[at : at + _HEADER].view(np.int64))
-        at += _HEADER
-        positions = payload[at : at + 4 * count].view(np.uint32)
-        at += 4 * count
-        values = payload[at : at + itemsize * count].view(_UINT[itemsize])
-        at += itemsize * count + (-(count * (4 + itemsize)) % 8)
-        if count and (base + int(positions.max())) * itemsize + itemsize > len(region):
-            raise ValueError(f"delta segment at element {base} ({count} values) reaches past the {len(region)}-byte region")
-        typed(region, itemsize)[base + positions.astype(np.int64)] = values
-        written += count
-    return written
+def _zeros(nbytes: int, device: torch.device | None) -> torch.Tensor:
+    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+
+
+def apply(payload: torch.Tensor, region: torch.Tensor) -> int:
+    """Write an ``encode``-d delta into ``region`` (``uint8``, any device); the number of values written.
+    Checks every segment against the region before writing any (a bad delta raises ``ValueError`` and
+    changes nothing)."""
+    if not payload.numel():
+        return 0
+    if payload.numel() < 8:
+        raise ValueError(f"a {payload.numel()}-byte delta has no segment count")
+    segments = int(payload[:8].view(torch.int64))
+    if segments < 0 or 8 + 24 * segments > payload.numel():
+        raise ValueError(f"a {payload.numel()}-byte delta cannot hold {segments} segment headers")
+    headers = payload[8 : 8 + 24 * segments].view(torch.int64).reshape(-1, 3).tolist()
+    at = 8 + 24 * segments
+    parts: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+    for base, itemsize, count in headers:
+        if itemsize not in _WORD or count < 0 or base < 0:
+            raise ValueError(f"delta segment header [{base}, {itemsize}, {count}] is not a segment")
+        end = at + count * 4 + _pad8(count * 4) + count * itemsize + _pad8(count * itemsize)
+        if end > payload.numel():
+            raise ValueError(f"delta segment at element {base} ({count} values) runs past the {payload.numel()}-byte delta")
+        positions = payload[at : at + 4 * count].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        at += count * 4 + _pad8(count * 4)
+        parts.append((positions + base, payload[at : at + itemsize * count].view(_WORD[itemsize]), itemsize))
+        at = end
+    if parts:  # one look at the positions' extremes for all segments (one device sync on a GPU)
+        reach = torch.stack([p.max() if p.numel() else p.new_zeros(()) for p, _, _ in parts]).tolist()
+        for (_, values, itemsize), last in zip(parts, reach):
+            if values.numel() and (last + 1) * itemsize > region.numel():
+                raise ValueError(f"a delta segment ({values.numel()} values) reaches past the {region.numel()}-byte region")
+    for positions, values, itemsize in parts:
+        typed(region, itemsize)[positions] = values
+    return sum(v.numel() for _, v, _ in parts)

@@ -12,10 +12,9 @@ import queue
 import threading
 from collections.abc import Callable
 
-import numpy as np
-
 from rlsync.core._errors import TransferTimeoutError, WeightMismatchError
 from rlsync.core._options import DEFAULT_TIMEOUT
+from rlsync.core._transport import Region
 
 Finish = Callable[[BaseException | None], None]
 
@@ -27,11 +26,11 @@ class LandedVersions:
     """
 
     def __init__(self, load_timeout: float = DEFAULT_TIMEOUT) -> None:
-        self._pending: queue.Queue[tuple[int, dict[str, np.ndarray], threading.Event, list[BaseException]] | BaseException]
+        self._pending: queue.Queue[tuple[int, dict[str, Region], threading.Event, list[BaseException]] | BaseException]
         self._pending = queue.Queue(1)
         self.load_timeout = load_timeout
 
-    def on_version(self, version: int, buffers: dict[str, np.ndarray]) -> None:
+    def on_version(self, version: int, buffers: dict[str, Region]) -> None:
         """Reader thread: wait until the engine loaded ``version`` (raises what the engine raised)."""
         done, errors = threading.Event(), []  # type: ignore[var-annotated]
         self._pending.put((version, buffers, done, errors))
@@ -44,7 +43,7 @@ class LandedVersions:
         """Reader thread: a complete version was refused (checksums): the waiting ``next`` raises at once."""
         self._pending.put(WeightMismatchError(reason))
 
-    def next(self, timeout: float) -> tuple[int, dict[str, np.ndarray], Finish]:
+    def next(self, timeout: float) -> tuple[int, dict[str, Region], Finish]:
         """Engine thread: the next landed version, its buffers (``uint8``, by buffer name) and ``finish(error or
         None)``, to call once it is loaded (None) or failed to load (the error): the version goes live only then."""
         try:

@@ -3,8 +3,9 @@ CUDA parameters) and strided views.
 
 Each buffer name gets one host tensor, allocated on first use and reused every version (pinned when a CUDA
 device exists, so device-to-host copies are DMA and can run asynchronously). ``stage`` issues the copy and
-returns the buffer; ``wait`` returns once every copy issued so far has finished (the writer calls it
-before a byte is sent). The copy is one ``Tensor.copy_``: the same line runs on CPU tensors (a strided view)
+returns the buffer; ``wait(name)`` returns once that buffer's copy has finished (the writer calls it
+just before it sends that buffer, so later tensors still cross PCIe while earlier ones are sent),
+``wait()`` once every copy has. The copy is one ``Tensor.copy_``: the same line runs on CPU tensors (a strided view)
 and on device tensors, so CPU tests exercise it; only the event that tracks an asynchronous device copy is
 CUDA-specific.
 """
@@ -28,7 +29,7 @@ class HostStaging:
         self._buffers: dict[str, torch.Tensor] = {}
         # (CUDA event recorded after an asynchronous copy, its source): the source is held until the copy is done,
         # so the caching allocator cannot hand its memory to another tensor while the copy still reads it
-        self._pending: list[tuple[Any, torch.Tensor]] = []
+        self._pending: dict[str, tuple[Any, torch.Tensor]] = {}
 
     def needs_staging(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` cannot be read in place by a host transport."""
@@ -46,12 +47,18 @@ class HostStaging:
         if on_cuda:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call, unused-ignore]
             event.record(torch.cuda.current_stream(tensor.device))
-            self._pending.append((event, tensor))
+            self._pending[name] = (event, tensor)
         return buffer
 
-    def wait(self) -> None:
-        """Return once every copy issued by ``stage`` has finished."""
-        for event, _ in self._pending:
+    def wait(self, name: str | None = None) -> None:
+        """Return once ``name``'s copy (default: every copy issued by ``stage``) has finished. Thread-safe: the
+        writer's per-reader threads wait for the same buffers."""
+        if name is not None:
+            pending = self._pending.get(name)
+            if pending is not None:
+                pending[0].synchronize()
+            return
+        for event, _ in list(self._pending.values()):
             event.synchronize()
         self._pending.clear()
 

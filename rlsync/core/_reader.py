@@ -21,8 +21,10 @@ from typing import Literal
 
 import numpy as np
 import pluggy
+import torch
 
 from rlsync.core._builders import replicated
+from rlsync.core._checksum import Checksums, for_memory
 from rlsync.core._control import Ack, AskLayout, Done, Hello, LayoutIs, Refuse, Welcome, bind_router
 from rlsync.core._delta import INBOX_SHARE
 from rlsync.core._delta import apply as apply_delta
@@ -31,8 +33,8 @@ from rlsync.core._layout import Layout, dtype_size, tensor_fingerprints
 from rlsync.core._options import SyncOptions
 from rlsync.core._planner import Plan, build_plan
 from rlsync.core._plugins import default_plugin_manager, resolve_transport
-from rlsync.core._regions import ALIGN, PairRuns, crc32, region_offsets, runs_by_pair
-from rlsync.core._transport import Landing
+from rlsync.core._regions import ALIGN, PairRuns, as_tensor, region_offsets, runs_by_pair
+from rlsync.core._transport import Landing, Region
 
 #: ``"direct"`` (two slots in the engine's memory) or ``"staged"`` (one slot, handed to ``on_version``)
 LandingMode = Literal["direct", "staged"]
@@ -43,7 +45,8 @@ class WeightsReader:
 
     ``address`` is what writers connect to. ``version`` is the newest live version (-1: none).
     ``on_version(version, buffers)`` runs in the reader's service thread when a version's bytes
-    have all landed, before it goes live; ``buffers`` maps buffer names to ``uint8`` arrays.
+    have all landed, before it goes live; ``buffers`` maps buffer names to ``uint8`` views of the landing
+    memory: numpy arrays for a host landing, torch tensors on the device for a device landing.
     If it raises, the version is refused and the previous one stays live. ``on_refused(version,
     reason)`` runs when a complete version is refused before that (its checksums did not match).
 
@@ -61,7 +64,7 @@ class WeightsReader:
         replicas: int | None = None,
         options: SyncOptions | None = None,
         landing: LandingMode = "direct",
-        on_version: Callable[[int, dict[str, np.ndarray]], None] | None = None,
+        on_version: Callable[[int, dict[str, Region]], None] | None = None,
         on_refused: Callable[[int, str], None] | None = None,
         plugins: pluggy.PluginManager | None = None,
     ) -> None:
@@ -132,8 +135,20 @@ class WeightsReader:
     def version(self) -> int:
         return self._version
 
-    def buffers(self, slot: int | None = None) -> dict[str, np.ndarray]:
-        """``uint8`` views of this rank's buffers in ``slot`` (default: the live one)."""
+    @property
+    def memory(self) -> str:
+        """Where versions land: ``"host"`` (numpy views) or ``"device"`` (torch views on the landing's device)."""
+        return "host" if self._landing is None else self._landing.memory
+
+    def region(self, slot: int | None = None) -> Region:
+        """The whole landing region of ``slot`` (default: the live one), every buffer at its offset."""
+        if self._landing is None:
+            raise WeightMismatchError(f"reader rank {self.rank} has no landing yet: it learns its layout from the first writer")
+        return self._landing.regions[self._live_slot if slot is None else slot]
+
+    def buffers(self, slot: int | None = None) -> dict[str, Region]:
+        """``uint8`` views of this rank's buffers in ``slot`` (default: the live one): numpy arrays for a host
+        landing, device tensors for a device landing."""
         if self._landing is None:
             return {}
         region = self._landing.regions[self._live_slot if slot is None else slot]
@@ -147,20 +162,22 @@ class WeightsReader:
                 raise TransferTimeoutError(f"reader rank {self.rank}: version {target} did not arrive within {timeout} s")
         return self._version
 
-    def get(self, name: str, out: np.ndarray) -> None:
-        """Copy buffer ``name`` of the live version into the caller-owned ``out`` (any dtype, same bytes)."""
+    def get(self, name: str, out: np.ndarray | torch.Tensor) -> None:
+        """Copy buffer ``name`` of the live version into the caller-owned ``out`` (a contiguous numpy array or
+        tensor on any device, any dtype, the same number of bytes)."""
         self.multi_get({name: out})
 
-    def multi_get(self, outs: Mapping[str, np.ndarray]) -> None:
+    def multi_get(self, outs: Mapping[str, np.ndarray | torch.Tensor]) -> None:
         with self._cond:
             live = self.buffers()
             for name, out in outs.items():
                 if name not in live:
                     raise WeightMismatchError(f"reader rank {self.rank} has no buffer {name!r}; it has {sorted(live)[:5]}...")
-                target = out.reshape(-1).view(np.uint8)
-                if target.nbytes != live[name].nbytes:
-                    raise WeightMismatchError(f"buffer {name!r}: {live[name].nbytes} bytes, but the destination has {target.nbytes}")
-                np.copyto(target, live[name])
+                target = as_tensor(out).reshape(-1).view(torch.uint8)
+                source = as_tensor(live[name])
+                if target.numel() != source.numel():
+                    raise WeightMismatchError(f"buffer {name!r}: {source.numel()} bytes, but the destination has {target.numel()}")
+                target.copy_(source)
 
     @property
     def lock(self) -> threading.Condition:
@@ -243,7 +260,8 @@ class WeightsReader:
         self._sessions[msg.writer_rank] = (msg.session, self._epoch)
         self._done.pop(msg.writer_rank, None)  # a writer that reconnects starts its version over
         self._held.get(msg.writer_rank, {}).pop(self._target_slot, None)  # it may have written part of the slot
-        welcome = Welcome(self.rank, self._transport.name, self._landing.describe(), self._version, self._target_slot)
+        welcome = Welcome(self.rank, self._transport.name, self._landing.describe(), self._version, self._target_slot,
+                          checksum=for_memory(self._landing.memory))
         if msg.delta:
             inbox = self._open_inbox()
             welcome.inbox = inbox.describe()
@@ -338,7 +356,7 @@ class WeightsReader:
                     f"{msg.slot} on reader rank {self.rank} holds {'unknown bytes' if held is None else f'version {held}'}: send in full")
         assert self._landing is not None
         try:
-            apply_delta(self._inbox.regions[0][offset : offset + msg.delta_nbytes], self._landing.regions[msg.slot])
+            apply_delta(as_tensor(self._inbox.regions[0][offset : offset + msg.delta_nbytes]), as_tensor(self._landing.regions[msg.slot]))
         except ValueError as exc:
             return f"reader rank {self.rank}: a bad delta from writer rank {msg.writer_rank} ({exc}): send in full"
         return None
@@ -348,10 +366,10 @@ class WeightsReader:
         assert self.plan is not None and self._landing is not None
         region = self._landing.regions[self._target_slot]
         for writer, (_, msg) in done.items():
-            got: dict[str, int] = {}  # per source buffer, over its runs in plan order (as the writer computed it)
+            got = Checksums(for_memory(self._landing.memory))  # per source buffer, over its runs in plan order, as the writer
             for buffer, runs in self._pair_runs.get((writer, self.rank), []):
-                got[buffer] = crc32((region[d : d + n] for _, d, n in runs), got.get(buffer, 0))
-            for buffer, value in got.items():
+                got.add(buffer, (region[d : d + n] for _, d, n in runs))
+            for buffer, value in got.values.items():
                 sent = None if msg.checksums is None else msg.checksums.get(buffer)
                 if sent != value:
                     tensor = self._tensors_of.get((writer, buffer), buffer)

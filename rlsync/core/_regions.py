@@ -1,17 +1,17 @@
-"""Where each buffer sits in a reader's landing region, the runs a writer copies, CRC-32s, and tensors as bytes.
+"""Where each buffer sits in a reader's landing region, the runs a writer copies, and tensors as bytes.
 
 Both sides compute these from the same plan, so nothing but fingerprints crosses the control plane.
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
+import torch
 
-from rlsync.core._errors import TransportError, WeightMismatchError
+from rlsync.core._errors import WeightMismatchError
 from rlsync.core._layout import Layout, dtype_size
 from rlsync.core._transfer import Transfer
 
@@ -51,25 +51,20 @@ def runs_by_pair(transfers: Iterable[Transfer], offsets: Mapping[str, int]) -> d
     return out
 
 
-def crc32(chunks: Iterable[np.ndarray], value: int = 0) -> int:
-    """CRC-32 over the chunks in order, continuing from ``value``."""
-    for chunk in chunks:
-        value = zlib.crc32(chunk.data, value)
-    return value
-
-
-def as_bytes(name: str, tensor: Any) -> np.ndarray:
-    """A ``uint8`` view of a contiguous CPU tensor or numpy array (no copy)."""
+def as_bytes(name: str, tensor: Any) -> torch.Tensor:
+    """A 1-D ``uint8`` view of a contiguous tensor (any device) or numpy array (no copy)."""
     if isinstance(tensor, np.ndarray):
         if not tensor.flags.c_contiguous:
             raise WeightMismatchError(f"tensor {name!r} is not contiguous; pass np.ascontiguousarray(...)")
-        return tensor.reshape(-1).view(np.uint8)
-    import torch
-
-    if tensor.device.type != "cpu":
-        raise TransportError(f"tensor {name!r} is on {tensor.device}; this transport reads CPU memory: move it or use a GPU-capable transport")
+        raw: torch.Tensor = torch.from_numpy(tensor.reshape(-1).view(np.uint8))
+        return raw
     if not tensor.is_contiguous():
         raise WeightMismatchError(f"tensor {name!r} is not contiguous; call .contiguous() before put()")
-    return np.asarray(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+    flat: torch.Tensor = tensor.detach().reshape(-1).view(torch.uint8)
+    return flat
 
 
+def as_tensor(region: Any) -> torch.Tensor:
+    """A landing region or a slice of one (host numpy array or device tensor) as a torch tensor (no copy)."""
+    tensor: torch.Tensor = torch.from_numpy(region) if isinstance(region, np.ndarray) else region
+    return tensor

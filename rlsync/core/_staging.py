@@ -18,15 +18,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from rlsync.core._builders import from_state_dict, own_buffer_shard
 from rlsync.core._errors import ConfigError
 from rlsync.core._handoff import Finish, LandedVersions
 from rlsync.core._layout import Box, BufferSpec, Layout, TensorMeta, contiguous_strides, make_layout
 from rlsync.core._options import SyncOptions
 from rlsync.core._reader import WeightsReader
-from rlsync.core._regions import region_offsets
+from rlsync.core._regions import as_tensor, region_offsets
 
 #: Per engine rank, ``{checkpoint tensor name: [offsets, sizes]}`` of the part that rank loads
 #: (what an engine's loader probe returns, one entry per worker in rank order).
@@ -65,18 +63,18 @@ def engine_layout(tensors: Sequence[Sequence[Any]], boxes: RankBoxes | None = No
     return make_layout(metas, shards, buffers)
 
 
-def whole_tensor_view(region: np.ndarray, byte_offset: int, meta: TensorMeta, box: Box) -> Any:
+def whole_tensor_view(region: Any, byte_offset: int, meta: TensorMeta, box: Box) -> Any:
     """A tensor of ``meta``'s whole shape whose ``box`` is the compact buffer at ``byte_offset`` of
-    ``region``; outside the box its elements alias other memory of the region (never read by a loader
-    that narrows to the box)."""
+    ``region`` (a ``uint8`` numpy array or tensor, on any device); outside the box its elements alias other
+    memory of the region (never read by a loader that narrows to the box)."""
     import torch
 
-    itemsize = int(getattr(torch, meta.dtype).itemsize)
+    dtype = getattr(torch, meta.dtype)
+    itemsize = int(dtype.itemsize)
     strides = contiguous_strides(box.sizes)
     start = byte_offset - sum(o * st for o, st in zip(box.offsets, strides)) * itemsize
-    array = np.ndarray(shape=meta.shape, dtype=np.dtype(f"u{itemsize}"), buffer=region, offset=start,
-                       strides=tuple(st * itemsize for st in strides))
-    return torch.from_numpy(array).view(getattr(torch, meta.dtype))
+    words = as_tensor(region)[: len(region) // itemsize * itemsize].view(dtype)
+    return words.as_strided(meta.shape, strides, start // itemsize)
 
 
 class StagedReceiver:
@@ -113,11 +111,10 @@ class StagedReceiver:
 
         version, buffers, finish = self._landed.next(timeout)
         if SLACK[0] in buffers:  # boxes: whole-tensor views over the region, which starts at the head slack
-            region = np.lib.stride_tricks.as_strided(buffers[SLACK[0]], shape=(self._region_nbytes,), strides=(1,))
+            region = self.reader.region(0)  # the staging slot this version landed in (and the only one)
             views = ((m.name, whole_tensor_view(region, self._offsets[m.name], m, self.boxes[m.name])) for m in self.metas)
-        else:
-            views = ((m.name, torch.from_numpy(buffers[m.name]).view(getattr(torch, m.dtype)).view(m.shape))
-                     for m in self.metas)
+        else:  # host landing: numpy views as tensors; device landing: the device tensors themselves
+            views = ((m.name, as_tensor(buffers[m.name]).view(getattr(torch, m.dtype)).view(m.shape)) for m in self.metas)
         return version, views, finish
 
     def close(self) -> None:

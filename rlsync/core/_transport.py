@@ -20,9 +20,12 @@ Lifecycle, as ``WeightsReader`` and ``WeightsWriter`` drive it::
             link.write(source, runs) ...; link.flush()    every version
             link.close()                                  once, or when the reader is lost
 
-Memory: a region is host memory today (``memory = "host"``): a 1-D ``uint8`` numpy array whose pages
-are touched. A device landing (``memory = "device"``) exposes 1-D ``uint8`` torch tensors on its
-device; ``Region`` names both. Sources handed to ``write`` are of the writer's memory kind likewise.
+Memory: a host landing (``memory = "host"``) exposes 1-D ``uint8`` numpy arrays whose pages are
+touched; a device landing (``memory = "device"``, an instance attribute where an option decides it)
+exposes 1-D ``uint8`` torch tensors on its device; ``Region`` names both. Sources handed to ``write``
+are host numpy arrays, or, where the transport says ``device_sources = True``, also 1-D ``uint8`` torch
+tensors in device memory (a GPU trainer's own tensors: the writer then never copies them to the host;
+for any other transport it copies them into reused pinned host buffers first).
 A transport is one-sided unless ``one_sided`` is False: a write lands without the reader's code running.
 
 A subclass must override: ``Landing.regions``, ``Landing.describe``, ``Link.write``, ``Transport.open``,
@@ -65,7 +68,7 @@ class Landing(ABC):
     #: reader and writer must share a host
     same_host_only: ClassVar[bool] = False
     #: where the regions live: ``"host"`` (numpy arrays) or ``"device"`` (torch tensors on a device)
-    memory: ClassVar[Literal["host", "device"]] = "host"
+    memory: Literal["host", "device"] = "host"
 
     @classmethod
     def available(cls) -> bool:
@@ -79,8 +82,8 @@ class Landing(ABC):
 
     @property
     @abstractmethod
-    def regions(self) -> Sequence[np.ndarray]:
-        """One writable ``uint8`` region of ``nbytes`` per slot, pages already touched. Must override."""
+    def regions(self) -> Sequence[Region]:
+        """One writable ``uint8`` region of ``nbytes`` per slot (host: pages already touched). Must override."""
 
     @abstractmethod
     def describe(self) -> dict[str, Any]:
@@ -102,9 +105,10 @@ class Link(ABC):
     """
 
     @abstractmethod
-    def write(self, source: np.ndarray, runs: Sequence[Run]) -> None:
-        """Copy ``runs`` from ``source`` (1-D ``uint8``) into the reader's regions; may return before the
-        bytes have landed. Raises ``TransportError`` (``PeerLostError`` when the reader is gone). Must override."""
+    def write(self, source: Any, runs: Sequence[Run]) -> None:
+        """Copy ``runs`` from ``source`` (1-D ``uint8``: a numpy array, or a device tensor where the transport
+        has ``device_sources``) into the reader's regions; may return before the bytes have landed. The source
+        stays unchanged until ``flush`` returns. Raises ``TransportError`` (``PeerLostError`` when the reader is gone). Must override."""
 
     def flush(self) -> None:
         """Return once every write issued so far has landed. May override (default: writes are synchronous)."""
@@ -124,6 +128,8 @@ class Transport(ABC):
 
     name: ClassVar[str]
     landing: ClassVar[type[Landing]]
+    #: ``Link.write`` takes sources in device memory (torch tensors) as well as host numpy arrays
+    device_sources: ClassVar[bool] = False
 
     @classmethod
     def available(cls) -> bool:

@@ -18,7 +18,9 @@ from typing import Any
 
 import numpy as np
 import pluggy
+import torch
 
+from rlsync.core._checksum import Checksums
 from rlsync.core._control import Ack, Channel, Done, Hello, Refuse, Welcome, connect_dealer
 from rlsync.core._delta import ChangeLog
 from rlsync.core._delta import encode as encode_delta
@@ -35,7 +37,7 @@ from rlsync.core._layout_exchange import ask_layout
 from rlsync.core._options import SyncOptions
 from rlsync.core._planner import build_plan
 from rlsync.core._plugins import default_plugin_manager, resolve_transport, wire_codecs
-from rlsync.core._regions import PairRuns, as_bytes, crc32, region_offsets, runs_by_pair
+from rlsync.core._regions import PairRuns, as_bytes, region_offsets, runs_by_pair
 from rlsync.core._transport import Link
 from rlsync.core._wire import WireCodec
 
@@ -111,7 +113,7 @@ class WeightsWriter:
         self._secret = secret
         self._checksum = options.verify
         self.timeout = timeout
-        self._sources: dict[str, np.ndarray] = {}
+        self._sources: dict[str, torch.Tensor] = {}  # uint8, on the host or (for a device transport) the device
         self._channels: dict[int, Channel] = {}
         self._links: dict[int, Link] = {}
         self._slots: dict[int, int] = {}
@@ -119,7 +121,9 @@ class WeightsWriter:
         self.bytes_per_version = sum(self._part_bytes.values())
         self._itemsizes = {name: dtype_size(b.dtype) for name, b in self._specs.items()}
         self._changes = ChangeLog(self._itemsizes) if delta else None
-        self._inboxes: dict[int, tuple[Link, int, int, np.ndarray]] = {}  # reader rank -> (link, offset, capacity, staging)
+        self._inboxes: dict[int, tuple[Link, int, int]] = {}  # reader rank -> (inbox link, offset, capacity)
+        self._inbox_staging: dict[int, Any] = {}  # reader rank -> the buffer its deltas are written from, reused
+        self._algorithms: dict[int, str] = {}  # reader rank -> the checksum it verifies with
         self._held: dict[int, dict[int, int]] = {}  # reader rank -> {slot: version this rank's part of it holds}
         self._sent: dict[int, int] = {}  # reader rank -> bytes the last version moved to it
         self._staging = HostStaging()  # host copies of tensors put from device memory (or strided), reused
@@ -156,9 +160,14 @@ class WeightsWriter:
         numel = int(tensor.numel()) if callable(getattr(tensor, "numel", None)) else int(tensor.size)
         if numel != spec.numel:
             raise WeightMismatchError(f"tensor {name!r}: {numel} elements but the layout says {spec.numel} (shape {tuple(tensor.shape)})")
-        if not isinstance(tensor, np.ndarray) and self._staging.needs_staging(tensor):
+        if isinstance(tensor, np.ndarray):
+            self._sources[name] = as_bytes(name, tensor)
+        elif tensor.device.type != "cpu" and self._transport.device_sources:
+            # the transport reads device memory itself (cuda_ipc, nixl): no bounce through the host
+            self._sources[name] = as_bytes(name, tensor if tensor.is_contiguous() else tensor.contiguous())
+        elif self._staging.needs_staging(tensor):
             # device memory or a strided view: copied (asynchronously from a GPU) into a reused host buffer;
-            # complete() waits for the copies before a byte is sent
+            # each buffer is sent once its own copy is done, so PCIe and the sending overlap
             self._sources[name] = as_bytes(name, self._staging.stage(name, tensor))
         else:
             self._sources[name] = as_bytes(name, tensor)
@@ -188,10 +197,10 @@ class WeightsWriter:
         self._links[dst_rank] = self._transport.open(msg.description, self._options)
         self._channels[dst_rank] = channel
         self._slots[dst_rank] = msg.next_slot
+        self._algorithms[dst_rank] = msg.checksum
         self._held[dst_rank] = {}  # what its slots hold is unknown until a version of ours goes live there
         if self._changes is not None and msg.inbox is not None:
-            staging = np.empty(msg.inbox_capacity, np.uint8)  # one buffer per reader, registered once with the transport
-            self._inboxes[dst_rank] = (self._transport.open(msg.inbox, self._options), msg.inbox_offset, msg.inbox_capacity, staging)
+            self._inboxes[dst_rank] = (self._transport.open(msg.inbox, self._options), msg.inbox_offset, msg.inbox_capacity)
 
     def _drop(self, dst_rank: int) -> None:
         link, channel = self._links.pop(dst_rank, None), self._channels.pop(dst_rank, None)
@@ -211,10 +220,10 @@ class WeightsWriter:
         if missing:
             raise WeightMismatchError(f"writer rank {self.rank}: no tensor was put for {missing[:5]} (and {max(0, len(missing) - 5)} more)")
         names = sorted(self._sources)
-        self._staging.wait()  # the device-to-host copies put() issued
         self._plugins.hook.rlsync_before_export(version=version, names=names)
         started = time.perf_counter()
         if self._changes is not None:
+            self._staging.wait()  # the delta reads every buffer first
             self._changes.record(version, self._sources)
         self._sent = {}
         failed: dict[int, str] = {}
@@ -223,6 +232,7 @@ class WeightsWriter:
                 outcomes = list(pool.map(lambda r: self._post(r, version, progress), self._runs))
         else:
             outcomes = [self._post(r, version, progress) for r in self._runs]
+        self._staging.wait()
         sent = [r for r, error in zip(self._runs, outcomes) if error is None]
         failed.update({r: error for r, error in zip(self._runs, outcomes) if error is not None})
         deadline = time.monotonic() + self.timeout
@@ -257,7 +267,7 @@ class WeightsWriter:
             version=version, stats={"bytes": self.last_bytes, "seconds": time.perf_counter() - started}
         )
 
-    def _delta_for(self, dst_rank: int, slot: int) -> tuple[int, np.ndarray] | None:
+    def _delta_for(self, dst_rank: int, slot: int) -> tuple[int, torch.Tensor] | None:
         """``(base version, encoded delta)`` of this rank's part for what ``slot`` of ``dst_rank`` holds, if one fits."""
         base = self._held[dst_rank].get(slot)
         if self._changes is None or base is None or dst_rank not in self._inboxes:
@@ -275,29 +285,45 @@ class WeightsWriter:
             link, slot = self._links[dst_rank], self._slots[dst_rank]
             delta = None if full else self._delta_for(dst_rank, slot)
             self._held[dst_rank].pop(slot, None)  # overwritten from here on
-            crcs: dict[str, int] = {}
+            checksums = Checksums(self._algorithms[dst_rank]) if self._checksum else None
             for name, runs in self._runs[dst_rank]:
+                self._staging.wait(name)  # its device-to-host copy, if put() issued one
                 source = self._sources[name]
                 if delta is None:
-                    link.write(source, [(s, slot, d, n) for s, d, n in runs])
-                if self._checksum:  # over the whole part: what the slot must hold, however it got there
-                    crcs[name] = crc32((source[s : s + n] for s, _, n in runs), crcs.get(name, 0))
+                    link.write(self._link_source(source), [(s, slot, d, n) for s, d, n in runs])
+                if checksums is not None:  # over the whole part: what the slot must hold, however it got there
+                    checksums.add(name, (source[s : s + n] for s, _, n in runs))
                 if progress is not None:
                     progress(sum(n for _, _, n in runs))
-            if delta is not None and len(delta[1]):
-                inbox, offset, _, staging = self._inboxes[dst_rank]
-                staging[: len(delta[1])] = delta[1]
-                inbox.write(staging, [(0, 0, offset, len(delta[1]))])
+            nbytes = 0 if delta is None else delta[1].numel()
+            if delta is not None and nbytes:
+                inbox, offset, _ = self._inboxes[dst_rank]
+                staging = self._inbox_source(dst_rank, delta[1])
+                inbox.write(self._link_source(staging), [(0, 0, offset, nbytes)])
                 inbox.flush()
             link.flush()
-            self._sent[dst_rank] = len(delta[1]) if delta is not None else self._part_bytes[dst_rank]
-            self._channels[dst_rank].send(Done(self.rank, version, slot, crcs if self._checksum else None,
-                                               delta_base=None if delta is None else delta[0],
-                                               delta_nbytes=0 if delta is None else len(delta[1])))
+            self._sent[dst_rank] = nbytes if delta is not None else self._part_bytes[dst_rank]
+            self._channels[dst_rank].send(Done(self.rank, version, slot, None if checksums is None else checksums.values,
+                                               delta_base=None if delta is None else delta[0], delta_nbytes=nbytes))
         except TransportError as exc:
             self._drop(dst_rank)
             return str(exc)
         return None
+
+    def _link_source(self, source: torch.Tensor) -> Any:
+        """What a link's ``write`` takes: host bytes as a numpy array, device bytes as the tensor."""
+        return source.numpy() if source.device.type == "cpu" else source
+
+    def _inbox_source(self, dst_rank: int, payload: torch.Tensor) -> torch.Tensor:
+        """``payload`` copied into ``dst_rank``'s inbox staging buffer (allocated once, at the inbox's capacity, on
+        the payload's device where the transport reads device memory, else on the host), so that transports that
+        register memory register it once."""
+        device = payload.device if self._transport.device_sources else torch.device("cpu")
+        staging = self._inbox_staging.get(dst_rank)
+        if staging is None or staging.device != device:
+            staging = self._inbox_staging[dst_rank] = torch.empty(self._inboxes[dst_rank][2], dtype=torch.uint8, device=device)
+        staging[: payload.numel()].copy_(payload)
+        return staging
 
     def close(self) -> None:
         for dst_rank in list(self._links):

@@ -1,4 +1,4 @@
-"""Built-in implementations of rlsync's hooks: transports (shm, tcp, nixl, torchdist), rollout-buffer backends
+"""Built-in implementations of rlsync's hooks: transports (shm, cuda_ipc, tcp, nixl, torchdist), rollout-buffer backends
 (memory, redis, ray), the staleness gate and the fp8 wire codec. Each registers the way a third-party plugin
 does (``rlsync.plugins.transports``, ``.buffers``, ``.gates``, ``.wires``); the classes are public here for
 code that builds one directly. Optional dependencies (nixl, redis, ray) are imported only when used.
@@ -6,10 +6,11 @@ code that builds one directly. Optional dependencies (nixl, redis, ray) are impo
 
 from rlsync.plugins._buffer_ray import RayRolloutBuffer
 from rlsync.plugins._buffer_redis import RedisStorage
+from rlsync.plugins._transport_cuda_ipc import CudaIpcTransport
 from rlsync.plugins._transport_nixl import NixlTransport
 from rlsync.plugins._transport_shm import ShmLink, ShmTransport, remove_stale_regions
 from rlsync.plugins._transport_tcp import TcpTransport
 from rlsync.plugins._transport_torchdist import TorchDistTransport
 
-__all__ = ["NixlTransport", "RayRolloutBuffer", "RedisStorage", "ShmLink", "ShmTransport", "TcpTransport",
+__all__ = ["CudaIpcTransport", "NixlTransport", "RayRolloutBuffer", "RedisStorage", "ShmLink", "ShmTransport", "TcpTransport",
            "TorchDistTransport", "remove_stale_regions"]

@@ -4,6 +4,7 @@ weights of ``--seed`` and pushes them as ``--version`` (run as a script)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 
@@ -12,7 +13,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rlsync import SyncOptions, WeightsWriter
 from rlsync.layouts import from_state_dict
-from rlsync.plugins import ShmLink
+from rlsync.core import transports
 
 
 def tiny_qwen2(seed: int, tied: bool = False) -> Qwen2ForCausalLM:
@@ -33,19 +34,28 @@ if __name__ == "__main__":
     parser.add_argument("--device", default="cpu", help="where the trainer's model lives (cuda: the GPU check)")
     parser.add_argument("--transport", default="shm")
     args = parser.parse_args()
-    if args.die_after_writes:
-        write, calls = ShmLink.write, [0]
+    if args.die_after_writes:  # the writer's links, whatever the transport, die after that many writes
+        transport, calls = transports().get(args.transport), [0]
+        open_link = transport.open
 
-        def write_then_die(self, source, runs):  # type: ignore[no-untyped-def]
-            calls[0] += 1
-            if calls[0] > args.die_after_writes:
-                os.kill(os.getpid(), signal.SIGKILL)
-            write(self, source, runs)
+        def open_dying(description, options=None):  # type: ignore[no-untyped-def]
+            link = open_link(description, options)
+            write = link.write
 
-        ShmLink.write = write_then_die  # type: ignore[method-assign]
+            def write_then_die(source, runs):  # type: ignore[no-untyped-def]
+                calls[0] += 1
+                if calls[0] > args.die_after_writes:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                write(source, runs)
+
+            link.write = write_then_die
+            return link
+
+        transport.open = open_dying  # type: ignore[method-assign]
     model = tiny_qwen2(args.seed, args.tied).to(args.device)
     state = model.state_dict()  # what a trainer has: a tied model's lm_head.weight alias included
     options = SyncOptions(transport=args.transport)
     with WeightsWriter(from_state_dict(state), None, 0, [args.address], options=options) as writer:  # layout from the receiver
         writer.multi_put(state)
         writer.complete(args.version)
+        print(json.dumps({"host_staging_bytes": writer._staging.nbytes}), flush=True)

@@ -1,4 +1,4 @@
-"""On a CUDA machine: a trainer's CUDA tensors through every host transport into a CUDA model, in place.
+"""On a CUDA machine: a trainer's CUDA tensors through every transport into a CUDA model, in place.
 
 Skipped without CUDA (CI has none): ``scripts/gpu_check.sh`` runs these where a GPU is. Each version must leave
 the CUDA model generating exactly like a fresh model given the new weights, with its parameters at the same
@@ -7,6 +7,7 @@ addresses (what CUDA graphs captured), and a writer killed midway must leave the
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -113,3 +114,74 @@ def test_fp8_quantization_on_the_gpu_equals_the_cpu() -> None:
     q_gpu, s_gpu = quantize(weight.cuda())
     assert torch.equal(s_gpu.cpu(), s_cpu)
     assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
+
+
+def device_transports() -> list[str]:
+    registry = transports()
+    return [n for n in ("cuda_ipc", "nixl") if n in registry and registry.get(n).available()]
+
+
+def _push(address: str, seed: int, version: int, transport: str, die_after: int = 0) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, str(WRITER), "--address", address, "--seed", str(seed), "--version", str(version),
+           "--device", "cuda", "--transport", transport]
+    return subprocess.run([*cmd, "--die-after-writes", str(die_after)] if die_after else cmd,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("transport", device_transports())
+def test_device_staging_lands_gpu_to_gpu_in_place_and_survives_a_killed_writer(transport: str) -> None:
+    """A trainer process's CUDA tensors land in the engine's device staging (``cuda_ipc``; NIXL on VRAM) with no
+    host staging on the writer, then in the CUDA model in place; checksums (``sum64``, on the GPU) on. A writer
+    killed midway leaves the previous version serving and the next writer's version lands."""
+    engine = hf_writer.tiny_qwen2(seed=0).cuda()
+    addresses = {n: p.data_ptr() for n, p in engine.named_parameters()}
+    options = SyncOptions(transport=transport, verify=True, timeout=120, transport_options={"device": "cuda:0"})
+    with ModuleReceiver(engine, options=options) as receiver:
+        assert receiver.reader.memory == "device"
+        for version, seed in ((1, 11), (2, 22)):
+            done = _push(receiver.address, seed, version, transport)
+            assert done.returncode == 0, done.stderr
+            assert json.loads(done.stdout.splitlines()[-1])["host_staging_bytes"] == 0  # nothing bounced through the host
+            fresh = hf_writer.tiny_qwen2(seed=seed).cuda()
+            with receiver.serving(), torch.no_grad():
+                for name, p in engine.named_parameters():
+                    assert torch.equal(p, dict(fresh.named_parameters())[name]), name
+                assert greedy(engine) == greedy(fresh)
+            assert {n: p.data_ptr() for n, p in engine.named_parameters()} == addresses
+        before = greedy(engine)
+        dying = _push(receiver.address, 33, 3, transport, die_after=3)
+        assert dying.returncode == -9, dying.stderr
+        assert receiver.version == 2
+        with receiver.serving(), torch.no_grad():
+            assert greedy(engine) == before
+        done = _push(receiver.address, 33, 3, transport)
+        assert done.returncode == 0, done.stderr
+        with receiver.serving(), torch.no_grad():
+            assert greedy(engine) == greedy(hf_writer.tiny_qwen2(seed=33).cuda())
+
+
+def test_delta_and_checksums_on_the_gpu_equal_the_cpu() -> None:
+    """The wire work runs on the tensors' device: the GPU's delta payload and sum64 are the CPU's, bit for bit."""
+    from rlsync.core import ChangeLog, Checksums, apply_delta, encode_delta
+
+    def run(device: str) -> tuple[bytes, bytes, int]:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(1 << 20, generator=g).to(torch.bfloat16)
+        log = ChangeLog({"w": 2})
+        log.record(1, {"w": w.to(device).view(torch.uint8)})
+        changed = w.clone()
+        mask = torch.rand(w.shape, generator=g) < 0.02
+        changed[mask] += 1
+        now = changed.to(device).view(torch.uint8)
+        log.record(2, {"w": now})
+        payload = encode_delta([("w", [(0, 64, now.numel())])], {"w": log.since(1, "w")}, {"w": now}, {"w": 2}, 1 << 30)
+        assert payload is not None and payload.device.type == torch.device(device).type
+        region = torch.zeros(64 + now.numel(), dtype=torch.uint8, device=device)
+        region[64:] = w.to(device).view(torch.uint8)
+        apply_delta(payload, region)
+        assert torch.equal(region[64:], now)
+        sums = Checksums("sum64")
+        sums.add("w", [now[: now.numel() // 2], now[now.numel() // 2 :]])
+        return bytes(payload.cpu().numpy()), bytes(region.cpu().numpy()), sums.values["w"]
+
+    assert run("cuda") == run("cpu")

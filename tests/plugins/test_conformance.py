@@ -18,3 +18,8 @@ def test_the_in_memory_transport_keeps_the_contract() -> None:
 
 def test_the_memory_storage_keeps_the_contract() -> None:
     check_storage(MemoryStorage)
+
+
+def test_the_in_memory_transport_on_device_memory_keeps_the_contract() -> None:
+    """Regions as torch tensors (``memory="device"``, here on the CPU): the lines a GPU landing runs."""
+    check_transport(MemoryTransport, options={"device": "cpu"})

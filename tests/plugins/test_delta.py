@@ -104,36 +104,65 @@ def test_a_reader_that_lost_track_of_its_slot_gets_the_version_in_full() -> None
 
 
 def test_encode_apply_round_trip_over_strided_runs_and_segments() -> None:
+    import torch
+
     rng = np.random.default_rng(0)
-    source = rng.integers(0, 2**16, 1000, dtype=np.uint16)
-    region = np.zeros(4096, np.uint8)
+    source = torch.from_numpy(rng.integers(0, 2**16, 1000, dtype=np.uint16).view(np.int16))
+    region = torch.zeros(4096, dtype=torch.uint8)
     runs = [(0, 2048, 400), (400, 0, 1000), (1400, 1024, 600)]  # bytes: out of order in the region
-    changed = np.sort(rng.choice(1000, 50, replace=False))
-    payload = encode([("x", runs)], {"x": changed}, {"x": source.view(np.uint8)}, {"x": 2}, capacity=10_000)
-    assert payload is not None and len(payload) == 3 * 8 + 50 * 6 + (-(50 * 6) % 8)
+    changed = torch.from_numpy(np.sort(rng.choice(1000, 50, replace=False)))
+    sources = {"x": source.view(torch.uint8)}
+    payload = encode([("x", runs)], {"x": changed}, sources, {"x": 2}, capacity=10_000)
+    assert payload is not None and payload.numel() == 8 + 3 * 8 + 50 * 4 + (-(50 * 4) % 8) + 50 * 2 + (-(50 * 2) % 8)
     assert apply(payload, region) == 50
     for s, d, n in runs:
-        got = region[d : d + n].view(np.uint16)
+        got = region[d : d + n].view(torch.int16)
         want = source[s // 2 : (s + n) // 2]
-        mask = np.isin(np.arange(s // 2, (s + n) // 2), changed)
-        np.testing.assert_array_equal(got[mask], want[mask])
+        mask = torch.isin(torch.arange(s // 2, (s + n) // 2), changed)
+        assert torch.equal(got[mask], want[mask])
         assert not got[~mask].any()
-    assert encode([("x", runs)], {"x": changed}, {"x": source.view(np.uint8)}, {"x": 2}, capacity=100) is None
-    assert encode([("x", runs)], {"x": None}, {"x": source.view(np.uint8)}, {"x": 2}, capacity=10_000) is None
+    assert encode([("x", runs)], {"x": changed}, sources, {"x": 2}, capacity=100) is None
+    assert encode([("x", runs)], {"x": None}, sources, {"x": 2}, capacity=10_000) is None
+
+
+def test_a_bad_delta_is_refused_before_a_byte_is_written() -> None:
+    """A segment whose positions reach past the region, or headers that do not fit the payload: ValueError, and
+    the region is unchanged (a delta is checked whole before any of it is applied)."""
+    import torch
+
+    source = torch.arange(64, dtype=torch.int16)
+    sources = {"x": source.view(torch.uint8)}
+    changed = torch.tensor([1, 2, 60])
+    payload = encode([("x", [(0, 0, 128)])], {"x": changed}, sources, {"x": 2}, capacity=10_000)
+    assert payload is not None
+    region = torch.zeros(128, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="reaches past"):
+        apply(payload, region[:100])
+    assert not region.any()
+    with pytest.raises(ValueError, match="cannot hold"):
+        apply(payload[:20], region)
+    forged = payload.clone()
+    forged[8:16].view(torch.int64)[0] = 10_000  # the first segment's base
+    with pytest.raises(ValueError, match="reaches past"):
+        apply(forged, region)
+    assert not region.any()
+    assert apply(payload, region) == 3 and region.view(torch.int16)[[1, 2, 60]].tolist() == [1, 2, 60]
 
 
 def test_change_log_unions_versions_since_a_base_and_forgets_old_ones() -> None:
-    a = np.zeros(8, np.uint16)
+    import torch
+
+    a = torch.zeros(8, dtype=torch.int16)
     log = ChangeLog({"a": 2}, depth=3)
-    log.record(1, {"a": a.view(np.uint8)})
+    log.record(1, {"a": a.view(torch.uint8)})
     assert log.since(1, "a").tolist() == [] and log.since(0, "a") is None
     a[2] = 1
-    log.record(2, {"a": a.view(np.uint8)})
+    log.record(2, {"a": a.view(torch.uint8)})
     a[5] = 1
-    log.record(3, {"a": a.view(np.uint8)})
+    log.record(3, {"a": a.view(torch.uint8)})
     assert log.since(2, "a").tolist() == [5] and log.since(1, "a").tolist() == [2, 5]
     a[2] = 0  # a value that changes back still counts as changed since version 1
-    log.record(4, {"a": a.view(np.uint8)})
+    log.record(4, {"a": a.view(torch.uint8)})
     assert log.since(1, "a") is None  # forgotten (depth 3)
     assert log.since(2, "a").tolist() == [2, 5]
 

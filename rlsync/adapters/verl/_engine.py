@@ -174,7 +174,7 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         try:
             for meta in reader.dst.tensors:
-                landed = torch.from_numpy(buffers[meta.name]).view(getattr(torch, meta.dtype)).view(meta.shape)
+                landed = torch.as_tensor(buffers[meta.name]).view(getattr(torch, meta.dtype)).view(meta.shape)
                 yield meta.name, for_server_adapter(landed, self.bucket_size, device)
         except BaseException as exc:  # the server adapter failed (or stopped early): the version is refused
             finish(exc)

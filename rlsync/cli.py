@@ -42,8 +42,13 @@ def plan(
 
 @app.command()
 def bench(
-    size: Annotated[str, typer.Option(help="Bytes of weights to sync, e.g. '1GiB', '256MiB'.")] = "1GiB",
-    transports: Annotated[str, typer.Option(help="Comma-separated transports to measure.")] = "shm,nixl,tcp,torchdist",
+    size: Annotated[Optional[str], typer.Option(help="Bytes of weights to sync, e.g. '1GiB', '256MiB' (default 1GiB; "
+                                                     "with --device: 8GiB on cuda, 256MiB on cpu).")] = None,
+    transports: Annotated[Optional[str], typer.Option(help="Comma-separated transports to measure (default "
+                                                           "shm,nixl,tcp,torchdist; with --device: all that run there).")] = None,
+    device: Annotated[Optional[str], typer.Option(help="Trainer and engine on this device ('cuda', 'cuda:1' or 'cpu'): "
+                                                       "every transport and landing there, against device copies and the "
+                                                       "bucketed recipe.")] = None,
     repeats: Annotated[int, typer.Option(help="Timed repetitions per path; the median is reported.")] = 3,
     buffer: Annotated[bool, typer.Option("--buffer", help="Benchmark the rollout buffer backends instead.")] = False,
     engine: Annotated[Optional[str], typer.Option(help="Sync into a running engine ('vllm') instead of a plain process.")] = None,
@@ -54,13 +59,17 @@ def bench(
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ) -> None:
     """Measure weight sync (or the rollout buffer) against the baselines, in one run."""
-    if wire is not None:
+    if device is not None:
+        from rlsync.bench import run_device
+
+        run_device(device=device, size=size, transports=transports, repeats=repeats, json_output=json_output)
+    elif wire is not None:
         if wire != "delta":
             raise typer.BadParameter(f"--wire {wire!r}: the bench compares 'delta' with full versions (fp8 is a tensor "
                                      f"list, see `rlsync plan --wire fp8`)")
         from rlsync.bench import run_wire
 
-        run_wire(size=size, steps=steps, lr=lr, transport=transports.split(",")[0], json_output=json_output)
+        run_wire(size=size or "1GiB", steps=steps, lr=lr, transport=(transports or "shm").split(",")[0], json_output=json_output)
     elif buffer:
         from rlsync.bench import run_buffer
 
@@ -72,7 +81,7 @@ def bench(
     else:
         from rlsync.bench import run_weights
 
-        run_weights(size=size, transports=transports, repeats=repeats, json_output=json_output)
+        run_weights(size=size or "1GiB", transports=transports or "shm,nixl,tcp,torchdist", repeats=repeats, json_output=json_output)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -181,9 +181,9 @@ def apply(payload: torch.Tensor, region: torch.Tensor) -> int:
         end = at + count * 4 + _pad8(count * 4) + count * itemsize + _pad8(count * itemsize)
         if end > payload.numel():
             raise ValueError(f"delta segment at element {base} ({count} values) runs past the {payload.numel()}-byte delta")
-        positions = payload[at : at + 4 * count].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        positions = payload[at : at + 4 * count].view(torch.uint32).to(torch.int64).add_(base)
         at += count * 4 + _pad8(count * 4)
-        parts.append((positions + base, payload[at : at + itemsize * count].view(_WORD[itemsize]), itemsize))
+        parts.append((positions, payload[at : at + itemsize * count].view(_WORD[itemsize]), itemsize))
         at = end
     if parts:  # one look at the positions' extremes for all segments (one device sync on a GPU)
         reach = torch.stack([p.max() if p.numel() else p.new_zeros(()) for p, _, _ in parts]).tolist()
@@ -191,5 +191,5 @@ def apply(payload: torch.Tensor, region: torch.Tensor) -> int:
             if values.numel() and (last + 1) * itemsize > region.numel():
                 raise ValueError(f"a delta segment ({values.numel()} values) reaches past the {region.numel()}-byte region")
     for positions, values, itemsize in parts:
-        typed(region, itemsize)[positions] = values
+        typed(region, itemsize).index_copy_(0, positions, values)  # positions are unique: no write races on a GPU
     return sum(v.numel() for _, v, _ in parts)

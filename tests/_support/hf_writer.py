@@ -12,8 +12,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rlsync import SyncOptions, WeightsWriter
-from rlsync.layouts import from_state_dict
 from rlsync.core import transports
+from rlsync.layouts import from_state_dict
 
 
 def tiny_qwen2(seed: int, tied: bool = False) -> Qwen2ForCausalLM:

@@ -1,0 +1,395 @@
+"""``rlsync bench --device cuda`` (or ``cpu``): a model-shaped bf16 state dict from a trainer process into an engine
+process's parameters on the same device, through every transport and landing that runs there.
+
+Measured in the same run:
+
+* the limits, in one process: one device copy of all the bytes, and a copy per tensor into tensors that stay;
+* the recipe users have today: pack into a 2 GiB shared bucket, the engine unpacks into its parameters, bucket
+  after bucket (what verl's colocated checkpoint engine and vLLM's ``ipc`` weight transfer do; the bucket is
+  shared through CUDA IPC on a GPU, shared memory on a CPU);
+* rlsync per transport and landing: ``device`` staging (the version lands in device memory, then one device
+  copy into the parameters), ``host`` staging (it lands in host memory, then an upload: the staged-through-host
+  path), and ``direct`` (two slots the engine reads itself; no copy into parameters);
+* delta: finding and encoding the changed values on the device (``--changed``, the share of bf16 values an
+  AdamW step at an RL learning rate changes: about 2 %, ``rlsync bench --wire delta``), applying them, the link
+  speed below which sending the delta beats sending everything, and a delta version end to end.
+
+Every path ends with the engine's parameters compared with the trainer's tensors (``sum64`` on both sides):
+``exact`` in the output. The worker processes are this module run as a script; they talk JSON lines on pipes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from rlsync import SyncOptions
+from rlsync.bench._weights import _read, bench_spec, parse_size
+from rlsync.layouts import model_spec
+
+BUCKET = 2 * 2**30  # the colocated recipe's bucket (verl's default update_weights_bucket_megabytes is 2048)
+CHANGED = 0.02  # bf16 values an RL AdamW step changes (docs/benchmarks.md, rlsync bench --wire delta)
+#: (transport, landing) pairs tried, in this order; a pair whose transport cannot run on the device is left out
+PATHS = {
+    "cuda": [("cuda_ipc", "device"), ("cuda_ipc", "direct"), ("nixl", "device"), ("nixl", "host"), ("shm", "host"), ("tcp", "host")],
+    "cpu": [("shm", "host"), ("shm", "direct"), ("nixl", "host"), ("tcp", "host")],
+}
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        _torch().cuda.synchronize()
+
+
+def _timed(fn: Callable[[], Any], device: str) -> float:
+    _sync(device)
+    started = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - started
+
+
+def _tensors(config: dict[str, Any], device: str, fill: bool) -> dict[str, Any]:
+    torch = _torch()
+    out = {}
+    for i, p in enumerate(model_spec(config).params):
+        t = torch.empty(p.meta.shape, dtype=torch.bfloat16, device=device)
+        if fill:
+            t.view(torch.int16).copy_(torch.arange(t.numel(), dtype=torch.int32, device=device).view(t.shape) % 16381 + i)
+        else:
+            t.zero_()
+        out[p.meta.name] = t
+    return out
+
+
+def _sum64(tensors: dict[str, Any]) -> dict[str, int]:
+    from rlsync.core import Checksums
+
+    sums = Checksums("sum64")
+    for name, t in tensors.items():
+        sums.add(name, [t.reshape(-1).view(_torch().uint8)])
+    return sums.values
+
+
+def _step(state: dict[str, Any], changed: float) -> None:
+    """A new version in place, as an optimizer step: every value (``changed`` 1) or that share of them."""
+    torch = _torch()
+    for t in state.values():
+        words = t.view(torch.int16)
+        if changed >= 1:
+            words.add_(1)
+        else:
+            words.add_((torch.rand(words.shape, device=t.device) < changed).to(torch.int16))
+
+
+# -- worker processes ----------------------------------------------------------------------------
+
+
+def engine(device: str, config: dict[str, Any], transport: str, landing: str) -> None:
+    """The engine: parameters on ``device``, a reader landing versions in ``landing`` memory; answers ``check``."""
+    from rlsync import WeightsReader
+    from rlsync.layouts import from_state_dict
+
+    torch = _torch()
+    params = _tensors(config, device, fill=False)
+    layout = from_state_dict(params)
+
+    def commit(version: int, buffers: dict[str, Any]) -> None:  # the staged version into the parameters, in place
+        with torch.no_grad():
+            for name, p in params.items():
+                p.reshape(-1).view(torch.uint8).copy_(torch.as_tensor(buffers[name]), non_blocking=True)
+        _sync(device)
+
+    on_device = landing == "device" or (landing == "direct" and device != "cpu")  # regions in device memory
+    options = SyncOptions(transport=transport, timeout=600, transport_options={"device": device} if on_device else {})
+    with WeightsReader(layout, layout, 0, options=options, landing="direct" if landing == "direct" else "staged",
+                       on_version=None if landing == "direct" else commit) as reader:
+        print(json.dumps({"address": reader.address, "memory": reader.memory}), flush=True)
+        for _ in sys.stdin:
+            if landing == "direct":
+                live = {n: torch.as_tensor(b).view(torch.bfloat16) for n, b in reader.buffers().items()}
+                print(json.dumps({"sum64": _sum64(live)}), flush=True)
+            else:
+                print(json.dumps({"sum64": _sum64(params)}), flush=True)
+
+
+def bucket_engine(device: str, config: dict[str, Any], transport: str) -> None:
+    """The recipe's engine: a shared bucket; ``unpack [[name, offset, nbytes], ...]`` copies it into the parameters."""
+    from rlsync.core import transports
+
+    torch = _torch()
+    params = _tensors(config, device, fill=False)
+    total = sum(t.numel() * 2 for t in params.values())
+    cls: Any = transports().get(transport)
+    bucket = cls.landing(min(BUCKET, total), 1, {"device": device} if device != "cpu" else {})
+    region = torch.as_tensor(bucket.regions[0])
+    print(json.dumps({"bucket": msgspec.msgpack.encode(bucket.describe()).hex()}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command == "check":
+            print(json.dumps({"sum64": _sum64(params)}), flush=True)
+            continue
+        with torch.no_grad():
+            for name, offset, nbytes in command:
+                params[name].reshape(-1).view(torch.uint8).copy_(region[offset : offset + nbytes], non_blocking=True)
+        _sync(device)
+        print(json.dumps({"ok": True}), flush=True)
+
+
+def _child(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", "from rlsync.bench._device import main; main()", *args],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _ask(child: subprocess.Popen[str], command: Any) -> dict[str, Any]:
+    assert child.stdin is not None
+    child.stdin.write(json.dumps(command) + "\n")
+    child.stdin.flush()
+    return _read(child)
+
+
+def trainer(device: str, config: dict[str, Any], transport: str, landing: str, versions: int, changed: float) -> None:
+    """The trainer: starts its engine, publishes ``versions`` versions, and reports seconds, bytes and exactness."""
+    from rlsync import WeightsWriter
+    from rlsync.layouts import from_state_dict
+
+    state = _tensors(config, device, fill=True)
+    child = _child("engine", device, json.dumps(config), transport, landing)
+    try:
+        hello = _read(child)
+        wire = "delta" if changed < 1 else "full"
+        options = SyncOptions(transport=transport, timeout=600, wire=wire)
+        times, sent = [], []
+        with WeightsWriter(from_state_dict(state), from_state_dict(state), 0, [hello["address"]], options=options) as writer:
+            for version in range(1, versions + 1):
+                _step(state, 1.0 if version <= 2 else changed)  # a delta needs a version in the slot it updates
+                writer.multi_put(state)
+                times.append(_timed(functools.partial(writer.complete, version), device))
+                sent.append(writer.last_bytes)
+        exact = _ask(child, "check")["sum64"] == _sum64(state)
+        print(json.dumps({"seconds": times, "bytes": sent, "exact": exact, "memory": hello["memory"]}), flush=True)
+    finally:
+        child.kill()
+
+
+def bucket_trainer(device: str, config: dict[str, Any], transport: str, versions: int) -> None:
+    """The recipe's trainer: pack a bucket, have the engine unpack it, next bucket; per version."""
+    from rlsync.core import transports
+
+    torch = _torch()
+    state = _tensors(config, device, fill=True)
+    child = _child("bucket-engine", device, json.dumps(config), transport)
+    try:
+        description = msgspec.msgpack.decode(bytes.fromhex(_read(child)["bucket"]))
+        cls: Any = transports().get(transport)
+        link = cls.open(description, {})
+        capacity = min(BUCKET, sum(t.numel() * 2 for t in state.values()))
+
+        def publish() -> None:
+            packed: list[list[Any]] = []
+            at = 0
+            for name, t in state.items():
+                nbytes = t.numel() * 2
+                if at + nbytes > capacity:  # full: the engine unpacks before the bucket is reused
+                    link.flush()
+                    _ask(child, packed)
+                    packed, at = [], 0
+                source = t.reshape(-1).view(torch.uint8)
+                link.write(source.numpy() if device == "cpu" else source, [(0, 0, at, nbytes)])
+                packed.append([name, at, nbytes])
+                at += -(-nbytes // 256) * 256
+            link.flush()
+            _ask(child, packed)
+
+        times = []
+        for _ in range(versions):
+            _step(state, 1.0)
+            times.append(_timed(publish, device))
+        exact = _ask(child, "check")["sum64"] == _sum64(state)
+        link.close()
+        print(json.dumps({"seconds": times, "exact": exact}), flush=True)
+    finally:
+        child.kill()
+
+
+# -- in the orchestrating process --------------------------------------------------------------------
+
+
+def limits(device: str, config: dict[str, Any], repeats: int) -> dict[str, float]:
+    """Seconds of one copy of every byte, and of a copy per tensor into tensors that stay (best of ``repeats``)."""
+    torch = _torch()
+    one = _one_copy(device, model_spec(config).nbytes, repeats)
+    src, dst = _tensors(config, device, fill=True), _tensors(config, device, fill=False)
+    names = list(src)
+    per = min(_timed(lambda: torch._foreach_copy_([dst[n] for n in names], [src[n] for n in names]), device)
+              for _ in range(repeats + 1))
+    return {"one_copy": one, "per_tensor": per}
+
+
+def _one_copy(device: str, nbytes: int, repeats: int) -> float:
+    torch = _torch()
+    source = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    return min(_timed(lambda: target.copy_(source), device) for _ in range(repeats + 1))
+
+
+def delta_on_device(device: str, config: dict[str, Any], changed: float, repeats: int) -> dict[str, Any]:
+    """Find + encode a ``changed`` delta over the whole state on ``device``, and apply it into a region there."""
+    from rlsync.core import ChangeLog, apply_delta, encode_delta
+
+    torch = _torch()
+    state = _tensors(config, device, fill=True)
+    sources = {n: t.reshape(-1).view(torch.uint8) for n, t in state.items()}
+    total = sum(s.numel() for s in sources.values())
+    groups = [(n, [(0, 0, s.numel())]) for n, s in sources.items()]
+    best: tuple[float, float, int] | None = None
+    for version in range(2, repeats + 3):
+        log = ChangeLog({n: 2 for n in sources}, depth=2)
+        log.record(version - 1, sources)
+        _step(state, changed)
+        found: dict[str, Any] = {}
+
+        def find_and_encode() -> None:
+            log.record(version, sources)
+            found["payload"] = encode_delta(groups, {n: log.since(version - 1, n) for n in sources}, sources,
+                                            {n: 2 for n in sources}, total)
+
+        encode_s = _timed(find_and_encode, device)
+        payload = found["payload"]
+        region = torch.zeros(max(s.numel() for s in sources.values()), dtype=torch.uint8, device=device)
+        apply_s = _timed(lambda: apply_delta(payload, region), device)  # every segment into one region: the same work
+        if best is None or encode_s + apply_s < best[0] + best[1]:
+            best = (encode_s, apply_s, int(payload.numel()))
+    assert best is not None
+    encode_s, apply_s, nbytes = best
+    return {"changed": changed, "find_encode_seconds": encode_s, "find_encode_gbps": total / encode_s / 1e9,
+            "apply_seconds": apply_s, "delta_bytes": nbytes, "full_bytes": total,
+            # delta pays on a link slower than this: full/L > encode + apply + delta/L
+            "pays_below_gbps": (total - nbytes) / (encode_s + apply_s) / 1e9}
+
+
+def _run(args: list[str]) -> dict[str, Any]:
+    child = _child(*args)
+    try:
+        return _read(child)
+    finally:
+        child.wait(timeout=600)
+
+
+def measure(device: str, nbytes: int, transports: list[str] | None, repeats: int, changed: float = CHANGED,
+            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run everything and return the ``--json`` object."""
+    from rlsync.core import transports as registered
+
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    registry = registered()
+    config = bench_spec(nbytes)
+    total = model_spec(config).nbytes
+    versions = repeats + 2  # the first pays for connecting and registering; the second fills the other slot
+    say = progress or (lambda _step: None)
+    say("device copy limits")
+    limit = limits(device, config, repeats)
+    rows: list[dict[str, Any]] = []
+
+    def add(name: str, kind_: str, got: dict[str, Any], **extra: Any) -> None:
+        seconds = statistics.median(got["seconds"][2:] or got["seconds"][-1:])
+        rows.append({"name": name, "kind": kind_, "seconds": seconds, "gbps": total / seconds / 1e9,
+                     "exact": got["exact"], **extra})
+
+    bucket_transport = "cuda_ipc" if kind == "cuda" else "shm"
+    say("bucketed recipe (2 GiB)")
+    add("bucketed-2GiB", "baseline", _run(["bucket-trainer", device, json.dumps(config), bucket_transport, str(versions)]),
+        transport=bucket_transport)
+    runs_here = {t for t in registry.names() if getattr(registry.get(t), "available")()}
+    paths = [(t, landing) for t, landing in PATHS[kind] if (transports is None or t in transports) and t in runs_here]
+    for transport, landing in paths:
+        say(f"{transport}, {landing} landing")
+        got = _run(["trainer", device, json.dumps(config), transport, landing, str(versions), "1.0"])
+        add(f"{transport}/{landing}", "rlsync", got, transport=transport, landing=landing, memory=got["memory"])
+    delta: dict[str, Any] = {}
+    if paths:
+        say(f"delta on the {kind}")
+        delta = delta_on_device(device, config, changed, repeats)
+        transport, landing = paths[0]
+        got = _run(["trainer", device, json.dumps(config), transport, landing, str(versions), str(changed)])
+        add(f"{transport}/{landing} delta {changed:.0%}", "rlsync", got, transport=transport, landing=landing,
+            memory=got["memory"], bytes=statistics.median(got["bytes"][2:] or got["bytes"][-1:]))
+    per_tensor, bucket = limit["per_tensor"], rows[0]["seconds"]
+    for row in rows:
+        row["x_per_tensor_copy"] = per_tensor / row["seconds"]
+        row["x_bucketed"] = bucket / row["seconds"]
+    return {"device": device, "device_name": _device_name(device), "bytes": total, "tensors": len(model_spec(config).params),
+            "limits": {"one_copy_seconds": limit["one_copy"], "one_copy_gbps": total / limit["one_copy"] / 1e9,
+                       "per_tensor_seconds": per_tensor, "per_tensor_gbps": total / per_tensor / 1e9},
+            "results": rows, "delta": delta}
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return str(_torch().cuda.get_device_name(_torch().device(device)))
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def run(*, device: str, size: str | None, transports: str | None, repeats: int, json_output: bool) -> None:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    torch = _torch()
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here (torch.cuda.is_available() is False); use --device cpu")
+    nbytes = parse_size(size or ("8GiB" if device.startswith("cuda") else "256MiB"))
+    names = [t for t in transports.split(",") if t] if transports else None
+    console = Console(stderr=True)
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("benchmark", total=None)
+        report = measure(device, nbytes, names, repeats, progress=lambda step: bar.update(task, description=step))
+    if json_output:
+        print(json.dumps(report))
+        return
+    lim = report["limits"]
+    table = Table(title=f"{report['bytes'] / 2**30:.2f} GiB bf16 ({report['tensors']} tensors), {report['device_name']}: "
+                        f"one copy {lim['one_copy_gbps']:.0f} GB/s, per tensor {lim['per_tensor_gbps']:.0f} GB/s")
+    for col in ("path", "lands in", "seconds to live", "GB/s", "x per-tensor copy", "x bucketed recipe", "exact"):
+        table.add_column(col)
+    for r in report["results"]:
+        table.add_row(r["name"], r.get("memory", "-"), f"{r['seconds']:.4f}", f"{r['gbps']:.1f}",
+                      f"{r['x_per_tensor_copy']:.2f}", f"{r['x_bucketed']:.2f}", "yes" if r["exact"] else "NO")
+    Console().print(table)
+    d = report["delta"]
+    if d:
+        Console().print(f"delta at {d['changed']:.0%} changed: find + encode {d['find_encode_seconds'] * 1e3:.1f} ms "
+                        f"({d['find_encode_gbps']:.1f} GB/s of model bytes), apply {d['apply_seconds'] * 1e3:.1f} ms, "
+                        f"{d['delta_bytes'] / d['full_bytes']:.1%} of the bytes: pays on links slower than "
+                        f"{d['pays_below_gbps']:.1f} GB/s")
+
+
+def main() -> None:
+    """A worker process: ``python -c 'from rlsync.bench._device import main; main()' ROLE ARGS...``."""
+    role, rest = sys.argv[1], sys.argv[2:]
+    if role == "engine":
+        engine(rest[0], json.loads(rest[1]), rest[2], rest[3])
+    elif role == "bucket-engine":
+        bucket_engine(rest[0], json.loads(rest[1]), rest[2])
+    elif role == "trainer":
+        trainer(rest[0], json.loads(rest[1]), rest[2], rest[3], int(rest[4]), float(rest[5]))
+    elif role == "bucket-trainer":
+        bucket_trainer(rest[0], json.loads(rest[1]), rest[2], int(rest[3]))
+    else:
+        raise SystemExit(f"unknown role {role}")

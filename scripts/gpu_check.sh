@@ -29,3 +29,6 @@ export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
 python3 -m pytest tests/gpu tests/core tests/wire tests/test_public_api.py -p no:cacheprovider -q -rs "$@"
+if [ "${RLSYNC_GPU_BENCH:-0}" = 1 ]; then  # the figures of docs/benchmarks.md's GPU section
+  python3 -m rlsync.cli bench --device cuda --json | tee gpu-bench.json
+fi

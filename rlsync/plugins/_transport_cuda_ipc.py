@@ -23,6 +23,9 @@ import torch
 from rlsync import Landing, Link, Run, Transport, TransportError
 
 _mapped: dict[bytes, torch.Tensor] = {}  # IPC handle -> the region mapped into this process
+# IPC handle -> a region this process shares: CUDA cannot open a handle in the process that made it, so a writer in the
+# reader's own process (tests, rlsync.testing.check_transport) writes the tensor itself
+_own: dict[bytes, torch.Tensor] = {}
 _lock = threading.Lock()
 
 
@@ -63,6 +66,8 @@ class CudaIpcLanding(Landing):
         shares = [r.untyped_storage()._share_cuda_() for r in self._regions]  # type: ignore[no-untyped-call]
         # (device, handle, size, offset in the allocation, ref-counter file, its offset, event handle, sync needed)
         self._description = {"uuid": _uuid(device.index or 0), "regions": [list(share[1:]) for share in shares]}
+        with _lock:
+            _own.update({bytes(share[1]): region for share, region in zip(shares, self._regions)})
 
     @property
     def regions(self) -> Sequence[torch.Tensor]:
@@ -72,13 +77,18 @@ class CudaIpcLanding(Landing):
         return self._description
 
     def close(self) -> None:
+        with _lock:
+            for share in self._description["regions"]:
+                _own.pop(bytes(share[0]), None)
         self._regions = []
 
 
 def _open_region(index: int, share: Sequence[Any]) -> torch.Tensor:
     handle = bytes(share[0])
     with _lock:
-        region = _mapped.get(handle)
+        region = _own.get(handle)
+        if region is None:
+            region = _mapped.get(handle)
         if region is None:
             storage = torch.UntypedStorage._new_shared_cuda(index, *share)
             region = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}").set_(storage, 0, (int(share[1]),), (1,))

@@ -185,3 +185,13 @@ def test_delta_and_checksums_on_the_gpu_equal_the_cpu() -> None:
         return bytes(payload.cpu().numpy()), bytes(region.cpu().numpy()), sums.values["w"]
 
     assert run("cuda") == run("cpu")
+
+
+@pytest.mark.parametrize("transport", [*device_transports(), "memory"])
+def test_device_transports_keep_the_contract_on_the_gpu(transport: str) -> None:
+    """The conformance check with regions on the GPU and sources on it too (cuda_ipc within one process writes its
+    own regions: CUDA cannot open a handle in the process that made it)."""
+    from rlsync.testing import MemoryTransport, check_transport
+
+    cls = MemoryTransport if transport == "memory" else transports().get(transport)
+    check_transport(cls, options={"device": "cuda:0"})

@@ -63,6 +63,14 @@ class MemoryLanding(Landing):
             self.key = next(_ids)
             _landings[self.key] = self
 
+    @classmethod
+    def over(cls, regions: Sequence[Any], options: Mapping[str, Any] | None = None) -> MemoryLanding:
+        """In place: the caller's tensors are the regions (one per buffer)."""
+        landing = cls(0, 0, options)
+        landing._regions = [torch.as_tensor(r) for r in regions]
+        landing.memory = "device"  # torch tensors, checked with the device checksum wherever they are
+        return landing
+
     @property
     def regions(self) -> Sequence[Any]:
         return self._regions

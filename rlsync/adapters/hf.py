@@ -8,6 +8,11 @@ receiver.serving(): model(...)``), on whatever device they live. A parameter's m
 device, and a writer dying midway leaves the model as it was. Extra memory: one host copy of the
 module's weights (the staging slot).
 
+``landing="in_place"`` (with a transport that lands in memory it did not allocate: ``cuda_ipc``, ``nixl``):
+the writer writes the parameters themselves, one copy per byte and no staging; the model waits (``serving``
+blocks) from a version's first byte until it is complete and checked, and a version that fails or whose writer
+dies is undone from a host copy of the last one (see ``rlsync.WeightsReader``).
+
 ``wire="fp8"``: the module receives the fp8 block-quantized checkpoint format (``rlsync.wire``;
 the writer uses ``wire="fp8"`` too) into a staging slot and loads it as transformers loads an
 fp8 checkpoint where no fp8 kernel runs: each weight dequantized to its parameter's dtype. That
@@ -47,10 +52,15 @@ class ModuleReceiver:
     ``"delta"``, landing in place) or ``"fp8"`` (lossy; see the module docstring).
     """
 
-    def __init__(self, module: torch.nn.Module, src: Layout | None = None, *, options: SyncOptions | None = None) -> None:
+    def __init__(self, module: torch.nn.Module, src: Layout | None = None, *, options: SyncOptions | None = None,
+                 landing: str = "staged") -> None:
         options = options or SyncOptions()
         if options.codec not in (None, "fp8"):
             raise ConfigError(f"ModuleReceiver: wire={options.wire!r} is not one it can load; use 'full', 'delta' or 'fp8'")
+        if landing not in ("staged", "in_place"):
+            raise ConfigError(f"ModuleReceiver: landing={landing!r}: use 'staged' (the default) or 'in_place'")
+        if landing == "in_place" and options.codec is not None:
+            raise ConfigError("ModuleReceiver(landing='in_place') lands the parameters' own bytes: use wire 'full'")
         self.module = module
         self.wire = "fp8" if options.codec == "fp8" else "full"
         self._params = dict(module.named_parameters())
@@ -62,9 +72,20 @@ class ModuleReceiver:
             warnings.warn("ModuleReceiver(wire='fp8'): the module gets the fp8-dequantized weights (lossy against the "
                           "trainer's; what transformers loads from an fp8 checkpoint without fp8 kernels)", RlsyncWarning, stacklevel=2)
             dst = from_state_dict(fp8_metas(dst.tensors))
-        # a version lands off to the side (one host slot) and is copied into the parameters once complete: their
+        if landing == "in_place":  # the writer writes the parameters themselves, the model paused meanwhile
+            targets = {name: p.detach().reshape(-1).view(torch.uint8) for name, p in self._params.items()}
+            self.reader = WeightsReader(src, dst, 0, options=options, landing="in_place", targets=targets, pause=self._pause)
+            return
+        # a version lands off to the side (one slot) and is copied into the parameters once complete: their
         # memory, on whatever device, never moves (CUDA graphs captured it), and no second model is held there
         self.reader = WeightsReader(src, dst, 0, options=options, landing="staged", on_version=self._commit)
+
+    def _pause(self, paused: bool) -> None:
+        """In place: hold the model between forward passes (``serving``) while a version lands."""
+        if paused:
+            self._serving.acquire()
+        else:
+            self._serving.release()
 
     @property
     def address(self) -> str:

@@ -9,7 +9,8 @@ Measured in the same run:
   shared through CUDA IPC on a GPU, shared memory on a CPU);
 * rlsync per transport and landing: ``device`` staging (the version lands in device memory, then one device
   copy into the parameters), ``host`` staging (it lands in host memory, then an upload: the staged-through-host
-  path), and ``direct`` (two slots the engine reads itself; no copy into parameters);
+  path), ``in_place`` (the writer writes the parameters, the engine paused; a host copy of the last version is
+  refreshed after each commit, off the clock), and ``direct`` (two slots the engine reads itself);
 * delta: finding and encoding the changed values on the device (``--changed``, the share of bf16 values an
   AdamW step at an RL learning rate changes: about 2 %, ``rlsync bench --wire delta``), applying them, the link
   speed below which sending the delta beats sending everything, and a delta version end to end.
@@ -39,8 +40,9 @@ BUCKET = 2 * 2**30  # the colocated recipe's bucket (verl's default update_weigh
 CHANGED = 0.02  # bf16 values an RL AdamW step changes (docs/benchmarks.md, rlsync bench --wire delta)
 #: (transport, landing) pairs tried, in this order; a pair whose transport cannot run on the device is left out
 PATHS = {
-    "cuda": [("cuda_ipc", "device"), ("cuda_ipc", "direct"), ("nixl", "device"), ("nixl", "host"), ("shm", "host"), ("tcp", "host")],
-    "cpu": [("shm", "host"), ("shm", "direct"), ("nixl", "host"), ("tcp", "host")],
+    "cuda": [("cuda_ipc", "device"), ("cuda_ipc", "in_place"), ("cuda_ipc", "direct"), ("nixl", "device"),
+             ("nixl", "in_place"), ("nixl", "host"), ("shm", "host"), ("tcp", "host")],
+    "cpu": [("shm", "host"), ("shm", "direct"), ("nixl", "host"), ("nixl", "in_place"), ("tcp", "host")],
 }
 
 
@@ -102,6 +104,7 @@ def _step(state: dict[str, Any], changed: float) -> None:
 def engine(device: str, config: dict[str, Any], transport: str, landing: str) -> None:
     """The engine: parameters on ``device``, a reader landing versions in ``landing`` memory; answers ``check``."""
     from rlsync import WeightsReader
+    from rlsync.core import LandingMode
     from rlsync.layouts import from_state_dict
 
     torch = _torch()
@@ -118,8 +121,10 @@ def engine(device: str, config: dict[str, Any], transport: str, landing: str) ->
 
     on_device = landing == "device" or (landing == "direct" and device != "cpu")  # regions in device memory
     options = SyncOptions(transport=transport, timeout=600, transport_options={"device": device} if on_device else {})
-    with WeightsReader(layout, layout, 0, options=options, landing="direct" if landing == "direct" else "staged",
-                       on_version=None if landing == "direct" else commit) as reader:
+    mode: LandingMode = "direct" if landing == "direct" else "in_place" if landing == "in_place" else "staged"
+    targets = {n: p.reshape(-1).view(torch.uint8) for n, p in params.items()} if landing == "in_place" else None
+    with WeightsReader(layout, layout, 0, options=options, landing=mode, targets=targets,
+                       on_version=commit if mode == "staged" else None) as reader:
         print(json.dumps({"address": reader.address, "memory": reader.memory}), flush=True)
         for _ in sys.stdin:
             if landing == "direct":

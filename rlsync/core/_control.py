@@ -65,6 +65,9 @@ class Welcome(msgspec.Struct, tag=True):
     inbox_capacity: int = 0
     #: the checksum a verifying writer computes (``rlsync.core._checksum``: where the reader's landing memory is)
     checksum: str = "crc32"
+    #: the landing is the engine's own tensors, one region per buffer of this rank (in layout order): the writer
+    #: asks with ``Begin`` before each version (the engine pauses) and writes ``(src, buffer index, offset, n)``
+    in_place: bool = False
 
 
 class Refuse(msgspec.Struct, tag=True):
@@ -86,6 +89,19 @@ class Done(msgspec.Struct, tag=True):
     delta_nbytes: int = 0
 
 
+class Begin(msgspec.Struct, tag=True):
+    """Writer -> in-place reader: about to write ``version``; answered with ``Go`` once the engine has paused."""
+
+    writer_rank: int
+    version: int
+
+
+class Go(msgspec.Struct, tag=True):
+    """In-place reader -> writer: the engine is paused (and its last version saved); write."""
+
+    version: int
+
+
 class Ack(msgspec.Struct, tag=True):
     """Reader -> writer: ``version`` is live; write the next one into ``next_slot``."""
 
@@ -93,7 +109,7 @@ class Ack(msgspec.Struct, tag=True):
     next_slot: int
 
 
-Message = Union[Hello, AskLayout, LayoutIs, Welcome, Refuse, Done, Ack]
+Message = Union[Hello, AskLayout, LayoutIs, Welcome, Refuse, Done, Ack, Begin, Go]
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

@@ -63,6 +63,11 @@ class HostStaging:
         self._pending.clear()
 
     @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The host buffers by name (read them after ``wait``)."""
+        return dict(self._buffers)
+
+    @property
     def nbytes(self) -> int:
         """Host memory held by the buffers (allocated once, kept for the next version)."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())

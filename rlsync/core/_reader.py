@@ -7,6 +7,13 @@ Landing modes:
   not being served, then the reader flips. A writer dying midway leaves the served slot untouched.
 * ``staged``: one staging slot; when a version is complete the reader hands views of it to
   ``on_version`` (the engine's loader, a local copy) before the version counts as live.
+* ``in_place``: the landing is the engine's own tensors (``targets``, one per buffer; a transport that can
+  land in memory it did not allocate: ``cuda_ipc``, ``nixl``, ``memory``), one copy per byte and no staging.
+  Before a version's first byte the writer asks (``Begin``); the reader pauses the engine (``pause(True)``,
+  which returns once nothing reads the tensors) and answers ``Go``. The tensors' last version is kept in reused
+  host buffers, refreshed after each commit while the engine serves: a version that fails its checksums or
+  its ``on_version``, or whose writer dies or restarts before it completes (``timeout``), is undone from them,
+  and the engine resumes (``pause(False)``) with the old version: never a mix, never nothing.
 
 Writers that restart (a new session) make the reader discard unfinished parts that may pair with
 bytes the dead session never finished (``_discard_partners``). Delta writers get an inbox
@@ -15,7 +22,10 @@ bytes the dead session never finished (``_discard_partners``). Delta writers get
 
 from __future__ import annotations
 
+import bisect
+import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Literal
 
@@ -25,10 +35,11 @@ import torch
 
 from rlsync.core._builders import replicated
 from rlsync.core._checksum import Checksums, for_memory
-from rlsync.core._control import Ack, AskLayout, Done, Hello, LayoutIs, Refuse, Welcome, bind_router
+from rlsync.core._control import Ack, AskLayout, Begin, Done, Go, Hello, LayoutIs, Refuse, Welcome, bind_router
 from rlsync.core._delta import INBOX_SHARE
 from rlsync.core._delta import apply as apply_delta
 from rlsync.core._errors import ConfigError, RlsyncError, TransferTimeoutError, WeightMismatchError
+from rlsync.core._host_staging import HostStaging
 from rlsync.core._layout import Layout, dtype_size, tensor_fingerprints
 from rlsync.core._options import SyncOptions
 from rlsync.core._planner import Plan, build_plan
@@ -36,8 +47,10 @@ from rlsync.core._plugins import default_plugin_manager, resolve_transport
 from rlsync.core._regions import ALIGN, PairRuns, as_tensor, region_offsets, runs_by_pair
 from rlsync.core._transport import Landing, Region
 
-#: ``"direct"`` (two slots in the engine's memory) or ``"staged"`` (one slot, handed to ``on_version``)
-LandingMode = Literal["direct", "staged"]
+#: ``"direct"`` (two slots in the engine's memory), ``"staged"`` (one slot, handed to ``on_version``) or
+#: ``"in_place"`` (the engine's own tensors, the engine paused while a version lands)
+LandingMode = Literal["direct", "staged", "in_place"]
+_log = logging.getLogger("rlsync")
 
 
 class WeightsReader:
@@ -67,9 +80,18 @@ class WeightsReader:
         on_version: Callable[[int, dict[str, Region]], None] | None = None,
         on_refused: Callable[[int, str], None] | None = None,
         plugins: pluggy.PluginManager | None = None,
+        targets: Mapping[str, Region] | None = None,
+        pause: Callable[[bool], None] | None = None,
     ) -> None:
-        if landing not in ("direct", "staged"):
-            raise ValueError(f"landing must be 'direct' or 'staged', not {landing!r}")
+        if landing not in ("direct", "staged", "in_place"):
+            raise ValueError(f"landing must be 'direct', 'staged' or 'in_place', not {landing!r}")
+        if (landing == "in_place") != (targets is not None) or (landing == "in_place" and dst is None):
+            raise ConfigError("landing='in_place' needs the destination layout and targets={buffer: the engine's tensor} "
+                              "(and only it takes targets)")
+        self._targets = {name: as_tensor(t).reshape(-1).view(torch.uint8) for name, t in (targets or {}).items()}
+        self._pause = pause or (lambda paused: None)
+        self._paused_at: float | None = None  # in place: when the engine paused for the version landing now
+        self._mirror = HostStaging()  # in place: the engine's last version, to undo a version that fails
         if dst is None and (replicas is None or replicas < 1 or src is not None):
             raise ConfigError("WeightsReader needs its destination layout, or dst=None with replicas=N (N readers "
                               "that each hold a whole copy of what the writers send, learned from their layout)")
@@ -118,6 +140,15 @@ class WeightsReader:
         self._dst_tensors = tensor_fingerprints(dst)
         self._offsets, self._nbytes = region_offsets(dst, self.rank)
         self._sizes = {b.name: b.numel * dtype_size(b.dtype) for b in dst.buffers if b.rank == self.rank}
+        self._order = [name for name, _ in sorted(self._offsets.items(), key=lambda item: item[1])]
+        self._starts = [self._offsets[name] for name in self._order]
+        if self.landing_mode == "in_place":
+            missing = [n for n in self._order if n not in self._targets or self._targets[n].numel() != self._sizes[n]]
+            if missing:
+                raise WeightMismatchError(f"landing='in_place': no target tensor of the right size for buffer(s) {missing[:5]}")
+            self._landing = self._transport.landing.over([self._targets[n] for n in self._order], self._transport_options)
+            self._save()
+            return
         slots = 2 if self.landing_mode == "direct" else 1
         self._landing = self._transport.landing(self._nbytes, slots, self._transport_options)
 
@@ -142,6 +173,8 @@ class WeightsReader:
 
     def region(self, slot: int | None = None) -> Region:
         """The whole landing region of ``slot`` (default: the live one), every buffer at its offset."""
+        if self.landing_mode == "in_place":
+            raise ConfigError("an in-place reader has no region: its buffers are the engine's tensors (buffers())")
         if self._landing is None:
             raise WeightMismatchError(f"reader rank {self.rank} has no landing yet: it learns its layout from the first writer")
         return self._landing.regions[self._live_slot if slot is None else slot]
@@ -151,6 +184,8 @@ class WeightsReader:
         landing, device tensors for a device landing."""
         if self._landing is None:
             return {}
+        if self.landing_mode == "in_place":
+            return dict(self._targets)
         region = self._landing.regions[self._live_slot if slot is None else slot]
         return {name: region[off : off + self._sizes[name]] for name, off in self._offsets.items()}
 
@@ -205,6 +240,8 @@ class WeightsReader:
         while not self._closed.is_set():
             if self._landing is not None:
                 self._landing.progress()
+            if self._paused_at is not None and time.monotonic() - self._paused_at > self.options.timeout:
+                self._undo(f"version {self._pending_version} did not complete within {self.options.timeout} s (a writer died?)")
             got = self._channel.recv(timeout_ms=20)
             if got is None:
                 continue
@@ -212,10 +249,14 @@ class WeightsReader:
             assert identity is not None  # ROUTER sockets always prefix the sender's identity
             if isinstance(msg, Hello):
                 self._hello(identity, msg)
+            elif isinstance(msg, Begin):
+                self._begin(identity, msg)
             elif isinstance(msg, AskLayout):
                 self._layout_asked(identity, msg)
             elif isinstance(msg, Done):
                 self._finish_part(identity, msg)
+        if self._paused_at is not None:  # closed in the middle of an in-place version: the engine gets its last one back
+            self._undo("the reader closed")
 
     def _replicate(self, src: Layout | None) -> None:
         """A replica reader (``dst=None, replicas=N``) holds a whole copy of the writers' tensors."""
@@ -254,15 +295,18 @@ class WeightsReader:
             self._channel.send(Refuse(reason), identity)
             return
         previous = self._sessions.get(msg.writer_rank)
+        if previous is not None and previous[0] != msg.session and self._paused_at is not None:
+            self._undo(f"writer rank {msg.writer_rank} restarted in the middle of version {self._pending_version}")
         if previous is not None and previous[0] != msg.session:
             self._epoch += 1
             self._discard_partners(msg.writer_rank, previous[1])
         self._sessions[msg.writer_rank] = (msg.session, self._epoch)
         self._done.pop(msg.writer_rank, None)  # a writer that reconnects starts its version over
         self._held.get(msg.writer_rank, {}).pop(self._target_slot, None)  # it may have written part of the slot
+        in_place = self.landing_mode == "in_place"
         welcome = Welcome(self.rank, self._transport.name, self._landing.describe(), self._version, self._target_slot,
-                          checksum=for_memory(self._landing.memory))
-        if msg.delta:
+                          checksum=for_memory(self._landing.memory), in_place=in_place)
+        if msg.delta and not in_place:  # in place, the engine's tensors are the only copy: versions come whole
             inbox = self._open_inbox()
             welcome.inbox = inbox.describe()
             welcome.inbox_offset, welcome.inbox_capacity = self._inbox_parts.get(msg.writer_rank, (0, 0))
@@ -314,6 +358,10 @@ class WeightsReader:
             if error is not None:
                 self._channel.send(Refuse(error, "delta"), identity)
                 return
+        if self.landing_mode == "in_place" and self._paused_at is None:
+            self._channel.send(Refuse(f"in-place reader rank {self.rank}: version {msg.version} was written without a "
+                                      f"Begin, or after it was undone; send it again", "load"), identity)
+            return
         if self._pending_version != msg.version:
             self._pending_version = msg.version
             self._done = {r: d for r, d in self._done.items() if d[1].version == msg.version}
@@ -332,6 +380,8 @@ class WeightsReader:
             except Exception as exc:  # noqa: BLE001 - reported to every writer, version stays out
                 error = f"the engine failed to load version {msg.version}: {exc!r}"
         if error is not None:
+            if self.landing_mode == "in_place":
+                self._undo(error, msg.version)
             for ident, _ in done.values():
                 self._channel.send(Refuse(error, kind), ident)
             return
@@ -342,8 +392,11 @@ class WeightsReader:
                 self._live_slot, self._target_slot = self._target_slot, self._live_slot
             self._version = msg.version
             self._cond.notify_all()
+        self._resume()  # in place: the engine serves the new version
         for ident, _ in done.values():
             self._channel.send(Ack(msg.version, self._target_slot), ident)
+        if self.landing_mode == "in_place":
+            self._save()  # the new last version, copied while the engine serves it; the next Begin waits for it
         self._plugins.hook.rlsync_weights_applied(version=msg.version, stats={"rank": self.rank, "writers": sorted(done)})
 
     def _land_delta(self, msg: Done, held: int | None) -> str | None:
@@ -364,11 +417,10 @@ class WeightsReader:
     def _verify(self, done: Mapping[int, tuple[bytes, Done]]) -> str | None:
         """Each writer's per-buffer CRC-32 against the bytes that landed; the first mismatch, named."""
         assert self.plan is not None and self._landing is not None
-        region = self._landing.regions[self._target_slot]
         for writer, (_, msg) in done.items():
             got = Checksums(for_memory(self._landing.memory))  # per source buffer, over its runs in plan order, as the writer
             for buffer, runs in self._pair_runs.get((writer, self.rank), []):
-                got.add(buffer, (region[d : d + n] for _, d, n in runs))
+                got.add(buffer, (self._landed(self._target_slot, d, n) for _, d, n in runs))
             for buffer, value in got.values.items():
                 sent = None if msg.checksums is None else msg.checksums.get(buffer)
                 if sent != value:
@@ -376,3 +428,51 @@ class WeightsReader:
                     return (f"checksum mismatch in tensor {tensor!r} (from writer rank {writer}) for version {msg.version}: "
                             f"what landed differs from what was sent; version refused, the previous one stays live")
         return None
+
+    def _landed(self, slot: int, offset: int, nbytes: int) -> Region:
+        """``nbytes`` that landed at ``offset`` of ``slot`` (in place: inside the buffer that offset falls in)."""
+        assert self._landing is not None
+        if self.landing_mode != "in_place":
+            return self._landing.regions[slot][offset : offset + nbytes]
+        index = bisect.bisect_right(self._starts, offset) - 1
+        at = offset - self._starts[index]
+        return self._targets[self._order[index]][at : at + nbytes]
+
+    # -- in place: pause, save, undo ---------------------------------------------------------
+
+    def _begin(self, identity: bytes, msg: Begin) -> None:
+        """A writer is about to write ``msg.version`` into the engine's tensors: pause the engine, then say go."""
+        if self.landing_mode != "in_place" or msg.writer_rank not in self._sessions:
+            self._channel.send(Refuse("Begin is for in-place readers, after a Hello"), identity)
+            return
+        if msg.version <= self._version:
+            self._channel.send(Refuse(f"version {msg.version} is not newer than live version {self._version}", "version"), identity)
+            return
+        if self._paused_at is None:
+            self._mirror.wait()  # the last version is saved before a byte of the next lands
+            self._pause(True)
+            self._paused_at = time.monotonic()
+            self._pending_version = msg.version
+        self._channel.send(Go(msg.version), identity)
+
+    def _save(self) -> None:
+        for name in self._order:
+            self._mirror.stage(name, self._targets[name])
+
+    def _undo(self, reason: str, version: int | None = None) -> None:
+        """Put the engine's last version back into its tensors and resume it: the version landing now is void."""
+        version = self._pending_version if version is None else version
+        _log.warning("in-place reader rank %d: %s; version %d restored", self.rank, reason, self._version)
+        self._mirror.wait()
+        saved = self._mirror.buffers
+        for name in self._order:
+            self._targets[name].copy_(saved[name])
+        self._done = {}
+        self.discarded.append(-1 if version is None else version)
+        self._pending_version = None
+        self._resume()
+
+    def _resume(self) -> None:
+        if self._paused_at is not None:
+            self._paused_at = None
+            self._pause(False)

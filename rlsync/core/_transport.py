@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Union
 
 import numpy as np
 
+from rlsync.core._errors import TransportError
+
 if TYPE_CHECKING:
     import torch
 
@@ -79,6 +81,14 @@ class Landing(ABC):
         self.nbytes = nbytes
         self.slots = slots
         self.options = dict(options or {})
+
+    @classmethod
+    def over(cls, regions: Sequence[Region], options: Mapping[str, Any] | None = None) -> Landing:
+        """A landing whose regions are memory the caller owns (an engine's parameters, for ``landing="in_place"``),
+        one region per buffer; written, never allocated or freed. May override; the default says this transport
+        cannot (host transports land in memory they allocate themselves)."""
+        raise TransportError(f"transport {cls.name!r} cannot land in memory it did not allocate (landing='in_place'): "
+                             f"use 'cuda_ipc' or 'nixl' (or 'memory' in one process)")
 
     @property
     @abstractmethod

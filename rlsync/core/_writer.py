@@ -10,6 +10,7 @@ layout that crosses and encodes each tensor in ``put``.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import secrets
 import time
@@ -22,7 +23,7 @@ import pluggy
 import torch
 
 from rlsync.core._checksum import Checksums
-from rlsync.core._control import Ack, Channel, Done, Hello, Refuse, Welcome, connect_dealer
+from rlsync.core._control import Ack, Begin, Channel, Done, Go, Hello, Refuse, Welcome, connect_dealer
 from rlsync.core._delta import ChangeLog
 from rlsync.core._delta import encode as encode_delta
 from rlsync.core._errors import (
@@ -127,6 +128,7 @@ class WeightsWriter:
         self._inboxes: dict[int, tuple[Link, int, int]] = {}  # reader rank -> (inbox link, offset, capacity)
         self._inbox_staging: dict[int, Any] = {}  # reader rank -> the buffer its deltas are written from, reused
         self._algorithms: dict[int, str] = {}  # reader rank -> the checksum it verifies with
+        self._in_place: dict[int, list[int]] = {}  # in-place reader rank -> where each of its buffers starts (sorted)
         self._held: dict[int, dict[int, int]] = {}  # reader rank -> {slot: version this rank's part of it holds}
         self._sent: dict[int, int] = {}  # reader rank -> bytes the last version moved to it
         self._staging = HostStaging()  # host copies of tensors put from device memory (or strided), reused
@@ -205,6 +207,11 @@ class WeightsWriter:
         self._channels[dst_rank] = channel
         self._slots[dst_rank] = msg.next_slot
         self._algorithms[dst_rank] = msg.checksum
+        if msg.in_place:  # its regions are its buffers, one each, in layout order
+            offsets, _ = region_offsets(self.dst, dst_rank)
+            self._in_place[dst_rank] = sorted(offsets.values())
+        else:
+            self._in_place.pop(dst_rank, None)
         self._held[dst_rank] = {}  # what its slots hold is unknown until a version of ours goes live there
         if self._changes is not None and msg.inbox is not None:
             self._inboxes[dst_rank] = (self._transport.open(msg.inbox, self._options), msg.inbox_offset, msg.inbox_capacity)
@@ -292,11 +299,19 @@ class WeightsWriter:
             link, slot = self._links[dst_rank], self._slots[dst_rank]
             delta = None if full else self._delta_for(dst_rank, slot)
             self._held[dst_rank].pop(slot, None)  # overwritten from here on
+            starts = self._in_place.get(dst_rank)
+            if starts is not None:
+                refused = self._ask_to_begin(dst_rank, version)
+                if refused is not None:
+                    return refused
             checksums = Checksums(self._algorithms[dst_rank]) if self._checksum else None
             for name, runs in self._runs[dst_rank]:
                 self._staging.wait(name)  # its device-to-host copy, if put() issued one
                 source = self._sources[name]
-                if delta is None:
+                if delta is None and starts is not None:  # in place: (buffer index, offset inside it) for (slot, offset)
+                    placed = [(s, i, d - starts[i], n) for s, d, n in runs for i in [bisect.bisect_right(starts, d) - 1]]
+                    link.write(self._link_source(source), placed)
+                elif delta is None:
                     link.write(self._link_source(source), [(s, slot, d, n) for s, d, n in runs])
                 if checksums is not None:  # over the whole part: what the slot must hold, however it got there
                     checksums.add(name, (source[s : s + n] for s, _, n in runs))
@@ -316,6 +331,20 @@ class WeightsWriter:
             self._drop(dst_rank)
             return str(exc)
         return None
+
+    def _ask_to_begin(self, dst_rank: int, version: int) -> str | None:
+        """An in-place reader pauses its engine before a byte lands: ask, and wait for its go."""
+        channel = self._channels[dst_rank]
+        channel.send(Begin(self.rank, version))
+        got = channel.recv(timeout_ms=int(self.timeout * 1000))
+        if got is None:
+            self._drop(dst_rank)
+            return f"did not let version {version} begin within {self.timeout} s (its engine did not pause)"
+        if isinstance(got[1], Go) and got[1].version == version:
+            return None
+        if isinstance(got[1], Refuse) and got[1].kind == "version":
+            raise VersionError(f"reader rank {dst_rank} refused version {version}: {got[1].reason}")
+        return getattr(got[1], "reason", f"unexpected answer {got[1]!r}")
 
     def _link_source(self, source: torch.Tensor) -> Any:
         """What a link's ``write`` takes: host bytes as a numpy array, device bytes as the tensor."""

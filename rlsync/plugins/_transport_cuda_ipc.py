@@ -1,6 +1,6 @@
 """``cuda_ipc``: GPU to GPU on one host through CUDA IPC, one device copy per byte, nothing through the host.
 
-The reader allocates its regions on its GPU and shares them once: ``describe()`` is the GPU's UUID and
+The reader allocates its regions on its GPU (or, in place, takes the engine's own tensors) and shares them once: ``describe()`` is the GPU's UUID and
 one IPC handle per region (``UntypedStorage._share_cuda_``, what ``torch.multiprocessing`` sends, here as
 plain data over msgpack). The writer maps each region once per process (cached by handle) on the GPU with
 that UUID (device indices differ between processes under ``CUDA_VISIBLE_DEVICES``; UUIDs do not), copies
@@ -22,10 +22,10 @@ import torch
 
 from rlsync import Landing, Link, Run, Transport, TransportError
 
-_mapped: dict[bytes, torch.Tensor] = {}  # IPC handle -> the region mapped into this process
+_mapped: dict[bytes, torch.UntypedStorage] = {}  # IPC handle -> the storage mapped into this process
 # IPC handle -> a region this process shares: CUDA cannot open a handle in the process that made it, so a writer in the
 # reader's own process (tests, rlsync.testing.check_transport) writes the tensor itself
-_own: dict[bytes, torch.Tensor] = {}
+_own: dict[bytes, torch.UntypedStorage] = {}
 _lock = threading.Lock()
 
 
@@ -61,13 +61,30 @@ class CudaIpcLanding(Landing):
         if not self.available():
             raise TransportError("transport 'cuda_ipc' needs a CUDA GPU in the reader's process; use 'shm' on the host")
         device = torch.device(self.options.get("device") or f"cuda:{torch.cuda.current_device()}")
-        self._regions = [torch.zeros(max(nbytes, 1), dtype=torch.uint8, device=device) for _ in range(slots)]
-        torch.cuda.synchronize(device)
-        shares = [r.untyped_storage()._share_cuda_() for r in self._regions]  # type: ignore[no-untyped-call]
-        # (device, handle, size, offset in the allocation, ref-counter file, its offset, event handle, sync needed)
-        self._description = {"uuid": _uuid(device.index or 0), "regions": [list(share[1:]) for share in shares]}
+        self._share([torch.zeros(max(nbytes, 1), dtype=torch.uint8, device=device) for _ in range(slots)])
+
+    @classmethod
+    def over(cls, regions: Sequence[Any], options: Mapping[str, Any] | None = None) -> CudaIpcLanding:
+        """In place: the engine's own CUDA tensors (one per buffer), shared once each."""
+        landing = cls.__new__(cls)
+        Landing.__init__(landing, 0, 0, options)
+        if any(not (isinstance(r, torch.Tensor) and r.is_cuda) for r in regions):
+            raise TransportError("cuda_ipc lands in place only in CUDA tensors")
+        landing._share(list(regions))
+        return landing
+
+    def _share(self, regions: list[torch.Tensor]) -> None:
+        """Describe ``regions`` to writers: per region, its storage's IPC share and where in the storage it sits."""
+        self._regions = regions
+        torch.cuda.synchronize(regions[0].device)
+        shares = [r.untyped_storage()._share_cuda_() for r in regions]  # type: ignore[no-untyped-call]
+        # (device, handle, size, offset in the allocation, ref-counter file, its offset, event handle, sync needed),
+        # then the region's byte offset in the storage and its size
+        self._description = {"uuid": _uuid(regions[0].device.index or 0),
+                             "regions": [[*share[1:], r.storage_offset() * r.element_size(), r.numel() * r.element_size()]
+                                         for share, r in zip(shares, regions)]}
         with _lock:
-            _own.update({bytes(share[1]): region for share, region in zip(shares, self._regions)})
+            _own.update({bytes(share[1]): r.untyped_storage() for share, r in zip(shares, regions)})
 
     @property
     def regions(self) -> Sequence[torch.Tensor]:
@@ -83,17 +100,17 @@ class CudaIpcLanding(Landing):
         self._regions = []
 
 
-def _open_region(index: int, share: Sequence[Any]) -> torch.Tensor:
+def _open_region(index: int, entry: Sequence[Any]) -> torch.Tensor:
+    """A described region as a ``uint8`` tensor: its storage mapped once per process, viewed where the region is."""
+    share, offset, nbytes = entry[:7], int(entry[7]), int(entry[8])
     handle = bytes(share[0])
     with _lock:
-        region = _own.get(handle)
-        if region is None:
-            region = _mapped.get(handle)
-        if region is None:
-            storage = torch.UntypedStorage._new_shared_cuda(index, *share)
-            region = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}").set_(storage, 0, (int(share[1]),), (1,))
-            _mapped[handle] = region
-    return region
+        storage = _own.get(handle)
+        if storage is None:
+            storage = _mapped.get(handle)
+        if storage is None:
+            storage = _mapped[handle] = torch.UntypedStorage._new_shared_cuda(index, *share)
+    return torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}").set_(storage, offset, (nbytes,), (1,))
 
 
 class CudaIpcLink(Link):

@@ -74,6 +74,21 @@ class NixlLanding(Landing):
             torch.cuda.synchronize(device)
         else:
             self._regions = [np.zeros(max(nbytes, 1), dtype=np.uint8) for _ in range(slots)]
+        self._register()
+
+    @classmethod
+    def over(cls, regions: Sequence[Any], options: Mapping[str, Any] | None = None) -> NixlLanding:
+        """In place: the engine's own tensors (one per buffer) registered as they are (VRAM or DRAM)."""
+        landing = cls.__new__(cls)
+        Landing.__init__(landing, 0, 0, options)
+        landing._agent = _agent("reader")
+        tensors = [torch.as_tensor(r) for r in regions]
+        landing.memory = "device" if tensors[0].is_cuda else "host"
+        landing._regions = [t if t.is_cuda else t.numpy() for t in tensors]
+        landing._register()
+        return landing
+
+    def _register(self) -> None:
         self._descs = [_desc(r) for r in self._regions]
         self._mem_type = _mem_type(self._regions[0])
         self._registered = self._agent.register_memory([(*d, "") for d in self._descs], mem_type=self._mem_type)

@@ -12,7 +12,7 @@ import pytest
 def test_bench_device_cpu_reports_limits_baseline_paths_and_delta_all_exact() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "rlsync.cli", "bench", "--device", "cpu", "--size", "16MiB", "--repeats", "1",
-         "--transports", "shm", "--json"],
+         "--transports", "shm,nixl", "--json"],
         capture_output=True, text=True, timeout=600,
     )
     assert out.returncode == 0, out.stderr
@@ -20,7 +20,7 @@ def test_bench_device_cpu_reports_limits_baseline_paths_and_delta_all_exact() ->
     assert report["device"] == "cpu" and report["bytes"] > 8 * 2**20 and report["tensors"] > 10
     assert report["limits"]["one_copy_gbps"] > 0 and report["limits"]["per_tensor_gbps"] > 0
     rows = {r["name"]: r for r in report["results"]}
-    assert set(rows) == {"bucketed-2GiB", "shm/host", "shm/direct", "shm/host delta 2%"}
+    assert set(rows) == {"bucketed-2GiB", "shm/host", "shm/direct", "nixl/host", "nixl/in_place", "shm/host delta 2%"}
     for row in rows.values():
         assert row["exact"] is True, row  # the engine's parameters equal the trainer's after the last version
         assert row["x_per_tensor_copy"] == pytest.approx(report["limits"]["per_tensor_seconds"] / row["seconds"])

@@ -195,3 +195,29 @@ def test_device_transports_keep_the_contract_on_the_gpu(transport: str) -> None:
 
     cls = MemoryTransport if transport == "memory" else transports().get(transport)
     check_transport(cls, options={"device": "cuda:0"})
+
+
+@pytest.mark.parametrize("transport", device_transports())
+def test_in_place_writes_the_cuda_parameters_and_undoes_a_killed_writer(transport: str) -> None:
+    """``landing="in_place"``: a trainer process writes the CUDA model's own parameters (CUDA IPC / NIXL on VRAM),
+    addresses unchanged; a writer killed mid-version is undone from the host copy when the next writer says hello,
+    and that writer's version lands."""
+    engine = hf_writer.tiny_qwen2(seed=0).cuda()
+    addresses = {n: p.data_ptr() for n, p in engine.named_parameters()}
+    options = SyncOptions(transport=transport, verify=True, timeout=120)
+    with ModuleReceiver(engine, options=options, landing="in_place") as receiver:
+        done = _push(receiver.address, 11, 1, transport)
+        assert done.returncode == 0, done.stderr
+        with receiver.serving(), torch.no_grad():
+            assert greedy(engine) == greedy(hf_writer.tiny_qwen2(seed=11).cuda())
+        dying = _push(receiver.address, 22, 2, transport, die_after=3)
+        assert dying.returncode == -9, dying.stderr
+        done = _push(receiver.address, 33, 2, transport)
+        assert done.returncode == 0, done.stderr
+        assert receiver.reader.discarded == [2] and receiver.version == 2
+        with receiver.serving(), torch.no_grad():
+            fresh = hf_writer.tiny_qwen2(seed=33).cuda()
+            for name, p in engine.named_parameters():
+                assert torch.equal(p, dict(fresh.named_parameters())[name]), name
+            assert greedy(engine) == greedy(fresh)
+        assert {n: p.data_ptr() for n, p in engine.named_parameters()} == addresses

@@ -22,8 +22,9 @@ import zlib
 from collections.abc import Iterable
 from typing import Any, Final
 
-import numpy as np
 import torch
+
+from rlsync.core._regions import as_tensor
 
 ALGORITHMS: Final = ("crc32", "sum64")
 _MASK: Final = 2**64 - 1
@@ -36,10 +37,6 @@ _weights: dict[torch.device, torch.Tensor] = {}
 def for_memory(memory: str) -> str:
     """The algorithm a reader whose regions are in ``memory`` (``"host"`` or ``"device"``) checks with."""
     return "sum64" if memory == "device" else "crc32"
-
-
-def _as_tensor(chunk: Any) -> torch.Tensor:
-    return torch.from_numpy(chunk) if isinstance(chunk, np.ndarray) else chunk
 
 
 def _position_weights(device: torch.device) -> torch.Tensor:
@@ -87,5 +84,5 @@ class Checksums:
             for chunk in chunks:
                 index = self._runs.get(buffer, 0)
                 self._runs[buffer] = index + 1
-                value = (value + _sum64(_as_tensor(chunk), index)) & _MASK
+                value = (value + _sum64(as_tensor(chunk), index)) & _MASK
         self.values[buffer] = value

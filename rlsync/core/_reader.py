@@ -140,7 +140,7 @@ class WeightsReader:
         self._dst_tensors = tensor_fingerprints(dst)
         self._offsets, self._nbytes = region_offsets(dst, self.rank)
         self._sizes = {b.name: b.numel * dtype_size(b.dtype) for b in dst.buffers if b.rank == self.rank}
-        self._order = [name for name, _ in sorted(self._offsets.items(), key=lambda item: item[1])]
+        self._order = list(self._offsets)  # the buffers in region order (region_offsets lays them out in that order)
         self._starts = [self._offsets[name] for name in self._order]
         if self.landing_mode == "in_place":
             missing = [n for n in self._order if n not in self._targets or self._targets[n].numel() != self._sizes[n]]

@@ -128,7 +128,8 @@ class WeightsWriter:
         self._inboxes: dict[int, tuple[Link, int, int]] = {}  # reader rank -> (inbox link, offset, capacity)
         self._inbox_staging: dict[int, Any] = {}  # reader rank -> the buffer its deltas are written from, reused
         self._algorithms: dict[int, str] = {}  # reader rank -> the checksum it verifies with
-        self._in_place: dict[int, list[int]] = {}  # in-place reader rank -> where each of its buffers starts (sorted)
+        # in-place reader rank -> per group of its runs, those runs as (src, buffer index, offset in the buffer, n)
+        self._in_place: dict[int, list[list[tuple[int, int, int, int]]]] = {}
         self._held: dict[int, dict[int, int]] = {}  # reader rank -> {slot: version this rank's part of it holds}
         self._sent: dict[int, int] = {}  # reader rank -> bytes the last version moved to it
         self._staging = HostStaging()  # host copies of tensors put from device memory (or strided), reused
@@ -207,9 +208,11 @@ class WeightsWriter:
         self._channels[dst_rank] = channel
         self._slots[dst_rank] = msg.next_slot
         self._algorithms[dst_rank] = msg.checksum
-        if msg.in_place:  # its regions are its buffers, one each, in layout order
+        if msg.in_place:  # its regions are its buffers, one each, in layout order: runs placed once per connection
             offsets, _ = region_offsets(self.dst, dst_rank)
-            self._in_place[dst_rank] = sorted(offsets.values())
+            starts = sorted(offsets.values())
+            self._in_place[dst_rank] = [[(s, i, d - starts[i], n) for s, d, n in runs for i in [bisect.bisect_right(starts, d) - 1]]
+                                        for _, runs in self._runs[dst_rank]]
         else:
             self._in_place.pop(dst_rank, None)
         self._held[dst_rank] = {}  # what its slots hold is unknown until a version of ours goes live there
@@ -299,18 +302,17 @@ class WeightsWriter:
             link, slot = self._links[dst_rank], self._slots[dst_rank]
             delta = None if full else self._delta_for(dst_rank, slot)
             self._held[dst_rank].pop(slot, None)  # overwritten from here on
-            starts = self._in_place.get(dst_rank)
-            if starts is not None:
+            placed = self._in_place.get(dst_rank)
+            if placed is not None:
                 refused = self._ask_to_begin(dst_rank, version)
                 if refused is not None:
                     return refused
             checksums = Checksums(self._algorithms[dst_rank]) if self._checksum else None
-            for name, runs in self._runs[dst_rank]:
+            for group, (name, runs) in enumerate(self._runs[dst_rank]):
                 self._staging.wait(name)  # its device-to-host copy, if put() issued one
                 source = self._sources[name]
-                if delta is None and starts is not None:  # in place: (buffer index, offset inside it) for (slot, offset)
-                    placed = [(s, i, d - starts[i], n) for s, d, n in runs for i in [bisect.bisect_right(starts, d) - 1]]
-                    link.write(self._link_source(source), placed)
+                if delta is None and placed is not None:
+                    link.write(self._link_source(source), placed[group])
                 elif delta is None:
                     link.write(self._link_source(source), [(s, slot, d, n) for s, d, n in runs])
                 if checksums is not None:  # over the whole part: what the slot must hold, however it got there

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import threading
 import zlib
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from _support.faulty_transports import flipping
 
 from rlsync import StagedReceiver, SyncOptions, WeightMismatchError, WeightsReader, WeightsWriter
 from rlsync.core import Checksums
@@ -58,22 +58,7 @@ def test_delta_versions_with_checksums_land_bit_exact_in_device_memory(landing: 
         assert all(0 < n < writer.bytes_per_version * 0.2 for n in sent[first_delta + 1 :]), sent
 
 
-class _FlippingTransport(MemoryTransport):
-    """The in-memory device transport, flipping one bit of tensor ``w`` on its way (a torn or misdirected write)."""
-
-    @classmethod
-    def open(cls, description: dict[str, Any], options: Any = None) -> Any:
-        link = MemoryTransport.open(description, options)
-        write = link.write
-
-        def flip_then_write(source: Any, runs: Any) -> None:
-            if len(source) == 256 * 64 * 2:
-                source = source.copy()
-                source[1000] ^= 4
-            write(source, runs)
-
-        link.write = flip_then_write  # type: ignore[method-assign]
-        return link
+_FlippingTransport = flipping(MemoryTransport, at=1000, bit=4, applies=lambda source: len(source) == 256 * 64 * 2)  # tensor w
 
 
 def test_a_bit_flipped_on_the_way_into_device_memory_is_refused_by_the_device_checksum() -> None:

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
+from _support.faulty_transports import dying, flipping  # noqa: E402
 from _support.hf_writer import tiny_qwen2  # noqa: E402
 
 from rlsync import ConfigError, SyncOptions, TransportError, WeightMismatchError, WeightsWriter  # noqa: E402
@@ -94,26 +94,6 @@ def test_no_byte_lands_while_the_model_is_serving() -> None:
             assert same_weights(engine, tiny_qwen2(seed=11))
 
 
-class _DyingTransport(MemoryTransport):
-    """The in-memory transport, its writer gone after ``writes`` writes (as if killed mid-version)."""
-
-    writes = 3
-
-    @classmethod
-    def open(cls, description: dict[str, Any], options: Any = None) -> Any:
-        link = MemoryTransport.open(description, options)
-        write, count = link.write, [0]
-
-        def write_then_die(source: Any, runs: Any) -> None:
-            count[0] += 1
-            if count[0] > cls.writes:
-                raise TransportError("the writer died")
-            write(source, runs)
-
-        link.write = write_then_die  # type: ignore[method-assign]
-        return link
-
-
 @pytest.mark.parametrize("recovery", ["writer restarts", "timeout"])
 def test_a_writer_dying_mid_version_is_undone_and_the_old_version_serves(recovery: str) -> None:
     engine = tiny_qwen2(seed=0)
@@ -122,7 +102,7 @@ def test_a_writer_dying_mid_version_is_undone_and_the_old_version_serves(recover
     with ModuleReceiver(engine, options=options, landing="in_place") as receiver:
         publish(receiver, 11, 1, options).close()
         with pytest.raises(Exception, match="died|not live"):
-            publish(receiver, 22, 2, options.replace(transport=_DyingTransport))
+            publish(receiver, 22, 2, options.replace(transport=dying(MemoryTransport, writes=3)))
         if recovery == "timeout":
             deadline = time.monotonic() + 10
             while not receiver.reader.discarded and time.monotonic() < deadline:
@@ -136,27 +116,12 @@ def test_a_writer_dying_mid_version_is_undone_and_the_old_version_serves(recover
             assert same_weights(engine, tiny_qwen2(seed=33)) and greedy(engine) == greedy(tiny_qwen2(seed=33))
 
 
-class _FlippingTransport(MemoryTransport):
-    @classmethod
-    def open(cls, description: dict[str, Any], options: Any = None) -> Any:
-        link = MemoryTransport.open(description, options)
-        write = link.write
-
-        def flip_then_write(source: Any, runs: Any) -> None:
-            source = source.copy()
-            source[0] ^= 1
-            write(source, runs)
-
-        link.write = flip_then_write  # type: ignore[method-assign]
-        return link
-
-
 def test_a_version_that_fails_its_checksums_is_undone() -> None:
     engine = tiny_qwen2(seed=0)
     with ModuleReceiver(engine, options=OPTIONS, landing="in_place") as receiver:
         publish(receiver, 11, 1, OPTIONS).close()
         with pytest.raises(WeightMismatchError, match="checksum mismatch"):
-            publish(receiver, 22, 2, OPTIONS.replace(transport=_FlippingTransport))
+            publish(receiver, 22, 2, OPTIONS.replace(transport=flipping(MemoryTransport, at=0, bit=1)))
         assert receiver.version == 1 and receiver.reader.discarded == [2]
         with receiver.serving():
             assert same_weights(engine, tiny_qwen2(seed=11))
@@ -167,3 +132,38 @@ def test_transports_that_allocate_their_own_memory_say_which_can_land_in_place()
         ModuleReceiver(tiny_qwen2(seed=0), options=SyncOptions(transport="shm"), landing="in_place")
     with pytest.raises(ConfigError, match="wire 'full'"):
         ModuleReceiver(tiny_qwen2(seed=0), options=SyncOptions(transport=MemoryTransport, wire="fp8"), landing="in_place")
+
+
+def test_sharded_writers_land_their_parts_at_the_right_places_inside_each_tensor() -> None:
+    """Two FSDP writer ranks, each holding half the rows of every tensor: the second half's runs start in the middle
+    of the engine's tensors, and land there (verified with checksums on)."""
+    from rlsync import WeightsReader
+    from rlsync.layouts import fsdp
+
+    state = {"w": torch.arange(64 * 8, dtype=torch.float32).view(64, 8), "b": torch.arange(10, dtype=torch.float32)}
+    engine = {name: torch.zeros_like(t) for name, t in state.items()}
+    dst = from_state_dict(state)
+    src = fsdp(dst.tensors, 2)
+    targets = {name: t.reshape(-1).view(torch.uint8) for name, t in engine.items()}
+    with WeightsReader(src, dst, 0, options=OPTIONS, landing="in_place", targets=targets) as reader:
+        errors: list[BaseException] = []
+
+        def train(rank: int) -> None:
+            try:
+                with WeightsWriter(src, dst, rank, [reader.address], options=OPTIONS) as writer:
+                    for name, t in state.items():
+                        half = t.shape[0] // 2
+                        writer.put(name, (t[:half] if rank == 0 else t[half:]).contiguous())
+                    writer.complete(1)
+            except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+                errors.append(exc)
+
+        ranks = [threading.Thread(target=train, args=(r,)) for r in (0, 1)]
+        for thread in ranks:
+            thread.start()
+        for thread in ranks:
+            thread.join(30)
+        assert not errors, errors
+        assert reader.version == 1
+        for name, t in state.items():
+            assert torch.equal(engine[name], t), name

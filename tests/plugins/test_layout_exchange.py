@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _support.faulty_transports import flipping
 
 from rlsync import PlanError, SyncOptions, TensorMeta, WeightMismatchError, WeightsReader, WeightsWriter, reader_layout
 from rlsync.layouts import from_state_dict, replicated
@@ -144,25 +145,9 @@ def test_replica_readers_take_their_layout_from_the_writers() -> None:
             r.close()
 
 
-class _CorruptingTransport(ShmTransport):
-    """shm that flips one bit of tensor ``layer1.weight`` on the way (a bad NIC, a bug in a copy)."""
-
-    name = "shm"
-    target: int  # the address of the source buffer to corrupt
-
-    @classmethod
-    def open(cls, description: dict[str, Any], options: dict[str, Any] | None = None) -> Any:
-        link = ShmTransport.open(description, options)
-        write = link.write
-
-        def corrupt_then_write(source: np.ndarray, runs: Any) -> None:
-            if source.ctypes.data == cls.target:
-                source = source.copy()
-                source[3] ^= 1
-            write(source, runs)
-
-        link.write = corrupt_then_write  # type: ignore[method-assign]
-        return link
+_target = [0]  # the address of the source buffer to corrupt
+# shm that flips one bit of tensor ``layer1.weight`` on the way (a bad NIC, a bug in a copy)
+_CorruptingTransport = flipping(ShmTransport, at=3, bit=1, applies=lambda source: source.ctypes.data == _target[0])
 
 
 def test_checksums_name_the_tensor_that_arrived_wrong_and_the_version_stays_out() -> None:
@@ -173,7 +158,7 @@ def test_checksums_name_the_tensor_that_arrived_wrong_and_the_version_stays_out(
         writer.close()
         bad = WeightsWriter(from_state_dict(PLAIN), None, 0, [reader.address], options=SyncOptions(verify=True, timeout=10, transport=_CorruptingTransport))
         bad.multi_put(state(2))
-        _CorruptingTransport.target = bad._sources["layer1.weight"].data_ptr()
+        _target[0] = bad._sources["layer1.weight"].data_ptr()
         with pytest.raises(WeightMismatchError, match=r"checksum mismatch in tensor 'layer1.weight' .*version 2"):
             bad.complete(2)
         assert reader.version == 1
@@ -192,7 +177,7 @@ def test_a_refused_version_reaches_the_engine_thread_at_once() -> None:
     with WeightsReader(None, from_state_dict(PLAIN), 0, landing="staged", on_version=landed.on_version, on_refused=landed.on_refused, options=SyncOptions(verify=True)) as reader:
         bad = WeightsWriter(from_state_dict(PLAIN), None, 0, [reader.address], options=SyncOptions(verify=True, timeout=10, transport=_CorruptingTransport))
         bad.multi_put(state(2))
-        _CorruptingTransport.target = bad._sources["layer1.weight"].data_ptr()
+        _target[0] = bad._sources["layer1.weight"].data_ptr()
         errors: list[BaseException] = []
 
         def send() -> None:

@@ -41,6 +41,7 @@ from rlsync.core import (
     replicated,
     scatter,
     tensor_metas,
+    tied_aliases,
     whole_tensor_view,
     zero3,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "replicated",
     "scatter",
     "tensor_metas",
+    "tied_aliases",
     "whole_tensor_view",
     "zero3",
 ]

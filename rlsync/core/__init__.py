@@ -15,6 +15,7 @@ from rlsync.core._builders import (
     fsdp,
     own_buffer_shard,
     replicated,
+    tied_aliases,
     zero3,
 )
 from rlsync.core._checksum import Checksums
@@ -93,6 +94,6 @@ __all__ = [
     "engine_layout", "engine_tp", "flat_partitions", "flat_range_boxes", "freshest_per_group", "from_state_dict", "fsdp", "gather_shards",
     "hookimpl", "hookspec", "importance_weights", "is_loopback", "load_model_spec", "make_buffer", "make_layout",
     "make_plugin_manager", "megatron", "model_spec", "own_buffer_shard", "raw_dtype", "reader_layout",
-    "region_offsets", "replicated", "resolve_secret", "resolve_transport", "scatter", "tensor_metas", "transports",
+    "region_offsets", "replicated", "resolve_secret", "resolve_transport", "scatter", "tensor_metas", "tied_aliases", "transports",
     "whole_tensor_view", "wire_codecs", "zero3",
 ]

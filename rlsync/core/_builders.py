@@ -58,6 +58,21 @@ def metas_of(state: Mapping[str, Any] | Iterable[TensorMeta]) -> list[TensorMeta
     return list(state)
 
 
+def tied_aliases(state: Mapping[str, Any]) -> set[str]:
+    """Names in a ``{name: tensor}`` dict whose tensor is an earlier one's memory under a second name (a tied
+    model's ``lm_head.weight`` in its ``state_dict()``): same storage, offset, shape, strides and dtype. Send the
+    first name only; the engine's model ties the rest itself."""
+    seen: set[tuple[Any, ...]] = set()
+    aliases = set()
+    for name, tensor in state.items():
+        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+               tuple(tensor.stride()), tensor.dtype)
+        if key in seen and tensor.numel():
+            aliases.add(name)
+        seen.add(key)
+    return aliases
+
+
 def replicated(tensors: Iterable[TensorMeta], ranks: Sequence[int] = (0,)) -> Layout:
     """Every rank holds every tensor whole, each in a buffer named after the tensor."""
     tensors = list(tensors)

@@ -134,6 +134,15 @@ def resolve_secret(host: str, secret: str | None) -> bytes | None:
     return secret.encode() if secret else None
 
 
+class BadFrame(TransportError):
+    """A control message that is not one: unsigned or signed with another secret, or not decodable. ``identity``:
+    the sender, where a router can answer it."""
+
+    def __init__(self, message: str, identity: bytes | None) -> None:
+        super().__init__(message)
+        self.identity = identity
+
+
 class Channel:
     """One ZeroMQ socket speaking ``Message``s, with optional HMAC signing."""
 
@@ -154,14 +163,17 @@ class Channel:
         if timeout_ms is not None and not self.socket.poll(timeout_ms):
             return None
         frames = self.socket.recv_multipart()
-        identity = frames[0] if len(frames) == 3 else None
+        identity = frames[0] if len(frames) == 3 and self.socket.type == zmq.ROUTER else None
+        if len(frames) != (3 if self.socket.type == zmq.ROUTER else 2):
+            raise BadFrame(f"a control message of {len(frames)} frames (not an rlsync peer?)", frames[0] if frames else None)
         payload, mac = frames[-2], frames[-1]
         if self.secret and not hmac.compare_digest(mac, self._mac(payload)):
-            raise TransportError("control message with a bad signature: the peers' RLSYNC_SECRET differ")
+            raise BadFrame("a control message with a bad signature: the peers' secrets differ (give every process the "
+                           "same SyncOptions(secret=...) or RLSYNC_SECRET)", identity)
         try:
             return identity, _decoder.decode(payload)
         except msgspec.DecodeError as exc:
-            raise TransportError(f"malformed control message: {exc}") from exc
+            raise BadFrame(f"a malformed control message ({exc})", identity) from exc
 
     def close(self) -> None:
         self.socket.close(linger=0)

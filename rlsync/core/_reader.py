@@ -35,7 +35,19 @@ import torch
 
 from rlsync.core._builders import replicated
 from rlsync.core._checksum import Checksums, for_memory
-from rlsync.core._control import Ack, AskLayout, Begin, Done, Go, Hello, LayoutIs, Refuse, Welcome, bind_router
+from rlsync.core._control import (
+    Ack,
+    AskLayout,
+    BadFrame,
+    Begin,
+    Done,
+    Go,
+    Hello,
+    LayoutIs,
+    Refuse,
+    Welcome,
+    bind_router,
+)
 from rlsync.core._delta import INBOX_SHARE
 from rlsync.core._delta import apply as apply_delta
 from rlsync.core._errors import ConfigError, RlsyncError, TransferTimeoutError, WeightMismatchError
@@ -61,7 +73,9 @@ class WeightsReader:
     have all landed, before it goes live; ``buffers`` maps buffer names to ``uint8`` views of the landing
     memory: numpy arrays for a host landing, torch tensors on the device for a device landing.
     If it raises, the version is refused and the previous one stays live. ``on_refused(version,
-    reason)`` runs when a complete version is refused before that (its checksums did not match).
+    reason)`` runs when a complete version is refused before that (its checksums did not match), and with
+    ``version`` None when a writer is refused at connect (layouts, secret, a bad frame; ``refusal`` then says why
+    until a writer is welcomed).
 
     ``options`` (``SyncOptions``): the transport, where to listen (``host``, ``port``), the ``secret``,
     and ``verify`` (refuse a version whose CRC-32s differ from the writers'). ``plugins``: the plugin
@@ -78,7 +92,7 @@ class WeightsReader:
         options: SyncOptions | None = None,
         landing: LandingMode = "direct",
         on_version: Callable[[int, dict[str, Region]], None] | None = None,
-        on_refused: Callable[[int, str], None] | None = None,
+        on_refused: Callable[[int | None, str], None] | None = None,
         plugins: pluggy.PluginManager | None = None,
         targets: Mapping[str, Region] | None = None,
         pause: Callable[[bool], None] | None = None,
@@ -116,6 +130,8 @@ class WeightsReader:
         self._checksum = options.verify
         self._on_version = on_version
         self._on_refused = on_refused
+        #: why the last writer that tried to connect was refused; None again once a writer is welcomed
+        self.refusal: str | None = None
         self._channel, self.address = bind_router(options.host, options.port, options.secret)
         self._live_slot = 0
         self._target_slot = 1 if landing == "direct" else 0
@@ -242,7 +258,11 @@ class WeightsReader:
                 self._landing.progress()
             if self._paused_at is not None and time.monotonic() - self._paused_at > self.options.timeout:
                 self._undo(f"version {self._pending_version} did not complete within {self.options.timeout} s (a writer died?)")
-            got = self._channel.recv(timeout_ms=20)
+            try:
+                got = self._channel.recv(timeout_ms=20)
+            except BadFrame as exc:  # a wrong secret or a hostile frame: refused, and the reader goes on
+                self._refuse_writer(exc.identity, f"{exc}")
+                continue
             if got is None:
                 continue
             identity, msg = got
@@ -273,27 +293,29 @@ class WeightsReader:
 
     def _hello(self, identity: bytes, msg: Hello) -> None:
         self._replicate(msg.src)
-        if self.plan is None and self.dst is not None and msg.src is not None and msg.dst_fingerprint == self._dst_fingerprint:
+        if self.dst is not None and msg.dst_fingerprint != self._dst_fingerprint:
+            self._refuse_writer(identity, f"the writer was built for another destination layout than reader rank {self.rank} "
+                                          f"holds ({_first_difference(msg.dst_tensors, self._dst_tensors)}): build the "
+                                          f"WeightsWriter with dst=None, and it learns the engine's layout from its readers")
+            return
+        if self.plan is None and msg.src is not None:
             try:
                 self._adopt(msg.src)
             except RlsyncError as exc:
-                self._channel.send(Refuse(f"reader rank {self.rank} cannot receive from the writers' layout: {exc}"), identity)
+                self._refuse_writer(identity, f"reader rank {self.rank} cannot receive from the writers' layout: {exc}")
                 return
         if self.plan is None or self._landing is None:
-            self._channel.send(Refuse(f"reader rank {self.rank} was built without the writers' layout and the writer "
-                                      f"sent none: give WeightsReader the source layout"), identity)
+            self._refuse_writer(identity, f"reader rank {self.rank} has no source layout and the writer sent none: "
+                                          f"use a WeightsWriter of this rlsync version (it sends its layout)")
             return
-        if msg.dst_fingerprint != self._dst_fingerprint or msg.src_fingerprint != self.plan.src_fingerprint:
-            side, theirs, ours = (
-                ("destination", msg.dst_tensors, self._dst_tensors)
-                if msg.dst_fingerprint != self._dst_fingerprint
-                else ("source", {}, {})
-            )
-            first = next((n for n in [*ours, *theirs] if ours.get(n) != theirs.get(n)), None)
-            detail = f" first differing tensor: {first!r}" if first else ""
-            reason = f"writer and reader rank {self.rank} were built with different {side} layouts;{detail}. Build both from the same layouts."
-            self._channel.send(Refuse(reason), identity)
+        if msg.src_fingerprint != self.plan.src_fingerprint:
+            self._refuse_writer(identity, f"the writer's source layout differs from the one reader rank {self.rank} plans "
+                                          f"for (the first writer's): every writer of a model is built from the same source "
+                                          f"layout; restart the engine's update to start over with another")
             return
+        if self.refusal is not None:
+            _log.info("reader rank %d: writer rank %d welcomed; the earlier refusal no longer stands", self.rank, msg.writer_rank)
+        self.refusal = None
         previous = self._sessions.get(msg.writer_rank)
         if previous is not None and previous[0] != msg.session and self._paused_at is not None:
             self._undo(f"writer rank {msg.writer_rank} restarted in the middle of version {self._pending_version}")
@@ -311,6 +333,16 @@ class WeightsReader:
             welcome.inbox = inbox.describe()
             welcome.inbox_offset, welcome.inbox_capacity = self._inbox_parts.get(msg.writer_rank, (0, 0))
         self._channel.send(welcome, identity)
+
+    def _refuse_writer(self, identity: bytes | None, reason: str) -> None:
+        """Refuse a writer at connect: it hears why, and so does the engine (``refusal``, ``on_refused``) at once
+        instead of waiting out its timeout for a version that will not come."""
+        _log.warning("reader rank %d refused a writer: %s", self.rank, reason)
+        self.refusal = reason
+        if identity is not None:
+            self._channel.send(Refuse(reason), identity)
+        if self._on_refused is not None:
+            self._on_refused(None, reason)
 
     def _open_inbox(self) -> Landing:
         """The inbox for delta writers: each writer a part of ``INBOX_SHARE`` times its bytes for this rank."""
@@ -476,3 +508,15 @@ class WeightsReader:
         if self._paused_at is not None:
             self._paused_at = None
             self._pause(False)
+
+
+def _first_difference(theirs: Mapping[str, str], ours: Mapping[str, str]) -> str:
+    """The first tensor two layouts disagree on, said plainly."""
+    for name in [*theirs, *ours]:
+        if name not in ours:
+            return f"{name!r} is in the writer's and not in the engine's (an alias the engine ties, or a wrong name?)"
+        if name not in theirs:
+            return f"{name!r} is in the engine's and not in the writer's"
+        if theirs[name] != ours[name]:
+            return f"{name!r} differs (its shape, dtype or where it is held)"
+    return "the same tensors, held differently"

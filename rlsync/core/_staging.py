@@ -100,6 +100,7 @@ class StagedReceiver:
         # with verify, a version whose CRCs differ is refused and the engine waiting for it hears why at once
         self.reader = WeightsReader(None, layout, rank, options=options, landing="staged",
                                     on_version=self._landed.on_version, on_refused=self._landed.on_refused)
+        self._landed.refusal = lambda: self.reader.refusal  # a refused writer fails the engine's wait at once
 
     @property
     def address(self) -> str:
@@ -119,3 +120,9 @@ class StagedReceiver:
 
     def close(self) -> None:
         self.reader.close()
+
+    def __enter__(self) -> StagedReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

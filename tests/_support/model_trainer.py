@@ -23,6 +23,16 @@ CONFIGS = {
                       num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=128,
                       tie_word_embeddings=False),
+    "qwen3-tied": dict(model_type="qwen3", vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=128,
+                       tie_word_embeddings=True),
+    # tied, and vLLM's Gemma2 model has no lm_head at all (logits from embed_tokens); Gemma3's ties one
+    "gemma2-tied": dict(model_type="gemma2", vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=128,
+                        tie_word_embeddings=True),
+    "gemma3-tied": dict(model_type="gemma3_text", vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=128,
+                        tie_word_embeddings=True),
 }
 
 
@@ -34,6 +44,8 @@ def build(arch: str, seed: int) -> torch.nn.Module:
     with torch.no_grad():
         for p in model.parameters():  # larger weights than the default init: greedy output then depends on them
             p.normal_(0, 0.2)
+        if config.model_type.startswith("gemma"):  # Gemma scales embeddings by sqrt(hidden) and norms what each layer
+            model.get_input_embeddings().weight.mul_(0.1)  # adds: else the token's own embedding decides the output
     return model
 
 
@@ -44,8 +56,10 @@ def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: t.detach().contiguous() for name, t in state.items()}
 
 
-def tensors(model: torch.nn.Module) -> list[list[object]]:
-    return [[n, str(t.dtype), list(t.shape)] for n, t in checkpoint_state(model).items()]
+def tensors(model: torch.nn.Module, state_dict: bool = False) -> list[list[object]]:
+    """The tensor list a trainer offers: its checkpoint's, or its ``state_dict()``'s (a tied alias included)."""
+    state = model.state_dict() if state_dict else checkpoint_state(model)
+    return [[n, str(t.dtype), list(t.shape)] for n, t in state.items()]
 
 
 if __name__ == "__main__":
@@ -53,13 +67,14 @@ if __name__ == "__main__":
     parser.add_argument("--arch", required=True)
     parser.add_argument("--address", required=True, nargs="+", help="one per engine worker, in rank order")
     parser.add_argument("--alias", action="store_true", help="send a tied model's lm_head.weight too, as state_dict() has it")
+    parser.add_argument("--state-dict", action="store_true", help="send model.state_dict() as it is (tied aliases in it)")
     parser.add_argument("--seeds", type=int, nargs="+", required=True)
     parser.add_argument("--first-version", type=int, default=1)
     args = parser.parse_args()
     writer = None
     for i, seed in enumerate(args.seeds):
         model = build(args.arch, seed)
-        state = checkpoint_state(model)
+        state = dict(model.state_dict()) if args.state_dict else checkpoint_state(model)
         if args.alias:
             state["lm_head.weight"] = model.get_output_embeddings().weight.detach()
         if writer is None:  # the destination layout comes from the engine's workers

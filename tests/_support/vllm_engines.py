@@ -3,6 +3,7 @@ and the trainer processes that push versions into it."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,14 @@ NEW_TOKENS = 8
 TRAINER = Path(trainer.__file__)  # run as a process: python TRAINER --arch ... --address ...
 DYING_TRAINER = TRAINER.with_name("dying_trainer.py")  # the same, killed by SIGKILL in its first version
 
-__all__ = ["DYING_TRAINER", "NEW_TOKENS", "PROMPTS", "TRAINER", "engine", "generate", "save", "trainer"]
+__all__ = ["DYING_TRAINER", "NEW_TOKENS", "PROMPTS", "TRAINER", "engine", "free_port", "generate", "save", "trainer"]
+
+
+def free_port() -> int:
+    """A loopback port free now (the engine's reader binds it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def engine(model_dir: Path) -> Any:

@@ -21,6 +21,7 @@ from rlsync.layouts import (
     model_spec,
     replicated,
     scatter,
+    tied_aliases,
     zero3,
 )
 
@@ -209,3 +210,12 @@ def test_presets_match_published_parameter_counts() -> None:
     assert names["model.layers.5.self_attn.kv_a_proj_with_mqa.weight"] == (576, 7168)
     assert names["model.layers.5.self_attn.q_b_proj.weight"] == (64 * 192, 1536)
     assert names["lm_head.weight"] == (163840, 7168)
+
+
+def test_tied_aliases_are_the_second_names_of_one_memory() -> None:
+    import torch
+
+    embed = torch.randn(8, 4)
+    state = {"model.embed_tokens.weight": embed, "lm_head.weight": embed, "norm.weight": torch.ones(4),
+             "copy.weight": embed.clone(), "first_row": embed[0], "transposed": embed.t()}
+    assert tied_aliases(state) == {"lm_head.weight"}  # a copy, a part or a view in another shape is not

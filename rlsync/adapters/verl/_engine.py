@@ -118,6 +118,8 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         host, port = readers[rank].removeprefix("tcp://").rsplit(":", 1)
         self._reader = WeightsReader(None, None, rank, replicas=world_size, options=self.options.replace(host=host, port=int(port)),
                                      landing="staged", on_version=self._landed.on_version, on_refused=self._landed.on_refused)
+        reader = self._reader
+        self._landed.refusal = lambda: reader.refusal  # a refused trainer fails the rollout's wait at once
 
     def finalize(self) -> None:
         pass  # readers, landing memory and links are kept for the next sync

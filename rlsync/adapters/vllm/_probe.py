@@ -19,7 +19,9 @@ Results are cached on disk under a fingerprint of everything they depend on.
 The same run checks the tensor list before a byte moves (``learn_parts``, on every worker and every
 tensor-parallel size): a tensor the loader refuses, a parameter no tensor fills, or a tensor no worker
 reads is a ``ConfigError`` naming it; a tensor no worker reads because it is another's alias in the
-engine (the ``lm_head.weight`` of a tied model) is left out instead, so it is never sent.
+engine (the ``lm_head.weight`` of a tied model) is left out instead, so it is never sent. So is an output
+embedding the engine's config ties to the input one (``tie_word_embeddings``) when the engine's model has no
+module of that name at all (Gemma2's vLLM model computes logits with ``embed_tokens``): its loader would refuse it.
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ def learn_parts(model: Any, tensors: Sequence[Sequence[Any]], group: Any) -> tup
     another in the engine (a tied ``lm_head.weight``)."""
     from rlsync.layouts import tensor_metas
 
-    boxes, unfilled = probe_boxes(model, tensor_metas(tensors), _rank_info())
+    offered, tied = _untied(model, tensors)
+    boxes, unfilled = probe_boxes(model, tensor_metas(offered), _rank_info())
     mine = {"boxes": {n: [list(b.offsets), list(b.sizes)] for n, b in boxes.items()}, "unfilled": unfilled}
     every = all_gather_json(mine, group)
     unfilled_anywhere = sorted({name for rank in every for name in rank["unfilled"]})
@@ -100,7 +103,7 @@ def learn_parts(model: Any, tensors: Sequence[Sequence[Any]], group: Any) -> tup
         raise ConfigError(f"no checkpoint tensor fills the engine's parameter(s) {unfilled_anywhere[:5]}: the trainer must "
                           f"send them (under the checkpoint's names, as save_pretrained writes them)")
     read = {name for rank in every for name in rank["boxes"]}
-    aliases = _aliases(model)
+    aliases = _aliases(model) | tied
     unread = [str(t[0]) for t in tensors if str(t[0]) not in read]
     wrong = [name for name in unread if name not in aliases]
     if wrong:
@@ -115,7 +118,20 @@ def learn_placements(model: Any, tensors: Sequence[Sequence[Any]]) -> Placements
     """Where each checkpoint slice lands in this worker's parameters (from the cache ``learn_parts`` filled)."""
     from rlsync.layouts import tensor_metas
 
-    return probe(model, tensor_metas(tensors), _rank_info())[2]
+    return probe(model, tensor_metas(_untied(model, tensors)[0]), _rank_info())[2]
+
+
+def _untied(model: Any, tensors: Sequence[Sequence[Any]]) -> tuple[list[Sequence[Any]], set[str]]:
+    """``(tensors the loader is offered, output embeddings left out)``: a ``*lm_head.weight`` that the engine's
+    config ties to an ``*embed_tokens.weight`` of the same shape in the list, where the engine's model holds no
+    ``lm_head`` (Gemma2): a ``state_dict()`` has it, the loader refuses it, the engine uses the embedding."""
+    config: Any = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not getattr(text, "tie_word_embeddings", False) or any(n.endswith("lm_head") for n, _ in model.named_modules()):
+        return list(tensors), set()
+    embeddings = {(str(t[1]), tuple(t[2])) for t in tensors if str(t[0]).endswith("embed_tokens.weight")}
+    tied = {str(t[0]) for t in tensors if str(t[0]).endswith("lm_head.weight") and (str(t[1]), tuple(t[2])) in embeddings}
+    return [t for t in tensors if str(t[0]) not in tied], tied
 
 
 def _aliases(model: Any) -> set[str]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlsync import ConfigError, PeerLostError, RlsyncWarning, SyncOptions, WeightsWriter
-from rlsync.layouts import from_state_dict
+from rlsync.layouts import from_state_dict, tied_aliases
 
 _SERVER_FLAGS = "VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{\"backend\": \"rlsync\"}'"
 
@@ -152,15 +152,15 @@ class VllmServer:
         import torch
 
         started = time.perf_counter()
+        named = dict(named_tensors)
+        aliases = tied_aliases(named)  # a tied lm_head.weight: the engine's model ties it itself
         if self._writer is None:
             dtype = getattr(torch, str(self.config()["model_config"]["dtype"]).removeprefix("torch."))
-            state = {name: _cast(t, dtype) for name, t in named_tensors}
+            state = {name: _cast(t, dtype) for name, t in named.items() if name not in aliases}
             self._open(state)
         else:
-            state = {}
             dtype = self._dtype
-            for name, t in named_tensors:
-                state[name] = _cast(t, dtype)
+            state = {name: _cast(t, dtype) for name, t in named.items() if name not in aliases}
             if list(state) != self._names:
                 extra, missing = sorted(set(state) - set(self._names)), sorted(set(self._names) - set(state))
                 raise ConfigError(f"the tensors changed since the first version (new: {extra[:5]}, gone: {missing[:5]}); "

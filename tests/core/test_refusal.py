@@ -1,0 +1,102 @@
+"""A writer refused at connect is refused on both sides at once: the writer raises the reason, and an engine waiting
+for a version (``StagedReceiver.next``) fails within a moment with the same reason instead of waiting out its timeout.
+A wrong secret or a frame that is not a control message is refused the same way, and the reader goes on serving."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+
+from rlsync import ConfigError, StagedReceiver, SyncOptions, TransportError, WeightMismatchError, WeightsWriter
+from rlsync.layouts import engine_layout, from_state_dict
+
+TENSORS = [["model.embed_tokens.weight", "float32", [16, 8]], ["model.norm.weight", "float32", [8]]]
+STATE = {"model.embed_tokens.weight": torch.randn(16, 8), "model.norm.weight": torch.randn(8)}
+
+
+class WaitingEngine:
+    """The engine's thread, waiting for the next version as vLLM's ``update_weights`` does."""
+
+    def __init__(self, receiver: StagedReceiver, timeout: float = 60.0) -> None:
+        self.error: BaseException | None = None
+        self.version: int | None = None
+        self.waited = 0.0
+        self._thread = threading.Thread(target=self._wait, args=(receiver, timeout), daemon=True)
+        self._thread.start()
+
+    def _wait(self, receiver: StagedReceiver, timeout: float) -> None:
+        started = time.monotonic()
+        try:
+            version, views, finish = receiver.next(timeout)
+            dict(views)
+            finish(None)
+            self.version = version
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            self.error = exc
+        self.waited = time.monotonic() - started
+
+    def join(self) -> None:
+        self._thread.join(30)
+
+
+def test_a_writer_built_for_another_layout_fails_the_waiting_engine_at_once_with_the_same_reason() -> None:
+    with StagedReceiver(TENSORS) as receiver:
+        engine = WaitingEngine(receiver)
+        tied = [*TENSORS, ["lm_head.weight", "float32", [16, 8]]]  # the trainer's own idea of the engine's layout
+        wrong = WeightsWriter(from_state_dict({**STATE, "lm_head.weight": STATE["model.embed_tokens.weight"]}), engine_layout(tied),
+                              0, [receiver.address], options=SyncOptions(timeout=60))
+        wrong.multi_put({**STATE, "lm_head.weight": STATE["model.embed_tokens.weight"]})
+        with pytest.raises(WeightMismatchError, match=r"'lm_head.weight' is in the writer's and not in the engine's.*dst=None") as raised:
+            wrong.complete(1)
+        engine.join()
+        assert isinstance(engine.error, ConfigError) and engine.waited < 2.0
+        assert "'lm_head.weight' is in the writer's and not in the engine's" in str(engine.error)
+        assert receiver.reader.refusal is not None and receiver.reader.refusal in str(raised.value)
+        wrong.close()
+
+        engine = WaitingEngine(receiver)  # the fix the error names: the writer learns the engine's layout
+        right = WeightsWriter(from_state_dict(STATE), None, 0, [receiver.address])
+        right.multi_put(STATE)
+        right.complete(1)
+        engine.join()
+        assert engine.error is None and engine.version == 1 and receiver.reader.refusal is None
+        right.close()
+
+
+def test_without_a_refusal_the_engine_waits_its_timeout() -> None:
+    with StagedReceiver(TENSORS) as receiver:
+        engine = WaitingEngine(receiver, timeout=0.5)
+        engine.join()
+        assert "no weight version arrived within 0.5 s" in str(engine.error)
+
+
+def test_a_wrong_secret_and_a_foreign_frame_are_refused_and_the_reader_goes_on() -> None:
+    options = SyncOptions(secret="right")
+    with StagedReceiver(TENSORS, options=options) as receiver:
+        engine = WaitingEngine(receiver)
+        with pytest.raises(TransportError, match="secret"):  # it asks the engine's layout: the answer is not signed its way
+            WeightsWriter(from_state_dict(STATE), None, 0, [receiver.address], options=SyncOptions(secret="wrong", timeout=5))
+        engine.join()
+        assert isinstance(engine.error, ConfigError) and "secrets differ" in str(engine.error) and engine.waited < 2.0
+
+        probe = zmq.Context.instance().socket(zmq.DEALER)  # not an rlsync peer: one frame of garbage
+        probe.setsockopt(zmq.LINGER, 0)
+        probe.connect(receiver.address)
+        probe.send(b"\x00garbage")
+        deadline = time.monotonic() + 5
+        while "frames" not in str(receiver.reader.refusal) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "a control message of 2 frames" in str(receiver.reader.refusal)
+        probe.close()
+
+        engine = WaitingEngine(receiver)
+        writer = WeightsWriter(from_state_dict(STATE), None, 0, [receiver.address], options=options)
+        writer.multi_put(STATE)
+        writer.complete(1)
+        engine.join()
+        assert engine.error is None and engine.version == 1
+        writer.close()

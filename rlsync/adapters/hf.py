@@ -18,6 +18,11 @@ the writer uses ``wire="fp8"`` too) into a staging slot and loads it as transfor
 fp8 checkpoint where no fp8 kernel runs: each weight dequantized to its parameter's dtype. That
 is lossy against the trainer's weights (equal to a fresh load of the same fp8 checkpoint), so it
 is only done when asked for, and says so.
+
+A version that comes with the trainer's canary (``rlsync.Canary``) is checked once it is in the parameters and
+before it serves: the module's own log-probs of the canary tokens (a forward, ``rlsync.causal_lm_logprobs``)
+against the trainer's. A version that deviates is refused and the parameters get their previous values back
+(kept in host memory for that, only while a version with a canary commits).
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from typing import Any
 
 import torch
 
-from rlsync import ConfigError, Layout, RlsyncWarning, SyncOptions, WeightsReader
+from rlsync import ConfigError, Layout, RlsyncWarning, SyncOptions, WeightsReader, causal_lm_logprobs
+from rlsync.core import HostStaging
 from rlsync.layouts import from_state_dict
 
 
@@ -74,10 +80,12 @@ class ModuleReceiver:
             dst = from_state_dict(fp8_metas(dst.tensors))
         if landing == "in_place":  # the writer writes the parameters themselves, the model paused meanwhile
             targets = {name: p.detach().reshape(-1).view(torch.uint8) for name, p in self._params.items()}
-            self.reader = WeightsReader(src, dst, 0, options=options, landing="in_place", targets=targets, pause=self._pause)
+            self.reader = WeightsReader(src, dst, 0, options=options, landing="in_place", targets=targets, pause=self._pause,
+                                        on_version=lambda version, buffers: self._check_canary())
             return
         # a version lands off to the side (one slot) and is copied into the parameters once complete: their
         # memory, on whatever device, never moves (CUDA graphs captured it), and no second model is held there
+        self._previous = HostStaging()  # the parameters before a version with a canary, until it passed
         self.reader = WeightsReader(src, dst, 0, options=options, landing="staged", on_version=self._commit)
 
     def _pause(self, paused: bool) -> None:
@@ -108,7 +116,12 @@ class ModuleReceiver:
         """Copy a landed version into the parameters, in place, between two forward passes (``serving``)."""
         from rlsync.wire import SCALE_SUFFIX, dequantize, is_quantized, scale_shape
 
+        checked = self.reader.landed_canary is not None and self.reader.options.canary
         with self._serving, torch.no_grad():
+            if checked:
+                for name, p in self._params.items():
+                    self._previous.stage(name, p.detach())
+                self._previous.wait()
             for name, p in self._params.items():
                 raw = torch.as_tensor(buffers[name])  # host staging (numpy) or device staging (a tensor): no copy
                 if self.wire == "fp8" and is_quantized(name, tuple(p.shape)):  # dequantized on the parameter's device
@@ -117,6 +130,18 @@ class ModuleReceiver:
                     p.copy_(dequantize(q, scale.to(p.device), p.dtype))
                 else:
                     p.copy_(raw.view(p.dtype).view(p.shape))
+            if checked:
+                try:
+                    self._check_canary()
+                except Exception:
+                    for name, p in self._params.items():
+                        p.copy_(self._previous.buffers[name])
+                    raise
+
+    def _check_canary(self) -> None:
+        """The new version is in the parameters and does not serve yet: its canary log-probs against the trainer's."""
+        with self._serving:
+            self.reader.check_canary(lambda tokens: causal_lm_logprobs(self.module, tokens), where="the module")
 
     def close(self) -> None:
         """Stop receiving; the parameters keep the live version (their own memory)."""

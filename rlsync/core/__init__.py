@@ -18,12 +18,14 @@ from rlsync.core._builders import (
     tied_aliases,
     zero3,
 )
+from rlsync.core._canary import Canary, canary_tokens, causal_lm_logprobs
 from rlsync.core._checksum import Checksums
 from rlsync.core._control import is_loopback, resolve_secret
 from rlsync.core._delta import ChangeLog
 from rlsync.core._delta import apply as apply_delta
 from rlsync.core._delta import encode as encode_delta
 from rlsync.core._errors import (
+    CanaryError,
     ConfigError,
     LayoutError,
     PeerLostError,
@@ -82,14 +84,14 @@ from rlsync.core._writer import WeightsWriter
 
 __all__ = [
     "BUILTIN_PLUGINS", "DEFAULT_TIMEOUT", "ENTRY_POINT_GROUP", "PRESETS", "SLACK", "WIRES",
-    "Batch", "Box", "BufferSpec", "ChangeLog", "Checksums", "HostStaging", "ConfigError", "Decision", "Finish", "Gate", "Landing", "LandedVersions",
+    "Batch", "Box", "BufferSpec", "Canary", "CanaryError", "ChangeLog", "Checksums", "HostStaging", "ConfigError", "Decision", "Finish", "Gate", "Landing", "LandedVersions",
     "LandingMode", "Layout", "LayoutError", "Link", "MaxStaleness", "MemoryStorage", "ModelSpec", "Param",
     "PeerLostError", "Plan", "PlanError", "PlanMismatchError", "PlanStats", "PluginError", "PolicyVersionClock",
     "RankBoxes", "Region", "Registry", "RlsyncError", "RlsyncWarning", "RolloutBuffer", "RolloutBufferError", "Run",
     "Sample", "Shard", "StagedReceiver", "Storage", "SyncOptions", "TensorMeta", "Ticket", "Transfer",
     "TransferTimeoutError", "Transport", "TransportError", "VersionError", "WeightMismatchError", "WeightsReader",
     "WeightsWriter", "WireCodec",
-    "allocate", "apply_delta", "buffer_backends", "build_plan", "chunk_bounds", "contiguous_strides", "copy_transfers",
+    "allocate", "apply_delta", "buffer_backends", "build_plan", "canary_tokens", "causal_lm_logprobs", "chunk_bounds", "contiguous_strides", "copy_transfers",
     "data_parallel", "decode_sample", "default_plugin_manager", "dtype_name", "dtype_size", "encode_delta", "encode_sample",
     "engine_layout", "engine_tp", "flat_partitions", "flat_range_boxes", "freshest_per_group", "from_state_dict", "fsdp", "gather_shards",
     "hookimpl", "hookspec", "importance_weights", "is_loopback", "load_model_spec", "make_buffer", "make_layout",

@@ -16,6 +16,7 @@ from typing import Any, Union
 import msgspec
 import zmq
 
+from rlsync.core._canary import Canary
 from rlsync.core._errors import ConfigError, TransportError
 from rlsync.core._layout import Layout
 
@@ -87,6 +88,8 @@ class Done(msgspec.Struct, tag=True):
     #: a delta against version ``delta_base`` (what the slot held), ``delta_nbytes`` long in the inbox
     delta_base: int | None = None
     delta_nbytes: int = 0
+    #: the trainer's canary for this version (``rlsync.Canary``), checked by the engine before it serves
+    canary: Canary | None = None
 
 
 class Begin(msgspec.Struct, tag=True):
@@ -107,6 +110,8 @@ class Ack(msgspec.Struct, tag=True):
 
     version: int
     next_slot: int
+    #: the engine's canary deviation for this version (mean nats per token), when it checked one
+    canary_deviation: float | None = None
 
 
 Message = Union[Hello, AskLayout, LayoutIs, Welcome, Refuse, Done, Ack, Begin, Go]

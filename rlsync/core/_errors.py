@@ -22,6 +22,8 @@ against plain Python conventions keeps working.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "ConfigError",
     "LayoutError",
@@ -73,6 +75,19 @@ class VersionError(RlsyncError):
 
 class WeightMismatchError(RlsyncError, ValueError):
     """Tensor names, shapes or dtypes differ between the sending and the receiving side."""
+
+
+class CanaryError(WeightMismatchError):
+    """An engine's canary log-probs deviate from the trainer's (``rlsync.Canary``): ``mean`` and ``largest``
+    deviation in nats per token, ``at`` = (canary sequence, token position) of the largest."""
+
+    def __init__(self, message: str, mean: float = float("nan"), largest: float = float("nan"),
+                 at: tuple[int, int] = (0, 0)) -> None:
+        super().__init__(message)
+        self.mean, self.largest, self.at = mean, largest, at
+
+    def __reduce__(self) -> Any:  # crosses process boundaries (vLLM's collective_rpc) whole
+        return (type(self), (str(self), self.mean, self.largest, self.at))
 
 
 class RolloutBufferError(RlsyncError):

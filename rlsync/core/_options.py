@@ -32,6 +32,8 @@ class SyncOptions:
     * ``verify``: writers send a CRC-32 per tensor and readers refuse a version whose bytes differ.
     * ``wire``: ``"full"``, ``"delta"``, ``"fp8"`` or ``"fp8+delta"`` (writer side; see ``rlsync.wire``).
     * ``transport_options``: passed to the transport as they are.
+    * ``canary``: adapters that hold the trainer's model send a ``Canary`` with every version, and engines check
+      it before the version serves (``rlsync.Canary``); False turns both off.
 
     Called on: every process that moves weights; plain data, so a launcher can hand it to the processes it
     starts (``to_mapping``/``from_mapping``).
@@ -45,6 +47,7 @@ class SyncOptions:
     verify: bool = False
     wire: str = "full"
     transport_options: Mapping[str, Any] | None = None
+    canary: bool = True
 
     def __post_init__(self) -> None:
         if self.wire not in WIRES:
@@ -79,8 +82,9 @@ class SyncOptions:
             values["timeout"] = float(values["timeout"])
         if "port" in values:
             values["port"] = int(values["port"])
-        if "verify" in values and isinstance(values["verify"], str):
-            values["verify"] = values["verify"].lower() in ("1", "true", "yes")
+        for flag in ("verify", "canary"):
+            if flag in values and isinstance(values[flag], str):
+                values[flag] = values[flag].lower() in ("1", "true", "yes")
         return cls(**values)
 
     def to_mapping(self) -> dict[str, Any]:

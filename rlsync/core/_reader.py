@@ -26,7 +26,7 @@ import bisect
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import numpy as np
@@ -34,6 +34,7 @@ import pluggy
 import torch
 
 from rlsync.core._builders import replicated
+from rlsync.core._canary import Canary
 from rlsync.core._checksum import Checksums, for_memory
 from rlsync.core._control import (
     Ack,
@@ -50,7 +51,7 @@ from rlsync.core._control import (
 )
 from rlsync.core._delta import INBOX_SHARE
 from rlsync.core._delta import apply as apply_delta
-from rlsync.core._errors import ConfigError, RlsyncError, TransferTimeoutError, WeightMismatchError
+from rlsync.core._errors import CanaryError, ConfigError, RlsyncError, TransferTimeoutError, WeightMismatchError
 from rlsync.core._host_staging import HostStaging
 from rlsync.core._layout import Layout, dtype_size, tensor_fingerprints
 from rlsync.core._options import SyncOptions
@@ -132,6 +133,10 @@ class WeightsReader:
         self._on_refused = on_refused
         #: why the last writer that tried to connect was refused; None again once a writer is welcomed
         self.refusal: str | None = None
+        #: the trainer's canary of the version being handed to ``on_version`` (None outside it, or none sent)
+        self.landed_canary: Canary | None = None
+        #: set by the engine's check of ``landed_canary`` (``check_canary``); reported to the writers with the Ack
+        self.canary_deviation: float | None = None
         self._channel, self.address = bind_router(options.host, options.port, options.secret)
         self._live_slot = 0
         self._target_slot = 1 if landing == "direct" else 0
@@ -251,6 +256,21 @@ class WeightsReader:
         self.close()
 
     # -- the service thread ----------------------------------------------------------------
+
+    def check_canary(self, logprobs_of: Callable[[list[list[int]]], Sequence[Sequence[float]]], *,
+                     where: str = "the engine") -> float | None:
+        """In ``on_version``, with the new version in place and before it serves: the engine's log-probs of the
+        trainer's canary tokens (``logprobs_of(tokens)``) against the trainer's. Returns the mean deviation (also
+        reported to the writers) or None when no canary came or ``options.canary`` is off; raises ``CanaryError``
+        (the version is refused, the writers hear why) when it is above the canary's tolerance."""
+        canary = self.landed_canary
+        if canary is None or not self.options.canary:
+            return None
+        try:
+            self.canary_deviation = canary.check(logprobs_of(canary.tokens), where=where)
+        finally:
+            _log.info("reader rank %d: canary deviation %s", self.rank, self.canary_deviation)
+        return self.canary_deviation
 
     def _serve(self) -> None:
         while not self._closed.is_set():
@@ -406,11 +426,16 @@ class WeightsReader:
         kind = "checksum" if error is not None else "load"
         if error is not None and self._on_refused is not None:
             self._on_refused(msg.version, error)
+        self.landed_canary = next((d.canary for _, d in done.values() if d.canary is not None), None)
+        self.canary_deviation = None
         if error is None and self._on_version is not None:
             try:
                 self._on_version(msg.version, self.buffers(self._target_slot))
+            except CanaryError as exc:  # the engine computes with other weights than were sent: refused, named
+                error, kind = str(exc), "canary"
             except Exception as exc:  # noqa: BLE001 - reported to every writer, version stays out
                 error = f"the engine failed to load version {msg.version}: {exc!r}"
+        self.landed_canary = None
         if error is not None:
             if self.landing_mode == "in_place":
                 self._undo(error, msg.version)
@@ -426,10 +451,13 @@ class WeightsReader:
             self._cond.notify_all()
         self._resume()  # in place: the engine serves the new version
         for ident, _ in done.values():
-            self._channel.send(Ack(msg.version, self._target_slot), ident)
+            self._channel.send(Ack(msg.version, self._target_slot, self.canary_deviation), ident)
         if self.landing_mode == "in_place":
             self._save()  # the new last version, copied while the engine serves it; the next Begin waits for it
-        self._plugins.hook.rlsync_weights_applied(version=msg.version, stats={"rank": self.rank, "writers": sorted(done)})
+        stats: dict[str, object] = {"rank": self.rank, "writers": sorted(done)}
+        if self.canary_deviation is not None:
+            stats["canary_deviation"] = self.canary_deviation
+        self._plugins.hook.rlsync_weights_applied(version=msg.version, stats=stats)
 
     def _land_delta(self, msg: Done, held: int | None) -> str | None:
         """Write a writer's delta from its inbox part into the target slot; what went wrong, if anything."""

@@ -22,11 +22,13 @@ import numpy as np
 import pluggy
 import torch
 
+from rlsync.core._canary import Canary
 from rlsync.core._checksum import Checksums
 from rlsync.core._control import Ack, Begin, Channel, Done, Go, Hello, Refuse, Welcome, connect_dealer
 from rlsync.core._delta import ChangeLog
 from rlsync.core._delta import encode as encode_delta
 from rlsync.core._errors import (
+    CanaryError,
     PeerLostError,
     TransferTimeoutError,
     TransportError,
@@ -134,6 +136,8 @@ class WeightsWriter:
         self._sent: dict[int, int] = {}  # reader rank -> bytes the last version moved to it
         self._staging = HostStaging()  # host copies of tensors put from device memory (or strided), reused
         self.last_bytes = 0
+        self.last_canary_deviation: float | None = None  # the largest an engine reported for the last version
+        self._canary: Canary | None = None
 
     def put(self, name: str, tensor: Any) -> None:
         """Bind this rank's buffer ``name`` (for plain and FSDP layouts: the parameter name) to ``tensor``.
@@ -231,8 +235,12 @@ class WeightsWriter:
         if channel is not None:
             channel.close()
 
-    def complete(self, version: int, progress: Callable[[int], None] | None = None) -> None:
-        """Send this rank's part of ``version`` to every reader and return once it is live on each."""
+    def complete(self, version: int, progress: Callable[[int], None] | None = None, *, canary: Canary | None = None) -> None:
+        """Send this rank's part of ``version`` to every reader and return once it is live on each.
+
+        ``canary`` (``rlsync.Canary.of(model)``, the weights being sent): every engine checks it before the version
+        serves and refuses the version (``CanaryError`` here) when its own log-probs deviate; the largest deviation
+        an engine reported is ``last_canary_deviation`` afterwards."""
         missing = sorted(self._needed - self._sources.keys())
         if missing:
             raise WeightMismatchError(f"writer rank {self.rank}: no tensor was put for {missing[:5]} (and {max(0, len(missing) - 5)} more)")
@@ -243,6 +251,8 @@ class WeightsWriter:
             self._staging.wait()  # the delta reads every buffer first
             self._changes.record(version, self._sources)
         self._sent = {}
+        self._canary = canary
+        deviations: list[float] = []
         failed: dict[int, str] = {}
         if len(self._runs) > 1:  # readers get their parts at once: publishing to N readers costs ~one reader
             with ThreadPoolExecutor(len(self._runs), thread_name_prefix=f"rlsync-writer-{self.rank}") as pool:
@@ -268,6 +278,10 @@ class WeightsWriter:
             if isinstance(msg, Ack) and msg.version == version:
                 self._held[dst_rank][self._slots[dst_rank]] = version
                 self._slots[dst_rank] = msg.next_slot
+                if msg.canary_deviation is not None:
+                    deviations.append(msg.canary_deviation)
+            elif isinstance(msg, Refuse) and msg.kind == "canary":
+                raise CanaryError(f"reader rank {dst_rank}: {msg.reason}")
             elif isinstance(msg, Refuse) and msg.kind in ("version", "restart"):
                 raise VersionError(f"reader rank {dst_rank} refused version {version}: {msg.reason}")
             elif isinstance(msg, Refuse) and msg.kind == "checksum":
@@ -280,9 +294,11 @@ class WeightsWriter:
             error = TransferTimeoutError if all("did not confirm" in why for why in failed.values()) else PeerLostError
             raise error(f"version {version} is not live everywhere: {detail}. Live on reader ranks {ok}.")
         self.last_bytes = sum(self._sent.values())
-        self._plugins.hook.rlsync_after_export(
-            version=version, stats={"bytes": self.last_bytes, "seconds": time.perf_counter() - started}
-        )
+        self.last_canary_deviation = max(deviations) if deviations else None
+        stats: dict[str, Any] = {"bytes": self.last_bytes, "seconds": time.perf_counter() - started}
+        if self.last_canary_deviation is not None:
+            stats["canary_deviation"] = self.last_canary_deviation
+        self._plugins.hook.rlsync_after_export(version=version, stats=stats)
 
     def _delta_for(self, dst_rank: int, slot: int) -> tuple[int, torch.Tensor] | None:
         """``(base version, encoded delta)`` of this rank's part for what ``slot`` of ``dst_rank`` holds, if one fits."""
@@ -328,7 +344,8 @@ class WeightsWriter:
             link.flush()
             self._sent[dst_rank] = nbytes if delta is not None else self._part_bytes[dst_rank]
             self._channels[dst_rank].send(Done(self.rank, version, slot, None if checksums is None else checksums.values,
-                                               delta_base=None if delta is None else delta[0], delta_nbytes=nbytes))
+                                               delta_base=None if delta is None else delta[0], delta_nbytes=nbytes,
+                                               canary=self._canary))
         except TransportError as exc:
             self._drop(dst_rank)
             return str(exc)

@@ -12,6 +12,7 @@ from rlsync.wire._fp8 import (
     fp8_layout,
     fp8_metas,
     fp8_model_spec,
+    fp8_round_trip,
     fp8_tensors,
     is_quantized,
     quantize,
@@ -19,4 +20,4 @@ from rlsync.wire._fp8 import (
 )
 from rlsync.wire._lora import lora_state
 
-__all__ = ["SCALE_SUFFIX", "Fp8Codec", "dequantize", "fp8_layout", "fp8_metas", "fp8_model_spec", "fp8_tensors", "is_quantized", "lora_state", "quantize", "scale_shape"]
+__all__ = ["SCALE_SUFFIX", "Fp8Codec", "dequantize", "fp8_layout", "fp8_metas", "fp8_model_spec", "fp8_round_trip", "fp8_tensors", "is_quantized", "lora_state", "quantize", "scale_shape"]

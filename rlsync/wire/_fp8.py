@@ -62,6 +62,14 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = to
     return (q.float() * expanded).to(dtype)
 
 
+def fp8_round_trip(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """What an engine loads of ``tensor`` sent as fp8 (quantized, then dequantized to its dtype); the tensor itself
+    where the format keeps it whole. For a trainer's canary: ``rlsync.Canary.of(model, as_sent=fp8_round_trip)``."""
+    if not is_quantized(name, tuple(tensor.shape)):
+        return tensor
+    return dequantize(*quantize(tensor), tensor.dtype)
+
+
 def fp8_tensors(named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors an fp8 engine loads for these model-dtype tensors: each quantized weight as
     ``(name, fp8)`` and ``(name + "_scale_inv", scales)``, every other tensor unchanged.

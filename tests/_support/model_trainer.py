@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
-from rlsync import SyncOptions, WeightsWriter
+from rlsync import Canary, CanaryError, SyncOptions, WeightsWriter
 from rlsync.layouts import from_state_dict
 
 CONFIGS = {
@@ -42,8 +43,8 @@ def build(arch: str, seed: int) -> torch.nn.Module:
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     with torch.no_grad():
-        for p in model.parameters():  # larger weights than the default init: greedy output then depends on them
-            p.normal_(0, 0.2)
+        for name, p in model.named_parameters():  # larger weights than the default init: greedy output then depends
+            p.normal_(0, 1.0 if name == "lm_head.weight" else 0.2)  # on them, and the next token is peaked as in a trained LM
         if config.model_type.startswith("gemma"):  # Gemma scales embeddings by sqrt(hidden) and norms what each layer
             model.get_input_embeddings().weight.mul_(0.1)  # adds: else the token's own embedding decides the output
     return model
@@ -68,6 +69,8 @@ if __name__ == "__main__":
     parser.add_argument("--address", required=True, nargs="+", help="one per engine worker, in rank order")
     parser.add_argument("--alias", action="store_true", help="send a tied model's lm_head.weight too, as state_dict() has it")
     parser.add_argument("--state-dict", action="store_true", help="send model.state_dict() as it is (tied aliases in it)")
+    parser.add_argument("--canary", action="store_true", help="send each version's canary (an fp32 trainer's), and go "
+                                                                 "on with the next version when an engine refuses one")
     parser.add_argument("--seeds", type=int, nargs="+", required=True)
     parser.add_argument("--first-version", type=int, default=1)
     args = parser.parse_args()
@@ -80,5 +83,13 @@ if __name__ == "__main__":
         if writer is None:  # the destination layout comes from the engine's workers
             writer = WeightsWriter(from_state_dict(state), None, 0, args.address, options=SyncOptions(timeout=600))
         writer.multi_put(state)
-        writer.complete(args.first_version + i)
-        print(json.dumps({"completed": args.first_version + i}), flush=True)
+        version = args.first_version + i
+        if not args.canary:
+            writer.complete(version)
+            print(json.dumps({"completed": version}), flush=True)
+            continue
+        try:
+            writer.complete(version, canary=Canary.of(copy.deepcopy(model).float()))  # fp32 master weights of these bf16 ones
+            print(json.dumps({"completed": version, "canary_deviation": writer.last_canary_deviation}), flush=True)
+        except CanaryError as exc:
+            print(json.dumps({"refused": version, "error": str(exc)}), flush=True)

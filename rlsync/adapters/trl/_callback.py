@@ -15,8 +15,12 @@ generation, checked against the weight version vLLM reports after each sync), ``
 gate runs on each sample before the loss: a sample whose oldest token lags the trainer by more than ``N`` steps
 (``steps_per_generation`` or ``num_iterations`` above 1 reuse generations) is masked out of the loss entirely.
 TRL's truncated importance weights (``vllm_importance_sampling_correction``) stay as TRL computes them.
-Logged per step: ``rlsync/sync_seconds``, ``rlsync/bytes``, ``rlsync/version``, ``rlsync/staleness_mean``,
-``rlsync/dropped_stale``.
+Canary (``SyncOptions(canary=True)``, the default): every rank computes the log-probs of a small fixed token batch
+with the model it syncs (one tiny forward, collective under FSDP/ZeRO-3 as TRL's own forward), and the server's
+own log-probs of the same tokens must match before the version serves (``VllmServer.publish``); a version that
+deviates is undone and the step raises ``rlsync.CanaryError`` naming the largest deviation.
+Logged per step: ``rlsync/sync_seconds``, ``rlsync/bytes``, ``rlsync/version``, ``rlsync/canary_deviation``,
+``rlsync/staleness_mean``, ``rlsync/dropped_stale``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from rlsync import ConfigError, Decision, MaxStaleness, Sample, SyncOptions, VersionError
+from rlsync import Canary, ConfigError, Decision, MaxStaleness, Sample, SyncOptions, VersionError
 from rlsync.adapters.vllm import VllmServer
 from rlsync.patches.trl import rlsync_owns_sync
 
@@ -50,6 +54,7 @@ class RlsyncSyncCallback(TrainerCallback):
             raise ConfigError("RlsyncSyncCallback needs a GRPOTrainer generating with a vLLM server: "
                               "GRPOConfig(use_vllm=True, vllm_mode='server', vllm_server_base_url=...)")
         self.trainer, self.generation = trainer, generation
+        self.options = options or SyncOptions()
         self.gate = MaxStaleness(max_staleness) if max_staleness is not None else None
         self.server: VllmServer | None = None
         if trainer.accelerator.is_main_process:
@@ -77,16 +82,18 @@ class RlsyncSyncCallback(TrainerCallback):
     def _sync(self) -> None:
         """TRL's ``sync_weights``, through rlsync: every rank walks the parameters, the main process publishes."""
         step = self.trainer.state.global_step
+        # every rank: under FSDP/ZeRO-3 the forward is collective, as the parameter walk below is
+        canary = Canary.of(self.trainer.model) if self.options.canary else None
         named = self.generation._iter_named_params()
         if self.server is None:
             for _ in named:  # take part in the gather collectives (FSDP, ZeRO-3)
                 pass
             return
         if self._base is None:
-            stats = self.server.publish(named)  # the next version after the server's live one
+            stats = self.server.publish(named, canary=canary)  # the next version after the server's live one
             self._base = stats.version - step - 1
         else:
-            stats = self.server.publish(named, self._version_of(step))
+            stats = self.server.publish(named, self._version_of(step), canary=canary)
         self.server.reset_prefix_cache()  # cached prefixes were computed with the previous weights
         reported = self.server.weight_version()  # what vLLM stamps on its outputs from now on
         if reported != str(stats.version):
@@ -95,6 +102,8 @@ class RlsyncSyncCallback(TrainerCallback):
         metrics["rlsync/sync_seconds"].append(stats.seconds)
         metrics["rlsync/bytes"].append(float(stats.bytes))
         metrics["rlsync/version"].append(float(stats.version))
+        if stats.canary_deviation is not None:
+            metrics["rlsync/canary_deviation"].append(stats.canary_deviation)
 
     def _generate_and_stamp(self, inputs: Any) -> Any:
         output = self._generate(inputs)  # syncs first when the optimizer stepped (TRL's schedule)

@@ -24,12 +24,12 @@ that need it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from rlsync import ConfigError
 from rlsync.adapters.vllm._probe import Placements
-from rlsync.adapters.vllm._reload import reload_atomically
+from rlsync.adapters.vllm._reload import Before, reload, reload_atomically
 from rlsync.core import HostStaging
 
 #: quant methods that use a module's weights as loaded (vLLM's unquantized linear and embedding methods)
@@ -81,25 +81,44 @@ class EngineCommit:
                 self.loader_modules.append(qualname)
                 self.loader_tensors.update(t for p in placed.values() for t in p["from"])
 
-    def load(self, model: Any, model_config: Any, weights: Iterable[tuple[str, Any]]) -> None:
+    def load(self, model: Any, model_config: Any, weights: Iterable[tuple[str, Any]], *,
+             undoable: bool = False) -> Callable[[], None] | None:
         """Commit one landed version (``weights``: checkpoint names and host views). Call it under
-        ``set_current_vllm_config``, with no forward pass running."""
+        ``set_current_vllm_config``, with no forward pass running.
+
+        ``undoable``: keep the engine as it was before (every module, in host memory) and return ``undo``, which puts
+        it back: for a version that is committed but must pass a check (its canary) before it serves."""
         import torch
 
         views = dict(weights)
         copies = self._checked_copies(views)
         loader = [(name, view) for name, view in views.items() if name in self.loader_tensors]
-        if loader:
-            quiet = _SkippedModules()
-            logging.getLogger(_LAYERWISE_LOGGER).addFilter(quiet)
-            try:
+        before = Before(model, self._snapshot) if undoable else None  # every module, the in-place ones too
+        quiet = _SkippedModules()
+        logging.getLogger(_LAYERWISE_LOGGER).addFilter(quiet)
+        try:
+            if loader and before is None:
                 reload_atomically(model, model_config, loader, snapshot=self._snapshot,
                                   keep=[module for module, _ in self.in_place])
-            finally:
-                logging.getLogger(_LAYERWISE_LOGGER).removeFilter(quiet)
-        with torch.no_grad():
-            for destination, source in copies:
-                destination.copy_(source)
+            elif loader:
+                reload(model, model_config, loader)
+            with torch.no_grad():
+                for destination, source in copies:
+                    destination.copy_(source)
+            for module in self.reprocess:
+                module.quant_method.process_weights_after_loading(module)
+        except BaseException:
+            if before is not None:
+                self._undo(before)
+            raise
+        finally:
+            logging.getLogger(_LAYERWISE_LOGGER).removeFilter(quiet)
+        return None if before is None else (lambda: self._undo(before))
+
+    def _undo(self, before: Before) -> None:
+        """The engine as it was before the version: values, tensors and attributes; then what in-place modules derive
+        from their weights, from the restored ones."""
+        before.restore()
         for module in self.reprocess:
             module.quant_method.process_weights_after_loading(module)
 

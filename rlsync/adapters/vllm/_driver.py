@@ -2,19 +2,45 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from rlsync import DEFAULT_TIMEOUT, VersionError
+from rlsync import DEFAULT_TIMEOUT, Canary, VersionError
 
 
 def apply_next_version(llm: Any, timeout: float = DEFAULT_TIMEOUT) -> int:
     """Every worker loads the next version that has fully landed (``rlsync_apply``); then the prefix cache is
     reset (cached prefixes hold activations computed with the old weights) and the version becomes the
     engine's weight version, which vLLM reports on every output. Call it between ``generate`` calls.
-    Returns the version; raises if none arrives within ``timeout`` (the engine keeps the old weights)."""
-    versions = llm.collective_rpc("rlsync_apply", args=(timeout,))
+    Returns the version; raises if none arrives within ``timeout`` (the engine keeps the old weights).
+
+    A version that came with the trainer's canary (``rlsync.Canary``) is checked before it serves: the engine's
+    prompt log-probs of the canary tokens against the trainer's. One that deviates is undone on every worker and
+    ``CanaryError`` is raised here and in the trainer's ``complete``: the engine serves the previous version."""
+    versions = llm.collective_rpc("rlsync_apply", args=(timeout, True))
     if len(set(versions)) != 1:
         raise VersionError(f"vLLM workers loaded different weight versions {versions}: restart the update")
+    canary = llm.collective_rpc("rlsync_canary")[0]
+    if canary is not None:
+        llm.reset_prefix_cache()  # the canary's prompt must run on the new weights, not hit a cached prefix
+        try:
+            checked = Canary(**canary)
+            deviation = checked.check(prompt_logprobs(llm, checked.tokens), where="the vLLM engine")
+        except BaseException as exc:
+            llm.collective_rpc("rlsync_settle", args=(str(exc), None))
+            llm.reset_prefix_cache()
+            raise
+        llm.collective_rpc("rlsync_settle", args=(None, deviation))
     llm.reset_prefix_cache()
     llm.update_weight_version(str(versions[0]))
     return int(versions[0])
+
+
+def prompt_logprobs(llm: Any, tokens: Sequence[Sequence[int]]) -> list[list[float]]:
+    """log p(``tokens[i][j + 1]`` | ``tokens[i][: j + 1]``) as the engine computes them (vLLM's prompt log-probs, raw)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": list(t)} for t in tokens], params, use_tqdm=False)
+    return [[float(position[token].logprob) for position, token in zip(out.prompt_logprobs[1:], t[1:])]
+            for out, t in zip(outs, tokens)]

@@ -18,6 +18,7 @@ a trainer that dies, a timeout or a loader error leaves the engine serving the p
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from rlsync import DEFAULT_TIMEOUT, Finish, StagedReceiver, SyncOptions, VersionError
+from rlsync import DEFAULT_TIMEOUT, CanaryError, ConfigError, Finish, StagedReceiver, SyncOptions, VersionError
 from rlsync.adapters.vllm._commit import EngineCommit
 from rlsync.adapters.vllm._probe import learn_parts, learn_placements
 
@@ -49,6 +50,9 @@ class RlsyncInitInfo(WeightTransferInitInfo):
 class RlsyncUpdateInfo(WeightTransferUpdateInfo):
     version: int
     timeout: float = DEFAULT_TIMEOUT
+    # a second update_weights for the same version, after the trainer checked its canary against the loaded version
+    # (rlsync.adapters.vllm.VllmServer.publish): the reason it failed; the engine undoes the version
+    refused: str | None = None
 
 
 class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpdateInfo]):
@@ -68,6 +72,7 @@ class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpda
         self._receiver = StagedReceiver(tensors, boxes=boxes, rank=world.rank, options=options)
         self._commit = EngineCommit(self.model, learn_placements(self.model, init_info.tensors))
         self._finish: Finish | None = None
+        self._undo: Callable[[], None] | None = None  # a version that came with a canary, until it is checked
 
     def start_weight_update(self) -> None:
         # Nothing to prepare: the reload starts only once a version's bytes have all landed (receive_weights),
@@ -75,20 +80,32 @@ class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpda
         self._finish = None
 
     def receive_weights(self, update_info: RlsyncUpdateInfo) -> None:
+        if update_info.refused is not None:  # the trainer's canary check of the version loaded: failed
+            self._refuse(update_info.refused)
+            return
         version, views, finish = self._receiver.next(update_info.timeout)
         if version != update_info.version:
             error = VersionError(f"the engine expected version {update_info.version}, the trainer sent {version}")
             finish(error)
             raise error
+        reader = self._receiver.reader
+        checked = reader.landed_canary is not None and reader.options.canary  # the trainer checks it over HTTP
         try:
-            self._commit.load(self.model, self.model_config, views)
+            self._undo = self._commit.load(self.model, self.model_config, views, undoable=checked)
         except Exception as exc:
             finish(exc)
             raise
         self._finish = finish
 
+    def _refuse(self, reason: str) -> None:
+        finish, undo, self._finish, self._undo = self._finish, self._undo, None, None
+        if finish is None or undo is None:
+            raise ConfigError("update_weights with 'refused': no version with a canary is loaded and waiting")
+        undo()  # the engine is back on its previous version
+        finish(CanaryError(reason))  # the trainer's complete(v) raises it
+
     def finish_weight_update(self) -> None:
-        finish, self._finish = self._finish, None
+        finish, self._finish, self._undo = self._finish, None, None
         if finish is not None:
             finish(None)  # the trainer's complete(v) returns: v is what the engine serves
 

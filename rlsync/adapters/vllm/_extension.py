@@ -22,13 +22,24 @@ engine keeps serving the previous version either way.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from functools import cache
 from typing import Any
 
-from rlsync import DEFAULT_TIMEOUT, ConfigError, StagedReceiver, SyncOptions
+import msgspec
+
+from rlsync import DEFAULT_TIMEOUT, CanaryError, ConfigError, Finish, StagedReceiver, SyncOptions
 from rlsync.adapters.vllm._commit import EngineCommit
 from rlsync.adapters.vllm._probe import learn_parts, learn_placements, probe_worker
 from rlsync.layouts import RankBoxes
+
+
+@cache
+def _warn_unchecked_once() -> None:
+    logging.getLogger("rlsync").warning(
+        "the trainer sent a canary with its version, but this engine's caller loads versions without checking it "
+        "(rlsync_apply without hold): use rlsync.adapters.vllm.apply_next_version(llm), which checks it")
 
 
 class RlsyncWorkerExtension:
@@ -59,25 +70,70 @@ class RlsyncWorkerExtension:
         self._rlsync = StagedReceiver(kept, boxes=learned, rank=self.rank,  # type: ignore[attr-defined]
                                       options=SyncOptions.from_mapping(options, where="rlsync_start"))
         self._rlsync_version = -1
+        self._rlsync_held: tuple[int, Finish, Callable[[], None]] | None = None  # committed, canary not yet checked
         return self._rlsync.address
 
-    def rlsync_apply(self, timeout: float = DEFAULT_TIMEOUT) -> int:
-        """Engine thread: load the next landed version with vLLM's loader, all or nothing; returns its number."""
+    def rlsync_apply(self, timeout: float = DEFAULT_TIMEOUT, hold: bool = False) -> int:
+        """Engine thread: load the next landed version with vLLM's loader, all or nothing; returns its number.
+
+        ``hold``: the caller checks the version's canary, if the trainer sent one (``rlsync_canary``), and then calls
+        ``rlsync_settle``: the version is committed but not yet live (the trainer's ``complete`` waits), and can
+        still be undone. Without ``hold`` a canary that came is not checked (said once in the log)."""
         from vllm.config import set_current_vllm_config
 
         version, views, finish = self._rlsync.next(timeout)
+        canary = self._rlsync.reader.landed_canary if self._rlsync.reader.options.canary else None
+        if canary is not None and not hold:
+            _warn_unchecked_once()
+            canary = None
         runner = self.model_runner  # type: ignore[attr-defined]
         try:
             with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
-                self._rlsync_commit.load(runner.get_model(), self.vllm_config.model_config, views)  # type: ignore[attr-defined]
+                undo = self._rlsync_commit.load(runner.get_model(), self.vllm_config.model_config, views,  # type: ignore[attr-defined]
+                                                undoable=canary is not None)
         except Exception as exc:
             finish(exc)  # the writer's complete() raises it
             raise
-        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as Worker.reload_weights does
-            getattr(runner, reset, lambda: None)()
+        self._rlsync_reset()
+        if undo is not None:
+            self._rlsync_held = (version, finish, undo)
+            return version
         finish(None)
         self._rlsync_version = version
         return version
+
+    def rlsync_canary(self) -> dict[str, Any] | None:
+        """The trainer's canary of the version ``rlsync_apply(hold=True)`` committed and holds, as plain data
+        (``rlsync.Canary``'s fields); None when no version is held."""
+        held = getattr(self, "_rlsync_held", None)
+        canary = self._rlsync.reader.landed_canary
+        return None if held is None or canary is None else msgspec.structs.asdict(canary)
+
+    def rlsync_settle(self, refused: str | None = None, deviation: float | None = None) -> int:
+        """End a held version: live (``refused`` None; ``deviation``, the canary's, goes to the trainer), or undone
+        (``refused``: why; the engine is back on its previous version and the trainer's ``complete`` raises
+        ``CanaryError`` with that reason). Returns the version the engine serves."""
+        from vllm.config import set_current_vllm_config
+
+        held, self._rlsync_held = getattr(self, "_rlsync_held", None), None
+        if held is None:
+            raise ConfigError("rlsync_settle: no version is held (call rlsync_apply(timeout, hold=True) first)")
+        version, finish, undo = held
+        if refused is not None:
+            with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+                undo()
+            self._rlsync_reset()
+            finish(CanaryError(refused))
+            return int(self._rlsync_version)
+        self._rlsync.reader.canary_deviation = deviation
+        finish(None)
+        self._rlsync_version = int(version)
+        return int(version)
+
+    def _rlsync_reset(self) -> None:
+        runner = self.model_runner  # type: ignore[attr-defined]
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as Worker.reload_weights does
+            getattr(runner, reset, lambda: None)()
 
     def rlsync_version(self) -> int:
         """The weight version this worker serves (-1 before the first update)."""

@@ -50,16 +50,20 @@ def reload_atomically(model: Any, model_config: Any, weights: Iterable[tuple[str
     ``snapshot``: the reused host buffers the rollback copy goes to (one per engine worker, kept across versions).
     ``keep``: modules the caller guarantees this reload leaves alone (committed in place, given no weights here):
     their tensors are not snapshotted."""
+    _check_vllm_version()
+    before = Before(model, snapshot if snapshot is not None else HostStaging(), keep)
+    try:
+        reload(model, model_config, weights)
+    except BaseException:
+        before.restore()
+        raise
+
+
+def reload(model: Any, model_config: Any, weights: Iterable[tuple[str, Any]]) -> None:
+    """vLLM's layerwise reload of ``weights`` and the post-load steps it skips, not atomic: run it inside ``Before``."""
     from vllm.model_executor.model_loader.reload import layerwise
 
     _check_vllm_version()
-    snapshot = snapshot if snapshot is not None else HostStaging()
-    kept = {id(m) for m in keep}
-    modules = [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), set(m._non_persistent_buffers_set))
-               for m in model.modules()]
-    live = _live_tensors(model, kept)
-    saved = [(tensor, snapshot.stage(str(i), tensor)) for i, tensor in enumerate(live)]  # the values, in host memory
-    snapshot.wait()
     fixes = reprocessing_skipped_steps(model)
     fixes.enter()
     try:
@@ -68,9 +72,26 @@ def reload_atomically(model: Any, model_config: Any, weights: Iterable[tuple[str
         layerwise.finalize_layerwise_reload(model, model_config)  # type: ignore[no-untyped-call, unused-ignore]
     except BaseException:
         fixes.exit(ok=False)
-        _roll_back(model, modules, saved)
         raise
     fixes.exit(ok=True)
+
+
+class Before:
+    """Every module of ``model`` as it is now (but ``keep``): its tensors' values in ``snapshot`` (host memory), its
+    tensor objects and attributes; ``restore()`` puts all of it back, after a failed reload or a committed version
+    the engine refuses (its canary)."""
+
+    def __init__(self, model: Any, snapshot: HostStaging, keep: Collection[Any] = ()) -> None:
+        kept = {id(m) for m in keep}
+        self.model = model
+        self.modules = [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), set(m._non_persistent_buffers_set))
+                        for m in model.modules()]
+        live = _live_tensors(model, kept)
+        self.saved = [(tensor, snapshot.stage(str(i), tensor)) for i, tensor in enumerate(live)]  # values, on the host
+        snapshot.wait()
+
+    def restore(self) -> None:
+        _roll_back(self.model, self.modules, self.saved)
 
 
 def _live_tensors(model: Any, kept: set[int]) -> list[Any]:

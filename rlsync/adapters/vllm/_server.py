@@ -19,11 +19,12 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
-from rlsync import ConfigError, PeerLostError, RlsyncWarning, SyncOptions, WeightsWriter
+from rlsync import Canary, ConfigError, PeerLostError, RlsyncWarning, SyncOptions, WeightsWriter
 from rlsync.layouts import from_state_dict, tied_aliases
 
 _SERVER_FLAGS = "VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{\"backend\": \"rlsync\"}'"
@@ -35,6 +36,15 @@ class PublishStats:
     bytes: int  # bytes this process sent (every tensor once per engine worker that reads it)
     seconds: float  # from the first byte put to the version live on the server
     tensors: int
+    canary_deviation: float | None = None  # the server's canary deviation (mean nats per token), when checked
+
+
+@cache
+def _warn_paused_once(url: str) -> None:
+    warnings.warn(f"the vLLM server at {url} is paused during the weight sync (TRL's async trainer pauses it): it runs "
+                  f"no request before resume, so the versions' canary is not checked there. Sync without pausing "
+                  f"(RlsyncSyncCallback) to have it checked, or SyncOptions(canary=False) to not compute it",
+                  RlsyncWarning, stacklevel=3)
 
 
 def reserve_ports(host: str, count: int) -> int:
@@ -81,7 +91,9 @@ class VllmServer:
         self._writer: WeightsWriter | None = None
         self._names: list[str] = []
         self._dtype: Any = None
+        self._model: str | None = None  # the served model's name (its completions route wants it)
         self.version = 0  # the last version this object made live
+        self.paused = False  # generation frozen by pause(): no request (nor a canary) runs until resume()
 
     # --- HTTP ---------------------------------------------------------------------------------------------
     def call(self, route: str, body: dict[str, Any] | None = None, *, method: str = "POST", timeout: float | None = None) -> Any:
@@ -127,9 +139,24 @@ class VllmServer:
     def pause(self) -> None:
         """Freeze in-flight requests (they continue on ``resume``), as TRL's async trainer does."""
         self.call("/pause?mode=keep")
+        self.paused = True
 
     def resume(self) -> None:
         self.call("/resume")
+        self.paused = False
+
+    def prompt_logprobs(self, tokens: Sequence[Sequence[int]]) -> list[list[float]]:
+        """log p(``tokens[i][j + 1]`` | ``tokens[i][: j + 1]``) as the server computes them (its completions route with
+        ``prompt_logprobs``: vLLM's raw log-probs of the prompt's own tokens)."""
+        if self._model is None:
+            self._model = str(self.call("/v1/models", method="GET")["data"][0]["id"])
+        rows = []
+        for row in tokens:
+            answer = self.call("/v1/completions", {"model": self._model, "prompt": list(row), "max_tokens": 1,
+                                                   "temperature": 0.0, "prompt_logprobs": 0})
+            positions = answer["choices"][0]["prompt_logprobs"][1:]
+            rows.append([float(position[str(token)]["logprob"]) for position, token in zip(positions, row[1:])])
+        return rows
 
     def reset_prefix_cache(self) -> bool:
         """Drop cached prefixes (computed with the previous weights). vLLM refuses while requests hold KV
@@ -142,12 +169,19 @@ class VllmServer:
         return done
 
     # --- weights ------------------------------------------------------------------------------------------
-    def publish(self, named_tensors: Iterable[tuple[str, Any]], version: int | None = None) -> PublishStats:
+    def publish(self, named_tensors: Iterable[tuple[str, Any]], version: int | None = None, *,
+                canary: Canary | None = None) -> PublishStats:
         """Make ``named_tensors`` live on the server as ``version`` (default: the next one after the live one).
 
         The first call fixes the tensor list (names, shapes; the server's dtype); later calls must send the
         same tensors. Returns once the server serves the new version; on any error the server still serves
         the previous one.
+
+        ``canary`` (``rlsync.Canary.of(model)``, of the weights sent): once the version is loaded and before it
+        serves, the server's prompt log-probs of its tokens are checked against it; a version that deviates is
+        undone (``CanaryError``, naming the largest deviation; the server serves the previous version). The
+        deviation is ``PublishStats.canary_deviation``. A paused server (``pause()``) runs no request: its canary
+        is not checked, and a warning says so.
         """
         import torch
 
@@ -174,9 +208,13 @@ class VllmServer:
         self.call("/start_weight_update", {})
         failure: list[BaseException] = []
 
+        if canary is not None and self.paused:
+            _warn_paused_once(self.url)
+            canary = None
+
         def send() -> None:
             try:
-                writer.complete(version)
+                writer.complete(version, canary=canary)  # the engine holds the version undoable until it is checked
             except BaseException as exc:  # noqa: BLE001 - reported on the caller's thread below
                 failure.append(exc)
 
@@ -190,13 +228,24 @@ class VllmServer:
             if failure:
                 raise failure[0] from None
             raise
+        deviation = None
+        if canary is not None:  # loaded, not yet live: the trainer's writer waits for finish_weight_update
+            try:
+                self.call("/reset_prefix_cache")
+                deviation = canary.check(self.prompt_logprobs(canary.tokens), where=f"the vLLM server at {self.url}")
+            except Exception as exc:
+                self.call("/update_weights", {"update_info": {"version": version, "refused": str(exc)}})
+                self.call("/finish_weight_update", {})
+                self.call("/reset_prefix_cache")
+                sender.join(self.options.timeout)
+                raise
         self.call("/finish_weight_update", {"weight_version": str(version)})
         sender.join(self.options.timeout)
         if failure:
             raise failure[0]
         writer.next_version = version + 1
         self.version = version
-        return PublishStats(version, writer.last_bytes, time.perf_counter() - started, len(state))
+        return PublishStats(version, writer.last_bytes, time.perf_counter() - started, len(state), deviation)
 
     def _open(self, state: dict[str, Any]) -> None:
         tensors = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in state.items()]

@@ -58,6 +58,8 @@ def test_every_sync_of_a_real_grpo_run_serves_the_trainers_weights(model_dir: Pa
         assert greedy == fresh_greedy(checkpoint(model_dir, named, tmp_path / f"v{version}")), f"after step {step}"
     logged = [entry for entry in trainer.state.log_history if "rlsync/sync_seconds" in entry]
     assert len(logged) == 4 and all(entry["rlsync/bytes"] > 0 and entry["rlsync/staleness_mean"] == 0 for entry in logged)
+    # every version passed the canary before it served: fp32 trainer, bf16 server, rounding only
+    assert all(0 < entry["rlsync/canary_deviation"] < 0.05 for entry in logged), logged
 
 
 def test_a_sample_older_than_the_allowed_staleness_never_reaches_the_loss(model_dir: Path, server: Any, tmp_path: Path) -> None:
@@ -111,3 +113,31 @@ def test_delta_syncs_at_an_rl_learning_rate_move_a_fraction_and_serve_the_traine
     assert all(0 < n < 0.5 * full for n in sent[1:]), (sent, full)  # a few percent of values changed per step
     named, greedy = seen[-1]  # the third version, a delta on top of the second
     assert greedy == fresh_greedy(checkpoint(model_dir, named, tmp_path / "last"))
+
+
+def test_a_version_the_server_computes_wrongly_is_refused_before_it_serves(model_dir: Path, server: Any) -> None:
+    """The trainer's canary against the server's prompt log-probs: the bytes of a version that never reach the
+    engine (it loads the previous weights again while the trainer holds new ones) are caught before the version
+    serves; the server keeps its version and its outputs."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from rlsync import Canary, CanaryError
+    from rlsync.adapters.vllm import VllmServer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    client = VllmServer(server.url)
+    first = client.publish(model.named_parameters(), canary=Canary.of(model))
+    assert first.canary_deviation is not None and 0 < first.canary_deviation < 0.05  # fp32 trainer, bf16 server
+    before = server.greedy(PROMPTS)
+    stepped = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in stepped.parameters():
+            p.add_(torch.randn_like(p), alpha=0.05)
+    with pytest.raises(CanaryError, match=r"the vLLM server at .* deviate from the trainer's by .* at token \d+"):
+        client.publish(model.named_parameters(), canary=Canary.of(stepped))  # stepped's canary; the old bytes arrive
+    assert server.call_json("/weight_info")["weight_version"] == "1"
+    assert server.greedy(PROMPTS) == before
+    assert client.publish(stepped.named_parameters(), canary=Canary.of(stepped)).version == 2  # a good one goes on
+    client.close()

@@ -35,9 +35,18 @@ from typing import Any
 
 import torch
 
-from rlsync import ConfigError, Layout, RlsyncWarning, SyncOptions, WeightsReader, causal_lm_logprobs
-from rlsync.core import HostStaging
+from rlsync import (
+    ConfigError,
+    Layout,
+    RlsyncWarning,
+    SyncOptions,
+    WeightMismatchError,
+    WeightsReader,
+    causal_lm_logprobs,
+)
+from rlsync.core import Checksums, HostStaging
 from rlsync.layouts import from_state_dict
+from rlsync.wire import SCALE_SUFFIX, dequantize, is_quantized, scale_shape
 
 
 def module_layout(module: torch.nn.Module) -> Layout:
@@ -114,11 +123,11 @@ class ModuleReceiver:
 
     def _commit(self, version: int, buffers: dict[str, Any]) -> None:
         """Copy a landed version into the parameters, in place, between two forward passes (``serving``)."""
-        from rlsync.wire import SCALE_SUFFIX, dequantize, is_quantized, scale_shape
 
         checked = self.reader.landed_canary is not None and self.reader.options.canary
+        verify = self.reader.options.verify
         with self._serving, torch.no_grad():
-            if checked:
+            if checked or verify:
                 for name, p in self._params.items():
                     self._previous.stage(name, p.detach())
                 self._previous.wait()
@@ -130,13 +139,30 @@ class ModuleReceiver:
                     p.copy_(dequantize(q, scale.to(p.device), p.dtype))
                 else:
                     p.copy_(raw.view(p.dtype).view(p.shape))
-            if checked:
+            if checked or verify:
                 try:
-                    self._check_canary()
+                    if verify:
+                        self._check_live(buffers)
+                    if checked:
+                        self._check_canary()
                 except Exception:
                     for name, p in self._params.items():
                         p.copy_(self._previous.buffers[name])
                     raise
+
+    def _check_live(self, buffers: dict[str, Any]) -> None:
+        """Under ``verify``: each parameter's bytes, where the forward reads them, against the landed bytes (checked
+        against the writer's checksums); fp8 weights are computed from theirs, so the canary is their check. Walks
+        the module's own parameters, not the list the commit copied."""
+        for name, p in self.module.named_parameters():
+            if self.wire == "fp8" and is_quantized(name, tuple(p.shape)):
+                continue
+            live, landed = Checksums("sum64"), Checksums("sum64")
+            live.add(name, [p.detach().reshape(-1).view(torch.uint8)])
+            landed.add(name, [torch.as_tensor(buffers[name]).reshape(-1)])
+            if live.values != landed.values:
+                raise WeightMismatchError(f"parameter {name!r} holds other bytes than the ones that landed (and matched the "
+                                          f"trainer's checksums): the commit missed or misplaced them; version undone")
 
     def _check_canary(self) -> None:
         """The new version is in the parameters and does not serve yet: its canary log-probs against the trainer's."""

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
-from rlsync import Canary, CanaryError, SyncOptions, WeightsWriter
+from rlsync import Canary, CanaryError, PeerLostError, SyncOptions, WeightsWriter
 from rlsync.layouts import from_state_dict
 
 CONFIGS = {
@@ -71,6 +71,7 @@ if __name__ == "__main__":
     parser.add_argument("--state-dict", action="store_true", help="send model.state_dict() as it is (tied aliases in it)")
     parser.add_argument("--canary", action="store_true", help="send each version's canary (an fp32 trainer's), and go "
                                                                  "on with the next version when an engine refuses one")
+    parser.add_argument("--verify", action="store_true", help="send a checksum per tensor (SyncOptions(verify=True))")
     parser.add_argument("--seeds", type=int, nargs="+", required=True)
     parser.add_argument("--first-version", type=int, default=1)
     args = parser.parse_args()
@@ -81,7 +82,7 @@ if __name__ == "__main__":
         if args.alias:
             state["lm_head.weight"] = model.get_output_embeddings().weight.detach()
         if writer is None:  # the destination layout comes from the engine's workers
-            writer = WeightsWriter(from_state_dict(state), None, 0, args.address, options=SyncOptions(timeout=600))
+            writer = WeightsWriter(from_state_dict(state), None, 0, args.address, options=SyncOptions(timeout=600, verify=args.verify))
         writer.multi_put(state)
         version = args.first_version + i
         if not args.canary:
@@ -91,5 +92,5 @@ if __name__ == "__main__":
         try:
             writer.complete(version, canary=Canary.of(copy.deepcopy(model).float()))  # fp32 master weights of these bf16 ones
             print(json.dumps({"completed": version, "canary_deviation": writer.last_canary_deviation}), flush=True)
-        except CanaryError as exc:
+        except (CanaryError, PeerLostError) as exc:  # refused by the canary, or by the engine's load (checked bytes)
             print(json.dumps({"refused": version, "error": str(exc)}), flush=True)

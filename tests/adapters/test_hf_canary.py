@@ -41,9 +41,9 @@ def sent(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @contextmanager
-def engine(wire: str = "full", canary: bool = True) -> Iterator[tuple[torch.nn.Module, ModuleReceiver, WeightsWriter]]:
+def engine(wire: str = "full", canary: bool = True, verify: bool = False) -> Iterator[tuple[torch.nn.Module, ModuleReceiver, WeightsWriter]]:
     module = trainer(0).to(torch.bfloat16)
-    options = SyncOptions(wire=wire, canary=canary, verify=True)
+    options = SyncOptions(wire=wire, canary=canary, verify=verify)
     with ModuleReceiver(module, options=options) as receiver:
         writer = WeightsWriter(from_state_dict(sent(module)), None, 0, [receiver.address], options=options)
         try:
@@ -84,16 +84,16 @@ def skip_one_parameter(receiver: ModuleReceiver) -> None:
 
 def fp8_scale_left_at_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fp8 ``down_proj`` weights dequantized with a zero scale (verl PR #7224's failure: the load succeeds)."""
-    import rlsync.wire
+    import rlsync.adapters.hf
 
-    real = rlsync.wire.dequantize
+    real = rlsync.adapters.hf.dequantize
     calls = [0]
 
     def zero_first_scale(q: Any, scale: Any, dtype: Any) -> Any:
         calls[0] += 1
         return real(q, scale * 0 if calls[0] % 7 == 0 else scale, dtype)  # per layer: q k v o gate up down
 
-    monkeypatch.setattr(rlsync.wire, "dequantize", zero_first_scale)
+    monkeypatch.setattr(rlsync.adapters.hf, "dequantize", zero_first_scale)
 
 
 @pytest.mark.parametrize("fault", ["skipped parameter", "fp8 scale at zero"])
@@ -129,6 +129,17 @@ def test_without_the_canary_the_same_fault_passes_silently(fault: str, monkeypat
         canary = Canary.of(model)
         mean, _, _ = canary.deviation(rlsync.causal_lm_logprobs(module, canary.tokens))
         assert mean > canary.tolerance
+
+
+def test_with_verify_a_commit_that_misses_a_parameter_is_caught_in_the_parameters() -> None:
+    """Checksums alone (canary off): the landed bytes match the trainer's, the parameter does not."""
+    with engine(canary=False, verify=True) as (module, receiver, writer):
+        push(writer, trainer(11), 1)
+        before = params(module)
+        skip_one_parameter(receiver)
+        with pytest.raises(rlsync.PeerLostError, match=rf"parameter '{SKIPPED}' holds other bytes than the ones that landed"):
+            push(writer, trainer(22), 2)
+        assert receiver.version == 1 and all(torch.equal(before[n], p) for n, p in params(module).items())
 
 
 def test_the_canary_check_and_its_report() -> None:

@@ -27,10 +27,10 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from rlsync import ConfigError
+from rlsync import ConfigError, WeightMismatchError
 from rlsync.adapters.vllm._probe import Placements
 from rlsync.adapters.vllm._reload import Before, reload, reload_atomically
-from rlsync.core import HostStaging
+from rlsync.core import Checksums, HostStaging
 
 #: quant methods that use a module's weights as loaded (vLLM's unquantized linear and embedding methods)
 IN_PLACE_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
@@ -82,18 +82,22 @@ class EngineCommit:
                 self.loader_tensors.update(t for p in placed.values() for t in p["from"])
 
     def load(self, model: Any, model_config: Any, weights: Iterable[tuple[str, Any]], *,
-             undoable: bool = False) -> Callable[[], None] | None:
+             undoable: bool = False, verify: bool = False) -> Callable[[], None] | None:
         """Commit one landed version (``weights``: checkpoint names and host views). Call it under
         ``set_current_vllm_config``, with no forward pass running.
 
         ``undoable``: keep the engine as it was before (every module, in host memory) and return ``undo``, which puts
-        it back: for a version that is committed but must pass a check (its canary) before it serves."""
+        it back: for a version that is committed but must pass a check (its canary) before it serves.
+        ``verify``: after the commit, the bytes of every parameter committed in place (what the kernels read) are
+        checked against the landed ones (themselves checked against the writers' checksums); a difference undoes
+        the version and raises ``WeightMismatchError`` naming the tensor."""
         import torch
 
         views = dict(weights)
         copies = self._checked_copies(views)
         loader = [(name, view) for name, view in views.items() if name in self.loader_tensors]
-        before = Before(model, self._snapshot) if undoable else None  # every module, the in-place ones too
+        # every module as it was, the in-place ones too: to undo a version after its commit
+        before = Before(model, self._snapshot) if undoable or verify else None
         quiet = _SkippedModules()
         logging.getLogger(_LAYERWISE_LOGGER).addFilter(quiet)
         try:
@@ -107,13 +111,29 @@ class EngineCommit:
                     destination.copy_(source)
             for module in self.reprocess:
                 module.quant_method.process_weights_after_loading(module)
+            if verify:
+                self._check_live(views)
         except BaseException:
             if before is not None:
                 self._undo(before)
             raise
         finally:
             logging.getLogger(_LAYERWISE_LOGGER).removeFilter(quiet)
-        return None if before is None else (lambda: self._undo(before))
+        return None if before is None or not undoable else (lambda: self._undo(before))
+
+    def _check_live(self, views: Mapping[str, Any]) -> None:
+        """Every in-place parameter's bytes, where the kernels read them, against the landed bytes they come from:
+        walked from the placements (not from the copy list), a position-weighted sum on each side's device."""
+        for module, params in self.in_place:
+            for param, segments in params:
+                for tensor, src_lo, src_sizes, dst_lo, dst_sizes in segments:
+                    source = views[tensor][tuple(slice(o, o + n) for o, n in zip(src_lo, src_sizes))]
+                    live = param.data[tuple(slice(o, o + n) for o, n in zip(dst_lo, dst_sizes))]
+                    if _sum64(live) != _sum64(source):
+                        raise WeightMismatchError(
+                            f"the engine's {type(module).__name__} parameter loaded from {tensor!r} holds other bytes "
+                            f"than the ones that landed (and matched the trainer's checksums): the commit missed or "
+                            f"misplaced them; version undone")
 
     def _undo(self, before: Before) -> None:
         """The engine as it was before the version: values, tensors and attributes; then what in-place modules derive
@@ -143,3 +163,12 @@ class EngineCommit:
 def _within(segment: list[Any], shape: Any) -> bool:
     _, _, _, dst_lo, dst_sizes = segment
     return len(dst_lo) == len(shape) and all(o + n <= s for o, n, s in zip(dst_lo, dst_sizes, shape))
+
+
+def _sum64(tensor: Any) -> int:
+    """A position-weighted checksum of a tensor's bytes, computed where it lives (``rlsync.Checksums('sum64')``)."""
+    import torch
+
+    checksum = Checksums("sum64")
+    checksum.add("t", [tensor.contiguous().reshape(-1).view(torch.uint8)])
+    return checksum.values["t"]

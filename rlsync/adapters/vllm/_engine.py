@@ -91,7 +91,8 @@ class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpda
         reader = self._receiver.reader
         checked = reader.landed_canary is not None and reader.options.canary  # the trainer checks it over HTTP
         try:
-            self._undo = self._commit.load(self.model, self.model_config, views, undoable=checked)
+            self._undo = self._commit.load(self.model, self.model_config, views, undoable=checked,
+                                           verify=reader.options.verify)
         except Exception as exc:
             finish(exc)
             raise

@@ -90,7 +90,7 @@ class RlsyncWorkerExtension:
         try:
             with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
                 undo = self._rlsync_commit.load(runner.get_model(), self.vllm_config.model_config, views,  # type: ignore[attr-defined]
-                                                undoable=canary is not None)
+                                                undoable=canary is not None, verify=self._rlsync.reader.options.verify)
         except Exception as exc:
             finish(exc)  # the writer's complete() raises it
             raise

@@ -84,15 +84,15 @@ FAULTS: dict[str, Callable[[pytest.MonkeyPatch], Any]] = {
 }
 
 
-def start(llm: Any, canary: bool) -> str:
+def start(llm: Any, canary: bool, verify: bool = False) -> str:
     tensors = common.trainer.tensors(common.trainer.build(ARCH, 100))
-    [address] = llm.collective_rpc("rlsync_start", args=(tensors, None, {"canary": canary, "timeout": 120.0}))
+    [address] = llm.collective_rpc("rlsync_start", args=(tensors, None, {"canary": canary, "verify": verify, "timeout": 120.0}))
     return str(address)
 
 
-def trainer(address: str, seeds: list[int]) -> subprocess.Popen[str]:
+def trainer(address: str, seeds: list[int], *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, str(common.TRAINER), "--arch", ARCH, "--address", address, "--canary",
-                             "--seeds", *map(str, seeds)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             *extra, "--seeds", *map(str, seeds)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def canary_of(seed: int) -> Canary:
@@ -154,3 +154,28 @@ def test_without_the_canary_each_fault_goes_live_silently(tmp_path: Path, cleanu
     finally:
         if pushed.poll() is None:
             pushed.kill()
+
+
+def test_with_verify_a_commit_that_misses_a_parameter_is_caught_where_the_kernels_read(
+        tmp_path: Path, cleanup: list[object], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checksums alone (canary off): the landed bytes match the trainer's, the live parameter does not; the commit
+    is undone and the engine serves version 1."""
+    from rlsync import WeightMismatchError
+
+    llm = common.engine(common.save(ARCH, 100, tmp_path / "v0"))
+    cleanup.append(llm)
+    pushed = trainer(start(llm, canary=False, verify=True), [201, 202], "--verify")
+    try:
+        assert apply_next_version(llm, 120.0) == 1
+        healthy = common.generate(llm)
+        with in_place_copy_missed(monkeypatch), pytest.raises(WeightMismatchError, match=r"loaded from 'model.norm.weight' "
+                                                                                         r"holds other bytes"):
+            apply_next_version(llm, 120.0)
+        llm.reset_prefix_cache()
+        assert common.generate(llm) == healthy and llm.collective_rpc("rlsync_version") == [1]
+        out, err = pushed.communicate(timeout=120)
+        assert pushed.returncode == 0, err
+    finally:
+        if pushed.poll() is None:
+            pushed.kill()
+    assert [json.loads(line).get("refused") for line in out.splitlines()] == [None, 2]

@@ -113,7 +113,8 @@ def rlsync_transform_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor | N
 def rlsync_after_export(version: int, stats: Mapping[str, Any]) -> None:
     """A weight version was published (``complete`` returned).
 
-    :param stats: at least ``bytes`` and ``seconds``.
+    :param stats: at least ``bytes`` and ``seconds``; ``canary_deviation`` (the largest an engine reported) when
+        the version came with a canary.
 
     .. versionadded:: 0.1
 
@@ -126,7 +127,8 @@ def rlsync_weights_applied(version: int, stats: Mapping[str, Any]) -> None:
     """A weight version became live on an engine (all bytes landed, version flipped).
 
     :param version: the version now live.
-    :param stats: ``rank`` (the reader's rank) and ``writers`` (the writer ranks whose parts it holds).
+    :param stats: ``rank`` (the reader's rank) and ``writers`` (the writer ranks whose parts it holds);
+        ``canary_deviation`` when the engine checked the version's canary.
 
     .. versionadded:: 0.1
 

@@ -72,6 +72,7 @@ from rlsync.core import (
     make_plugin_manager,
     reader_layout,
     resolve_secret,
+    version_label,
 )
 from rlsync.core import default_plugin_manager as plugin_manager
 
@@ -140,4 +141,5 @@ __all__ = [
     "plugin_manager",
     "reader_layout",
     "resolve_secret",
+    "version_label",
 ]

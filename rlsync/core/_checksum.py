@@ -18,8 +18,9 @@ their alignment.
 
 from __future__ import annotations
 
+import hashlib
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
 import torch
@@ -86,3 +87,18 @@ class Checksums:
                 self._runs[buffer] = index + 1
                 value = (value + _sum64(as_tensor(chunk), index)) & _MASK
         self.values[buffer] = value
+
+
+def digest(checksums_by_writer: Mapping[int, Mapping[str, int]]) -> str:
+    """A version's fingerprint on one reader: its writers' per-buffer checksums (those it checked the landed bytes
+    against), hashed in a fixed order. 16 hex digits."""
+    text = ";".join(f"{w}:{b}:{c}" for w in sorted(checksums_by_writer) for b, c in sorted(checksums_by_writer[w].items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def version_label(version: int, digests: Sequence[str | None]) -> str:
+    """The label an engine reports for ``version`` (vLLM's ``weight_version``): ``"V"``, or ``"V+DIGEST"`` when its
+    readers (in rank order) have digests: the version bound to the bytes it serves."""
+    if not digests or any(d is None for d in digests):
+        return str(version)
+    return f"{version}+{hashlib.sha256('|'.join(str(d) for d in digests).encode()).hexdigest()[:16]}"

@@ -112,6 +112,8 @@ class Ack(msgspec.Struct, tag=True):
     next_slot: int
     #: the engine's canary deviation for this version (mean nats per token), when it checked one
     canary_deviation: float | None = None
+    #: with checksums: ``rlsync.core._checksum.digest`` of this writer's checksums as the reader checked them
+    digest: str | None = None
 
 
 Message = Union[Hello, AskLayout, LayoutIs, Welcome, Refuse, Done, Ack, Begin, Go]

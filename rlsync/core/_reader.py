@@ -35,7 +35,7 @@ import torch
 
 from rlsync.core._builders import replicated
 from rlsync.core._canary import Canary
-from rlsync.core._checksum import Checksums, for_memory
+from rlsync.core._checksum import Checksums, digest, for_memory
 from rlsync.core._control import (
     Ack,
     AskLayout,
@@ -137,6 +137,10 @@ class WeightsReader:
         self.landed_canary: Canary | None = None
         #: set by the engine's check of ``landed_canary`` (``check_canary``); reported to the writers with the Ack
         self.canary_deviation: float | None = None
+        #: with ``verify``: the live version's fingerprint (its writers' checksums, which the landed bytes matched);
+        #: ``landed_digest``: the same of the version being handed to ``on_version``
+        self.digest: str | None = None
+        self.landed_digest: str | None = None
         self._channel, self.address = bind_router(options.host, options.port, options.secret)
         self._live_slot = 0
         self._target_slot = 1 if landing == "direct" else 0
@@ -427,6 +431,8 @@ class WeightsReader:
         if error is not None and self._on_refused is not None:
             self._on_refused(msg.version, error)
         self.landed_canary = next((d.canary for _, d in done.values() if d.canary is not None), None)
+        sums = {w: d.checksums for w, (_, d) in done.items() if d.checksums is not None}
+        self.landed_digest = digest(sums) if error is None and self._checksum and len(sums) == len(done) else None
         self.canary_deviation = None
         if error is None and self._on_version is not None:
             try:
@@ -448,10 +454,12 @@ class WeightsReader:
             if self.landing_mode == "direct":
                 self._live_slot, self._target_slot = self._target_slot, self._live_slot
             self._version = msg.version
+            self.digest = self.landed_digest
             self._cond.notify_all()
         self._resume()  # in place: the engine serves the new version
-        for ident, _ in done.values():
-            self._channel.send(Ack(msg.version, self._target_slot, self.canary_deviation), ident)
+        for writer, (ident, _) in done.items():
+            part = digest({writer: sums[writer]}) if writer in sums else None
+            self._channel.send(Ack(msg.version, self._target_slot, self.canary_deviation, part), ident)
         if self.landing_mode == "in_place":
             self._save()  # the new last version, copied while the engine serves it; the next Begin waits for it
         stats: dict[str, object] = {"rank": self.rank, "writers": sorted(done)}

@@ -23,7 +23,7 @@ import pluggy
 import torch
 
 from rlsync.core._canary import Canary
-from rlsync.core._checksum import Checksums
+from rlsync.core._checksum import Checksums, digest
 from rlsync.core._control import Ack, Begin, Channel, Done, Go, Hello, Refuse, Welcome, connect_dealer
 from rlsync.core._delta import ChangeLog
 from rlsync.core._delta import encode as encode_delta
@@ -137,6 +137,9 @@ class WeightsWriter:
         self._staging = HostStaging()  # host copies of tensors put from device memory (or strided), reused
         self.last_bytes = 0
         self.last_canary_deviation: float | None = None  # the largest an engine reported for the last version
+        #: with verify: per reader rank, the digest of this writer's checksums of the last version (what the reader
+        #: reports back; ``rlsync.version_label`` of them, in reader order, is the label a one-writer engine shows)
+        self.last_digests: dict[int, str] = {}
         self._canary: Canary | None = None
 
     def put(self, name: str, tensor: Any) -> None:
@@ -251,6 +254,7 @@ class WeightsWriter:
             self._staging.wait()  # the delta reads every buffer first
             self._changes.record(version, self._sources)
         self._sent = {}
+        self.last_digests = {}
         self._canary = canary
         deviations: list[float] = []
         failed: dict[int, str] = {}
@@ -276,6 +280,10 @@ class WeightsWriter:
                 continue
             msg = got[1]
             if isinstance(msg, Ack) and msg.version == version:
+                mine = self.last_digests.get(dst_rank)
+                if msg.digest is not None and mine is not None and msg.digest != mine:
+                    raise VersionError(f"reader rank {dst_rank} made version {version} live with digest {msg.digest}, but "
+                                       f"this writer sent digest {mine}: the engine serves other bytes under that version")
                 self._held[dst_rank][self._slots[dst_rank]] = version
                 self._slots[dst_rank] = msg.next_slot
                 if msg.canary_deviation is not None:
@@ -343,6 +351,8 @@ class WeightsWriter:
                 inbox.flush()
             link.flush()
             self._sent[dst_rank] = nbytes if delta is not None else self._part_bytes[dst_rank]
+            if checksums is not None:
+                self.last_digests[dst_rank] = digest({self.rank: checksums.values})
             self._channels[dst_rank].send(Done(self.rank, version, slot, None if checksums is None else checksums.values,
                                                delta_base=None if delta is None else delta[0], delta_nbytes=nbytes,
                                                canary=self._canary))

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
-from rlsync import Canary, CanaryError, PeerLostError, SyncOptions, WeightsWriter
+from rlsync import Canary, CanaryError, PeerLostError, SyncOptions, WeightsWriter, version_label
 from rlsync.layouts import from_state_dict
 
 CONFIGS = {
@@ -91,6 +91,7 @@ if __name__ == "__main__":
             continue
         try:
             writer.complete(version, canary=Canary.of(copy.deepcopy(model).float()))  # fp32 master weights of these bf16 ones
-            print(json.dumps({"completed": version, "canary_deviation": writer.last_canary_deviation}), flush=True)
+            label = version_label(version, [writer.last_digests[r] for r in sorted(writer.last_digests)])
+            print(json.dumps({"completed": version, "canary_deviation": writer.last_canary_deviation, "label": label}), flush=True)
         except (CanaryError, PeerLostError) as exc:  # refused by the canary, or by the engine's load (checked bytes)
             print(json.dumps({"refused": version, "error": str(exc)}), flush=True)

@@ -100,3 +100,29 @@ def test_a_wrong_secret_and_a_foreign_frame_are_refused_and_the_reader_goes_on()
         engine.join()
         assert engine.error is None and engine.version == 1
         writer.close()
+
+
+def test_a_verified_version_is_bound_to_the_digest_of_its_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlsync import VersionError, version_label
+
+    options = SyncOptions(verify=True)
+    with StagedReceiver(TENSORS, options=options) as receiver:
+        writer = WeightsWriter(from_state_dict(STATE), None, 0, [receiver.address], options=options)
+        labels = []
+        for version, scale in ((1, 1.0), (2, 2.0)):
+            engine = WaitingEngine(receiver)
+            writer.multi_put({n: t * scale for n, t in STATE.items()})
+            writer.complete(version)
+            engine.join()
+            assert receiver.reader.digest == writer.last_digests[0]  # what the engine checked is what was sent
+            labels.append(version_label(version, [receiver.reader.digest]))
+        assert labels[0].startswith("1+") and labels[1].startswith("2+") and labels[0][2:] != labels[1][2:]
+
+        # a reader that reports another digest than the bytes this writer sent: the writer names both
+        monkeypatch.setattr("rlsync.core._reader.digest", lambda sums: "0" * 16)
+        engine = WaitingEngine(receiver)
+        writer.multi_put(STATE)
+        with pytest.raises(VersionError, match=r"version 3 live with digest 0{16}, but this writer sent digest [0-9a-f]{16}"):
+            writer.complete(3)
+        engine.join()
+        writer.close()

@@ -96,8 +96,8 @@ class RlsyncSyncCallback(TrainerCallback):
             stats = self.server.publish(named, self._version_of(step), canary=canary)
         self.server.reset_prefix_cache()  # cached prefixes were computed with the previous weights
         reported = self.server.weight_version()  # what vLLM stamps on its outputs from now on
-        if reported != str(stats.version):
-            raise VersionError(f"the vLLM server reports weight version {reported!r} after rlsync made {stats.version} live")
+        if reported != stats.label:
+            raise VersionError(f"the vLLM server reports weight version {reported!r} after rlsync made {stats.label!r} live")
         metrics = self.trainer._metrics["train"]
         metrics["rlsync/sync_seconds"].append(stats.seconds)
         metrics["rlsync/bytes"].append(float(stats.bytes))

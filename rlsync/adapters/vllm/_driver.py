@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rlsync import DEFAULT_TIMEOUT, Canary, VersionError
+from rlsync import DEFAULT_TIMEOUT, Canary, VersionError, version_label
 
 
 def apply_next_version(llm: Any, timeout: float = DEFAULT_TIMEOUT) -> int:
@@ -32,7 +32,9 @@ def apply_next_version(llm: Any, timeout: float = DEFAULT_TIMEOUT) -> int:
             raise
         llm.collective_rpc("rlsync_settle", args=(None, deviation))
     llm.reset_prefix_cache()
-    llm.update_weight_version(str(versions[0]))
+    # with verify, the label vLLM stamps on every output binds the version to its bytes: "V+DIGEST" of the checksums
+    # every worker checked its landed bytes against (what the trainer's writer computes too: version_label)
+    llm.update_weight_version(version_label(int(versions[0]), llm.collective_rpc("rlsync_digest")))
     return int(versions[0])
 
 

@@ -53,6 +53,9 @@ class RlsyncUpdateInfo(WeightTransferUpdateInfo):
     # a second update_weights for the same version, after the trainer checked its canary against the loaded version
     # (rlsync.adapters.vllm.VllmServer.publish): the reason it failed; the engine undoes the version
     refused: str | None = None
+    # a second update_weights for the same version, with verify: the digest of each worker's part the trainer sent
+    # (WeightsWriter.last_digests, in worker order); a worker whose landed version has another undoes it
+    digests: list[str] | None = None
 
 
 class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpdateInfo]):
@@ -70,6 +73,8 @@ class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpda
         host, port = init_info.address.removeprefix("tcp://").rsplit(":", 1)
         options = SyncOptions(transport=init_info.transport, host=host, port=int(port) + world.rank, verify=init_info.verify)
         self._receiver = StagedReceiver(tensors, boxes=boxes, rank=world.rank, options=options)
+        self._rank = world.rank
+        self._digest: str | None = None
         self._commit = EngineCommit(self.model, learn_placements(self.model, init_info.tensors))
         self._finish: Finish | None = None
         self._undo: Callable[[], None] | None = None  # a version that came with a canary, until it is checked
@@ -81,7 +86,14 @@ class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpda
 
     def receive_weights(self, update_info: RlsyncUpdateInfo) -> None:
         if update_info.refused is not None:  # the trainer's canary check of the version loaded: failed
-            self._refuse(update_info.refused)
+            self._refuse(update_info.refused, CanaryError)
+            return
+        if update_info.digests is not None:  # the version is bound to the trainer's bytes, or undone
+            landed, sent = self._digest, update_info.digests[self._rank]
+            if landed != sent:
+                self._refuse(f"worker {self._rank} loaded version {update_info.version} with digest {landed}, the trainer "
+                             f"sent digest {sent}: other bytes than the trainer's; version undone", VersionError)
+                raise VersionError(f"digest {landed} on this worker, {sent} from the trainer: version undone")
             return
         version, views, finish = self._receiver.next(update_info.timeout)
         if version != update_info.version:
@@ -90,20 +102,22 @@ class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpda
             raise error
         reader = self._receiver.reader
         checked = reader.landed_canary is not None and reader.options.canary  # the trainer checks it over HTTP
+        self._digest = reader.landed_digest  # with verify, the trainer checks it over HTTP too
         try:
-            self._undo = self._commit.load(self.model, self.model_config, views, undoable=checked,
+            self._undo = self._commit.load(self.model, self.model_config, views, undoable=checked or self._digest is not None,
                                            verify=reader.options.verify)
         except Exception as exc:
             finish(exc)
             raise
         self._finish = finish
 
-    def _refuse(self, reason: str) -> None:
+    def _refuse(self, reason: str, error: type[Exception]) -> None:
         finish, undo, self._finish, self._undo = self._finish, self._undo, None, None
         if finish is None or undo is None:
-            raise ConfigError("update_weights with 'refused': no version with a canary is loaded and waiting")
+            raise ConfigError("update_weights with 'refused' or 'digests': no version with a canary or checksums is "
+                              "loaded and waiting")
         undo()  # the engine is back on its previous version
-        finish(CanaryError(reason))  # the trainer's complete(v) raises it
+        finish(error(reason))  # the trainer's complete(v) raises it
 
     def finish_weight_update(self) -> None:
         finish, self._finish, self._undo = self._finish, None, None

@@ -135,6 +135,10 @@ class RlsyncWorkerExtension:
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as Worker.reload_weights does
             getattr(runner, reset, lambda: None)()
 
+    def rlsync_digest(self) -> str | None:
+        """With verify: the fingerprint of the version this worker serves (``WeightsReader.digest``), else None."""
+        return self._rlsync.reader.digest
+
     def rlsync_version(self) -> int:
         """The weight version this worker serves (-1 before the first update)."""
         return self._rlsync_version

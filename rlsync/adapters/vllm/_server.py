@@ -24,7 +24,16 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from rlsync import Canary, ConfigError, PeerLostError, RlsyncWarning, SyncOptions, WeightsWriter
+from rlsync import (
+    Canary,
+    ConfigError,
+    PeerLostError,
+    RlsyncWarning,
+    SyncOptions,
+    VersionError,
+    WeightsWriter,
+    version_label,
+)
 from rlsync.layouts import from_state_dict, tied_aliases
 
 _SERVER_FLAGS = "VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{\"backend\": \"rlsync\"}'"
@@ -37,6 +46,7 @@ class PublishStats:
     seconds: float  # from the first byte put to the version live on the server
     tensors: int
     canary_deviation: float | None = None  # the server's canary deviation (mean nats per token), when checked
+    label: str = ""  # the weight version the server reports: "V", or "V+DIGEST" of the bytes with verify
 
 
 @cache
@@ -92,6 +102,7 @@ class VllmServer:
         self._names: list[str] = []
         self._dtype: Any = None
         self._model: str | None = None  # the served model's name (its completions route wants it)
+        self._workers = 0
         self.version = 0  # the last version this object made live
         self.paused = False  # generation frozen by pause(): no request (nor a canary) runs until resume()
 
@@ -239,13 +250,27 @@ class VllmServer:
                 self.call("/reset_prefix_cache")
                 sender.join(self.options.timeout)
                 raise
-        self.call("/finish_weight_update", {"weight_version": str(version)})
+        label = str(version)
+        if writer.last_digests:  # verify: each worker checks its landed version is the bytes this writer sent
+            digests = [writer.last_digests[r] for r in range(self._workers)]
+            try:
+                self.call("/update_weights", {"update_info": {"version": version, "digests": digests}})
+            except Exception:
+                sender.join(self.options.timeout)
+                raise failure[0] if failure else VersionError(f"the vLLM server at {self.url} refused version {version}'s "
+                                                              f"digests {digests}") from None
+            label = version_label(version, digests)
+        self.call("/finish_weight_update", {"weight_version": label})
         sender.join(self.options.timeout)
         if failure:
             raise failure[0]
+        reported = self.weight_version()
+        if reported != label:
+            raise VersionError(f"the vLLM server at {self.url} reports weight version {reported!r} after version {version} "
+                               f"went live as {label!r} (version+digest of the bytes sent)")
         writer.next_version = version + 1
         self.version = version
-        return PublishStats(version, writer.last_bytes, time.perf_counter() - started, len(state), deviation)
+        return PublishStats(version, writer.last_bytes, time.perf_counter() - started, len(state), deviation, label)
 
     def _open(self, state: dict[str, Any]) -> None:
         tensors = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in state.items()]
@@ -255,6 +280,7 @@ class VllmServer:
         self.call("/init_weight_transfer_engine", {"init_info": {"address": f"tcp://{host}:{base}", "tensors": tensors,
                                                                 "transport": plain["transport"], "verify": plain["verify"]}})
         readers = [f"tcp://{host}:{base + r}" for r in range(workers)]
+        self._workers = workers
         self._writer = WeightsWriter(from_state_dict(state), None, 0, readers, options=self.options)
         self._names = list(state)
         self._dtype = next(iter(state.values())).dtype

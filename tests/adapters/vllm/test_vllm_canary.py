@@ -167,6 +167,7 @@ def test_with_verify_a_commit_that_misses_a_parameter_is_caught_where_the_kernel
     pushed = trainer(start(llm, canary=False, verify=True), [201, 202], "--verify")
     try:
         assert apply_next_version(llm, 120.0) == 1
+        label = llm.get_weight_version()  # "1+DIGEST": the version bound to the bytes it serves
         healthy = common.generate(llm)
         with in_place_copy_missed(monkeypatch), pytest.raises(WeightMismatchError, match=r"loaded from 'model.norm.weight' "
                                                                                          r"holds other bytes"):
@@ -178,4 +179,7 @@ def test_with_verify_a_commit_that_misses_a_parameter_is_caught_where_the_kernel
     finally:
         if pushed.poll() is None:
             pushed.kill()
-    assert [json.loads(line).get("refused") for line in out.splitlines()] == [None, 2]
+    reports = [json.loads(line) for line in out.splitlines()]
+    assert [r.get("refused") for r in reports] == [None, 2]
+    assert label == reports[0]["label"] and label.startswith("1+")  # the digest the trainer computed, on the engine
+    assert llm.get_weight_version() == label

@@ -113,6 +113,9 @@ def test_delta_syncs_at_an_rl_learning_rate_move_a_fraction_and_serve_the_traine
     assert all(0 < n < 0.5 * full for n in sent[1:]), (sent, full)  # a few percent of values changed per step
     named, greedy = seen[-1]  # the third version, a delta on top of the second
     assert greedy == fresh_greedy(checkpoint(model_dir, named, tmp_path / "last"))
+    # the label the server stamps on its outputs binds the version to the bytes: version+digest of the checksums
+    label = server.call_json("/weight_info")["weight_version"]
+    assert label.startswith("3+") and len(label) == 2 + 16, label
 
 
 def test_a_version_the_server_computes_wrongly_is_refused_before_it_serves(model_dir: Path, server: Any) -> None:

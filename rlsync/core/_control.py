@@ -36,6 +36,8 @@ class Hello(msgspec.Struct, tag=True):
     src: Layout | None = None
     #: the writer may send deltas (``rlsync.core._delta``): the reader gives it an inbox
     delta: bool = False
+    #: the writer sends checksums with every version (``SyncOptions(verify=True)``)
+    checksums: bool = False
 
 
 class AskLayout(msgspec.Struct, tag=True):

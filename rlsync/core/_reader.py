@@ -337,6 +337,11 @@ class WeightsReader:
                                           f"for (the first writer's): every writer of a model is built from the same source "
                                           f"layout; restart the engine's update to start over with another")
             return
+        if self._checksum and not msg.checksums:
+            self._refuse_writer(identity, f"reader rank {self.rank} checks every version's bytes (verify) and the writer "
+                                          f"sends no checksums: build the trainer's writer with SyncOptions(verify=True) "
+                                          f"(the same verify as the engine's: vLLM's init_info 'verify', verl's verify=true)")
+            return
         if self.refusal is not None:
             _log.info("reader rank %d: writer rank %d welcomed; the earlier refusal no longer stands", self.rank, msg.writer_rank)
         self.refusal = None

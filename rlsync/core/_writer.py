@@ -198,7 +198,8 @@ class WeightsWriter:
             return
         channel = connect_dealer(self._readers[dst_rank], self._secret)
         src_fp, dst_fp, dst_tensors = self._fingerprints
-        channel.send(Hello(self.rank, src_fp, dst_fp, dst_tensors, self._session, self.src, delta=self._changes is not None))
+        channel.send(Hello(self.rank, src_fp, dst_fp, dst_tensors, self._session, self.src, delta=self._changes is not None,
+                           checksums=self._checksum))
         got = channel.recv(timeout_ms=int(self.timeout * 1000))
         if got is None:
             channel.close()

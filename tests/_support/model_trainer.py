@@ -37,14 +37,16 @@ CONFIGS = {
 }
 
 
-def build(arch: str, seed: int) -> torch.nn.Module:
+def build(arch: str, seed: int, head_std: float = 0.2) -> torch.nn.Module:
+    """A tiny model of ``arch`` with the weights of ``seed``; ``head_std`` 1.0 peaks its next-token distribution as in
+    a trained LM (the canary tests: a random init predicts nearly uniform tokens, which any weights reproduce)."""
     torch.manual_seed(seed)
     cfg = dict(CONFIGS[arch])
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():  # larger weights than the default init: greedy output then depends
-            p.normal_(0, 1.0 if name == "lm_head.weight" else 0.2)  # on them, and the next token is peaked as in a trained LM
+        for name, p in model.named_parameters():  # larger weights than the default init: greedy output then depends on them
+            p.normal_(0, head_std if name == "lm_head.weight" else 0.2)
         if config.model_type.startswith("gemma"):  # Gemma scales embeddings by sqrt(hidden) and norms what each layer
             model.get_input_embeddings().weight.mul_(0.1)  # adds: else the token's own embedding decides the output
     return model
@@ -71,13 +73,14 @@ if __name__ == "__main__":
     parser.add_argument("--state-dict", action="store_true", help="send model.state_dict() as it is (tied aliases in it)")
     parser.add_argument("--canary", action="store_true", help="send each version's canary (an fp32 trainer's), and go "
                                                                  "on with the next version when an engine refuses one")
+    parser.add_argument("--head-std", type=float, default=0.2, help="build(..., head_std=)")
     parser.add_argument("--verify", action="store_true", help="send a checksum per tensor (SyncOptions(verify=True))")
     parser.add_argument("--seeds", type=int, nargs="+", required=True)
     parser.add_argument("--first-version", type=int, default=1)
     args = parser.parse_args()
     writer = None
     for i, seed in enumerate(args.seeds):
-        model = build(args.arch, seed)
+        model = build(args.arch, seed, args.head_std)
         state = dict(model.state_dict()) if args.state_dict else checkpoint_state(model)
         if args.alias:
             state["lm_head.weight"] = model.get_output_embeddings().weight.detach()

@@ -40,6 +40,6 @@ def generate(llm: Any) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def save(arch: str, seed: int, where: Path) -> Path:
-    trainer.build(arch, seed).save_pretrained(where)
+def save(arch: str, seed: int, where: Path, head_std: float = 0.2) -> Path:
+    trainer.build(arch, seed, head_std).save_pretrained(where)
     return where

@@ -126,3 +126,15 @@ def test_a_verified_version_is_bound_to_the_digest_of_its_bytes(monkeypatch: pyt
             writer.complete(3)
         engine.join()
         writer.close()
+
+
+def test_a_writer_without_checksums_is_refused_by_a_verifying_engine_naming_the_option() -> None:
+    with StagedReceiver(TENSORS, options=SyncOptions(verify=True)) as receiver:
+        engine = WaitingEngine(receiver)
+        writer = WeightsWriter(from_state_dict(STATE), None, 0, [receiver.address])  # verify off
+        writer.multi_put(STATE)
+        with pytest.raises(WeightMismatchError, match=r"sends no checksums: build the trainer's writer with SyncOptions\(verify=True\)"):
+            writer.complete(1)
+        engine.join()
+        assert isinstance(engine.error, ConfigError) and "SyncOptions(verify=True)" in str(engine.error)
+        writer.close()

@@ -31,6 +31,7 @@ from rlsync.adapters.vllm._driver import prompt_logprobs  # noqa: E402
 from rlsync.adapters.vllm._reload import reprocessing_skipped_steps  # noqa: E402
 
 ARCH = "qwen3-moe"  # MoE experts (repacked on CPU), fused qkv, in-place embeddings and norms
+PEAKED = 1.0  # lm_head's init scale: next tokens peaked as in a trained LM (common.trainer.build)
 
 
 @contextmanager
@@ -85,23 +86,24 @@ FAULTS: dict[str, Callable[[pytest.MonkeyPatch], Any]] = {
 
 
 def start(llm: Any, canary: bool, verify: bool = False) -> str:
-    tensors = common.trainer.tensors(common.trainer.build(ARCH, 100))
+    tensors = common.trainer.tensors(common.trainer.build(ARCH, 100, PEAKED))
     [address] = llm.collective_rpc("rlsync_start", args=(tensors, None, {"canary": canary, "verify": verify, "timeout": 120.0}))
     return str(address)
 
 
 def trainer(address: str, seeds: list[int], *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, str(common.TRAINER), "--arch", ARCH, "--address", address, "--canary",
+                             "--head-std", str(PEAKED),
                              *extra, "--seeds", *map(str, seeds)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def canary_of(seed: int) -> Canary:
-    return Canary.of(copy.deepcopy(common.trainer.build(ARCH, seed)).float())
+    return Canary.of(copy.deepcopy(common.trainer.build(ARCH, seed, PEAKED)).float())
 
 
 def test_faults_are_refused_before_they_serve_and_healthy_versions_pass(tmp_path: Path, cleanup: list[object],
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    llm = common.engine(common.save(ARCH, 100, tmp_path / "v0"))
+    llm = common.engine(common.save(ARCH, 100, tmp_path / "v0", PEAKED))
     cleanup.append(llm)
     seeds = [201, 202, 203, 204, 205]
     pushed = trainer(start(llm, canary=True), seeds)
@@ -129,13 +131,13 @@ def test_faults_are_refused_before_they_serve_and_healthy_versions_pass(tmp_path
     assert [("refused" in r) for r in reports] == [False, True, True, True, False]  # the trainer heard each refusal
     assert all("deviate from the trainer's" in r["error"] for r in reports if "refused" in r)
     assert all(0 < r["canary_deviation"] < 0.05 for r in reports if "completed" in r)  # fp32 trainer, bf16 engine
-    fresh = common.engine(common.save(ARCH, seeds[-1], tmp_path / "v5"))
+    fresh = common.engine(common.save(ARCH, seeds[-1], tmp_path / "v5", PEAKED))
     assert common.generate(fresh) == last
 
 
 def test_without_the_canary_each_fault_goes_live_silently(tmp_path: Path, cleanup: list[object],
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    llm = common.engine(common.save(ARCH, 100, tmp_path / "v0"))
+    llm = common.engine(common.save(ARCH, 100, tmp_path / "v0", PEAKED))
     cleanup.append(llm)
     seeds = [201, 202, 203, 204]
     pushed = trainer(start(llm, canary=False), seeds)
@@ -162,7 +164,7 @@ def test_with_verify_a_commit_that_misses_a_parameter_is_caught_where_the_kernel
     is undone and the engine serves version 1."""
     from rlsync import WeightMismatchError
 
-    llm = common.engine(common.save(ARCH, 100, tmp_path / "v0"))
+    llm = common.engine(common.save(ARCH, 100, tmp_path / "v0", PEAKED))
     cleanup.append(llm)
     pushed = trainer(start(llm, canary=False, verify=True), [201, 202], "--verify")
     try:

@@ -38,11 +38,12 @@ def apply_next_version(llm: Any, timeout: float = DEFAULT_TIMEOUT) -> int:
     return int(versions[0])
 
 
-def prompt_logprobs(llm: Any, tokens: Sequence[Sequence[int]]) -> list[list[float]]:
-    """log p(``tokens[i][j + 1]`` | ``tokens[i][: j + 1]``) as the engine computes them (vLLM's prompt log-probs, raw)."""
+def prompt_logprobs(llm: Any, tokens: Sequence[Sequence[int]], lora_request: Any = None) -> list[list[float]]:
+    """log p(``tokens[i][j + 1]`` | ``tokens[i][: j + 1]``) as the engine computes them (vLLM's prompt log-probs, raw),
+    with the adapter of ``lora_request`` if given."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-    outs = llm.generate([{"prompt_token_ids": list(t)} for t in tokens], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": list(t)} for t in tokens], params, use_tqdm=False, lora_request=lora_request)
     return [[float(position[token].logprob) for position, token in zip(out.prompt_logprobs[1:], t[1:])]
             for out, t in zip(outs, tokens)]

@@ -156,9 +156,18 @@ class RlsyncWorkerExtension:
                                          options=SyncOptions.from_mapping(options, where="rlsync_lora_start"))
         return self._rlsync_lora.address
 
-    def rlsync_lora_apply(self, timeout: float = DEFAULT_TIMEOUT) -> int:
-        """Engine thread: register the next landed adapter version; returns it (``apply_next_lora``)."""
-        return self._rlsync_lora.apply_next(timeout)
+    def rlsync_lora_apply(self, timeout: float = DEFAULT_TIMEOUT, hold: bool = False) -> int:
+        """Engine thread: register the next landed adapter version; returns it (``apply_next_lora``). ``hold``: see
+        ``rlsync_apply``; then ``rlsync_lora_canary`` and ``rlsync_lora_settle``."""
+        return self._rlsync_lora.apply_next(timeout, hold)
+
+    def rlsync_lora_canary(self) -> dict[str, Any] | None:
+        """The trainer's canary of the adapter version held by ``rlsync_lora_apply(hold=True)``, or None."""
+        return self._rlsync_lora.canary()
+
+    def rlsync_lora_settle(self, refused: str | None = None, deviation: float | None = None) -> int:
+        """Keep the held adapter version, or remove it (``refused``: why; the trainer's ``complete`` raises it)."""
+        return self._rlsync_lora.settle(refused, deviation)
 
     def rlsync_lora_stop(self) -> None:
         self._rlsync_lora.close()

@@ -14,7 +14,9 @@ their tensor-parallel rank), then, in the engine thread, builds vLLM's ``LoRAMod
 way vLLM's own loader does from a checkpoint directory and registers it under adapter id
 ``LORA_ID_BASE + version``. The newest ``keep`` versions stay registered, so requests may pick an
 older one until it is dropped. A version that fails to build is refused (the trainer's ``complete``
-raises) and the registered ones keep serving.
+raises) and the registered ones keep serving. A version that comes with the trainer's canary (``rlsync.Canary`` of
+its PEFT model) is registered beside the kept ones and checked first (``apply_next_lora``: the engine's prompt
+log-probs with that adapter): one that deviates is removed again (``CanaryError``, here and in the trainer).
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rlsync import DEFAULT_TIMEOUT, ConfigError, StagedReceiver, SyncOptions, VersionError
+import msgspec
+
+from rlsync import DEFAULT_TIMEOUT, Canary, CanaryError, ConfigError, Finish, StagedReceiver, SyncOptions, VersionError
+from rlsync.adapters.vllm._driver import prompt_logprobs
 
 #: adapter ids of synced versions: far above ids users give their own adapters
 LORA_ID_BASE = 1_000_000_000
@@ -57,21 +62,30 @@ class LoraReceiver:
         world = get_world_group().world_size
         whole = {str(name): [[0] * len(shape), list(shape)] for name, _, shape in tensors}
         self._staged = StagedReceiver(tensors, boxes=[whole] * world, rank=worker.rank, options=options)
+        self._held: tuple[int, Finish] | None = None  # registered, canary not yet checked
 
     @property
     def address(self) -> str:
         return self._staged.address
 
-    def apply_next(self, timeout: float) -> int:
-        """Engine thread: register the next landed version as an adapter; returns its version."""
+    def apply_next(self, timeout: float, hold: bool = False) -> int:
+        """Engine thread: register the next landed version as an adapter; returns its version. ``hold``: the caller
+        checks the version's canary, if one came (``canary``), then calls ``settle``; until then the version is
+        registered beside the kept ones and the trainer's ``complete`` waits."""
         version, views, finish = self._staged.next(timeout)
+        reader = self._staged.reader
+        held = hold and reader.landed_canary is not None and reader.options.canary
         try:
             lora = self._build(version, {name: t.clone() for name, t in views})  # the staging slot takes the next version
             adapters = self._manager._adapter_manager
             if version in self.versions:  # the same version again (a resend): it replaces the registered one
                 self.versions.remove(version)
                 adapters.remove_adapter(LORA_ID_BASE + version)
-            while len(self.versions) >= self.keep:  # room for this one among the newest `keep`
+            if held and len(adapters) + 1 > adapters.capacity:
+                raise ConfigError(f"a checked adapter version is held beside the {self.keep} kept one(s) until its canary "
+                                  f"passed: this engine holds {adapters.capacity}; raise max_cpu_loras (--max-cpu-loras) "
+                                  f"to {self.keep + 1} or more")
+            while not held and len(self.versions) >= self.keep:  # room for this one among the newest `keep`
                 adapters.remove_adapter(LORA_ID_BASE + self.versions.pop(0))
             if len(adapters) + 1 > adapters.capacity:
                 adapters.remove_oldest_adapter()  # vLLM's own LRU rule, as its loader does
@@ -79,6 +93,32 @@ class LoraReceiver:
         except Exception as exc:
             finish(exc)  # the writer's complete() raises it; the registered versions keep serving
             raise
+        if held:
+            self._held = (version, finish)
+            return version
+        finish(None)
+        self.versions.append(version)
+        return version
+
+    def canary(self) -> dict[str, Any] | None:
+        """The trainer's canary of the held version (``rlsync.Canary``'s fields), or None."""
+        canary = self._staged.reader.landed_canary
+        return None if self._held is None or canary is None else msgspec.structs.asdict(canary)
+
+    def settle(self, refused: str | None, deviation: float | None) -> int:
+        """End the held version: kept (the oldest beyond ``keep`` dropped) or, ``refused``, removed again (the trainer's
+        ``complete`` raises ``CanaryError`` with that reason). Returns the newest registered version (-1: none)."""
+        if self._held is None:
+            raise ConfigError("rlsync_lora_settle: no adapter version is held (rlsync_lora_apply(timeout, hold=True) first)")
+        (version, finish), self._held = self._held, None
+        adapters = self._manager._adapter_manager
+        if refused is not None:
+            adapters.remove_adapter(LORA_ID_BASE + version)
+            finish(CanaryError(refused))
+            return self.versions[-1] if self.versions else -1
+        while len(self.versions) >= self.keep:
+            adapters.remove_adapter(LORA_ID_BASE + self.versions.pop(0))
+        self._staged.reader.canary_deviation = deviation
         finish(None)
         self.versions.append(version)
         return version
@@ -109,8 +149,18 @@ def apply_next_lora(llm: Any, name: str = "policy", timeout: float = DEFAULT_TIM
     calls; raises if none arrives within ``timeout`` (the registered versions keep serving)."""
     from vllm.lora.request import LoRARequest
 
-    versions = llm.collective_rpc("rlsync_lora_apply", args=(timeout,))
+    versions = llm.collective_rpc("rlsync_lora_apply", args=(timeout, True))
     if len(set(versions)) != 1:
         raise VersionError(f"vLLM workers registered different adapter versions {versions}: restart the update")
     version = int(versions[0])
-    return LoRARequest(f"{name}@{version}", LORA_ID_BASE + version, LORA_PATH.format(name=name, version=version))
+    request = LoRARequest(f"{name}@{version}", LORA_ID_BASE + version, LORA_PATH.format(name=name, version=version))
+    canary = llm.collective_rpc("rlsync_lora_canary")[0]
+    if canary is not None:  # the adapter is registered, not yet settled: its log-probs against the trainer's
+        try:
+            checked = Canary(**canary)
+            deviation = checked.check(prompt_logprobs(llm, checked.tokens, request), where="the vLLM engine's adapter")
+        except BaseException as exc:
+            llm.collective_rpc("rlsync_lora_settle", args=(str(exc), None))
+            raise
+        llm.collective_rpc("rlsync_lora_settle", args=(None, deviation))
+    return request

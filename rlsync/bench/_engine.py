@@ -6,6 +6,9 @@ version, from "the trainer has new weights" to "the engine serves them":
 
 - ``rlsync-shm`` (kind ``transport``): ``WeightsWriter.multi_put`` + ``complete`` while the engine's
   worker extension lands the version and loads it (``rlsync_apply``);
+- ``rlsync-shm+canary`` (kind ``transport``): the same with the canary: the trainer computes it (a forward of
+  the model it holds), the engine commits the version undoably (a host copy of its weights), checks its prompt
+  log-probs before it serves (``apply_next_version``), then settles;
 - ``vllm-reload-safetensors-devshm`` (baseline): the trainer saves a safetensors file to /dev/shm and the
   engine runs vLLM's own ``reload_weights(weights_path=...)``;
 - ``gloo-broadcast-load_weights`` (baseline): trainer and engine share a gloo group, the trainer
@@ -79,23 +82,29 @@ def _gloo(port: int, rank: int) -> Any:
 def _trainer(config: dict[str, Any]) -> None:
     from safetensors.torch import save_file
 
-    from rlsync import WeightsWriter
+    from rlsync import Canary, WeightsWriter
     from rlsync.adapters.vllm import engine_layout
     from rlsync.layouts import from_state_dict
 
     states = _states(config)
     writer = group = None
+    models: dict[int, Any] = {}
     _emit({"ready": True, "params": sum(t.numel() for t in states[0].values()),
            "bytes": sum(t.numel() * t.element_size() for t in states[0].values())})
     for line in sys.stdin:
         cmd = json.loads(line)
         state = states[cmd.get("version", 0) % 2]
-        if cmd["cmd"] == "rlsync":
+        if cmd["cmd"] in ("rlsync", "rlsync-canary"):
             if writer is None:
                 dst = engine_layout([[n, t.dtype, t.shape] for n, t in state.items()])
                 writer = WeightsWriter(from_state_dict(state), dst, 0, [cmd["address"]], options=SyncOptions(timeout=600))
+            canary = None
+            if cmd["cmd"] == "rlsync-canary":
+                parity = cmd["version"] % 2
+                models[parity] = models.get(parity) or _model(config, state)  # the trainer's model, built off the clock
+                canary = Canary.of(models[parity])
             writer.multi_put(state)
-            writer.complete(cmd["version"])
+            writer.complete(cmd["version"], canary=canary)
         elif cmd["cmd"] == "save":
             save_file(state, os.path.join(cmd["dir"], "model.safetensors"))
         elif cmd["cmd"] == "gloo":
@@ -107,9 +116,22 @@ def _trainer(config: dict[str, Any]) -> None:
         writer.close()
 
 
+def _model(config: dict[str, Any], state: dict[str, Any]) -> Any:
+    """The trainer's model holding ``state`` (for its canary)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(config)
+    model_config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    model = AutoModelForCausalLM.from_config(model_config, dtype=next(iter(state.values())).dtype)  # type: ignore[no-untyped-call]
+    model.load_state_dict(state)
+    return model.eval()
+
+
 def _engine(config: dict[str, Any], model_dir: str) -> None:
     import torch
     from vllm import LLM, SamplingParams
+
+    from rlsync.adapters.vllm import apply_next_version
 
     llm = LLM(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", seed=0,
               distributed_executor_backend="uni", max_model_len=256,
@@ -135,6 +157,8 @@ def _engine(config: dict[str, Any], model_dir: str) -> None:
             [reply["address"]] = llm.collective_rpc("rlsync_start", args=([[n, str(d), list(s)] for n, d, s in metas],))
         elif cmd["cmd"] == "rlsync":
             llm.collective_rpc("rlsync_apply", args=(600.0,))
+        elif cmd["cmd"] == "rlsync-canary":
+            apply_next_version(llm, 600.0)
         elif cmd["cmd"] == "reload":
             llm.collective_rpc("reload_weights", kwargs={"weights_path": cmd["dir"]})
         elif cmd["cmd"] == "gloo":
@@ -147,7 +171,7 @@ def _engine(config: dict[str, Any], model_dir: str) -> None:
         elif cmd["cmd"] == "generate":
             out = llm.generate([{"prompt_token_ids": PROMPT}], greedy, use_tqdm=False)  # type: ignore[arg-type, unused-ignore]
             reply["tokens"] = list(out[0].outputs[0].token_ids)
-        if cmd["cmd"] in ("rlsync", "reload", "gloo", "floor"):
+        if cmd["cmd"] in ("rlsync", "rlsync-canary", "reload", "gloo", "floor"):
             llm.reset_prefix_cache()
         _emit(reply)
     llm.collective_rpc("rlsync_stop")
@@ -244,6 +268,11 @@ def measure(config: dict[str, Any], repeats: int, progress: Any = None) -> dict[
         times["rlsync-shm"] = [_both(trainer, engine, cmd="rlsync", address=address, version=v) for v in range(1, versions + 1)]
         engine.send(cmd="generate")
         tokens["rlsync-shm"] = engine.read()["tokens"]
+        step("rlsync-shm+canary")  # later versions, ending on the same weights as every other path
+        times["rlsync-shm+canary"] = [_both(trainer, engine, cmd="rlsync-canary", address=address, version=v)
+                                      for v in range(2 * versions + 1, 3 * versions + 1)]
+        engine.send(cmd="generate")
+        tokens["rlsync-shm+canary"] = engine.read()["tokens"]
         step("vllm-reload-safetensors-devshm")
         reload_dir = os.path.join(tmp, "reload")
         os.mkdir(reload_dir)
@@ -266,7 +295,7 @@ def measure(config: dict[str, Any], repeats: int, progress: Any = None) -> dict[
     if len({json.dumps(t) for t in tokens.values()}) != 1:
         raise AssertionError(f"the paths disagree on greedy output after loading the same weights: {tokens}")
     nbytes = trainer.hello["bytes"]
-    kinds = {"rlsync-shm": "transport", "vllm-reload-from-memory": "floor"}
+    kinds = {"rlsync-shm": "transport", "rlsync-shm+canary": "transport", "vllm-reload-from-memory": "floor"}
     results = [{"name": name, "kind": kinds.get(name, "baseline"),
                 "seconds": statistics.median(ts[1:]), "gbps": nbytes / statistics.median(ts[1:]) / 1e9}
                for name, ts in times.items()]
@@ -313,7 +342,7 @@ def run(*, engine: str, json_output: bool, repeats: int, model: str = "125m") ->
                           f"the import said: {probe.stderr.strip().splitlines()[-1:]}")
     console = Console(stderr=True)
     with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("benchmark", total=6)
+        task = bar.add_task("benchmark", total=7)
         report = measure(MODELS[model], repeats, lambda name: bar.update(task, advance=1, description=name))
     if json_output:
         print(json.dumps(report))

@@ -334,8 +334,8 @@ class WeightsReader:
             return
         if msg.src_fingerprint != self.plan.src_fingerprint:
             self._refuse_writer(identity, f"the writer's source layout differs from the one reader rank {self.rank} plans "
-                                          f"for (the first writer's): every writer of a model is built from the same source "
-                                          f"layout; restart the engine's update to start over with another")
+                                          f"for (the first writer's): build every writer of this engine from the same source "
+                                          f"layout (another model needs a new receiver: restart the engine's rlsync side)")
             return
         if self._checksum and not msg.checksums:
             self._refuse_writer(identity, f"reader rank {self.rank} checks every version's bytes (verify) and the writer "

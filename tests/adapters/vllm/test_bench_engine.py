@@ -22,7 +22,7 @@ def test_bench_engine_vllm_json() -> None:
     assert report["engine"] == "vllm" and report["greedy_equal"] is True
     assert report["bytes"] == 2 * report["params"] > 0 and report["memcpy_gbps"] > 0
     kinds = {r["name"]: r["kind"] for r in report["results"]}
-    assert kinds == {"rlsync-shm": "transport", "vllm-reload-safetensors-devshm": "baseline",
+    assert kinds == {"rlsync-shm": "transport", "rlsync-shm+canary": "transport", "vllm-reload-safetensors-devshm": "baseline",
                      "gloo-broadcast-load_weights": "baseline", "vllm-reload-from-memory": "floor"}
     assert all(r["seconds"] > 0 and r["gbps"] > 0 for r in report["results"])
 

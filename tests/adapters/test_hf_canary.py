@@ -153,3 +153,23 @@ def test_the_canary_check_and_its_report() -> None:
     with pytest.raises(CanaryError, match="shape"):
         canary.check([[-1.0]])
     assert rlsync.canary_tokens(100) == rlsync.canary_tokens(100) and len(rlsync.canary_tokens(100)) == 2
+
+
+def test_in_place_a_version_the_canary_refuses_is_undone_from_the_last_one() -> None:
+    """``landing="in_place"``: the writer writes the parameters themselves; a version whose canary deviates (here the
+    bytes of another model than the one the canary was computed with) is undone from the reader's copy of the last
+    version, and the module serves that one."""
+    from rlsync.testing import MemoryTransport
+
+    module = trainer(0).to(torch.bfloat16)
+    options = SyncOptions(transport=MemoryTransport)
+    with ModuleReceiver(module, options=options, landing="in_place") as receiver:
+        writer = WeightsWriter(from_state_dict(sent(module)), None, 0, [receiver.address], options=options)
+        push(writer, trainer(11), 1)
+        assert receiver.version == 1 and 0 < writer.last_canary_deviation < 0.02  # type: ignore[operator]
+        before = params(module)
+        writer.multi_put(sent(trainer(33)))  # one model's bytes, another's canary
+        with pytest.raises(CanaryError, match="deviate from the trainer's"):
+            writer.complete(2, canary=Canary.of(trainer(22)))
+        assert receiver.version == 1 and all(torch.equal(before[n], p) for n, p in params(module).items())
+        writer.close()

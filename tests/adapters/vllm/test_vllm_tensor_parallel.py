@@ -125,7 +125,8 @@ def test_two_workers_receive_their_own_parts_and_generate_like_a_fresh_engine(ro
 
     addresses = sync.start(boxes)
     assert reader_layout(addresses[0]) == layout  # what the trainer learns from the engine
-    child = subprocess.Popen([sys.executable, str(common.TRAINER), "--arch", "qwen2", "--address", *addresses,
+    checked = ["--canary"] if route is Extension else []  # each version's canary, checked across both workers
+    child = subprocess.Popen([sys.executable, str(common.TRAINER), "--arch", "qwen2", "--address", *addresses, *checked,
                               "--seeds", *map(str, seeds)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     outputs = {}
@@ -134,8 +135,12 @@ def test_two_workers_receive_their_own_parts_and_generate_like_a_fresh_engine(ro
             sync.apply(version)
             llm.reset_prefix_cache()
             outputs[version] = common.generate(llm)
-        _, err = child.communicate(timeout=120)
+        out, err = child.communicate(timeout=120)
         assert child.returncode == 0, err
+        if checked:  # held on both workers, checked once by the driver, settled on both
+            reports = [json.loads(line) for line in out.splitlines()]
+            assert [r.get("completed") for r in reports] == [1, 2, 3]
+            assert all(0 < r["canary_deviation"] < 0.05 for r in reports), reports
     finally:
         if child.poll() is None:
             child.kill()

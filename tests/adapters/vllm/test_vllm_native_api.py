@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,12 +21,17 @@ pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::FutureWarnin
 from _support import vllm_engines as common  # noqa: E402
 
 
-def test_native_weight_transfer_api_with_the_rlsync_backend(tmp_path: Path) -> None:
+def native_engine(model_dir: Path) -> Any:
+    """An in-process engine whose weight-transfer backend is rlsync's (vLLM's own API)."""
     from vllm import LLM
 
-    llm = LLM(model=str(common.save("qwen2", 100, tmp_path / "v0")), skip_tokenizer_init=True, enforce_eager=True,
-              dtype="bfloat16", distributed_executor_backend="uni", max_model_len=128, seed=0,
-              weight_transfer_config={"backend": "rlsync"})
+    return LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+               distributed_executor_backend="uni", max_model_len=128, seed=0, weight_transfer_config={"backend": "rlsync"})
+
+
+def test_native_weight_transfer_api_with_the_rlsync_backend(tmp_path: Path) -> None:
+
+    llm = native_engine(common.save("qwen2", 100, tmp_path / "v0"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
@@ -56,11 +62,8 @@ def test_native_weight_transfer_api_with_the_rlsync_backend(tmp_path: Path) -> N
 def test_a_tied_model_syncs_from_its_state_dict(arch: str, tmp_path: Path) -> None:
     """The trainer offers and sends ``state_dict()`` as it is, its tied ``lm_head.weight`` included; vLLM's Gemma2
     has no lm_head (its loader refuses the name), Gemma3's ties one: both leave the alias out, never refuse it."""
-    from vllm import LLM
 
-    llm = LLM(model=str(common.save(arch, 100, tmp_path / "v0")), skip_tokenizer_init=True, enforce_eager=True,
-              dtype="bfloat16", distributed_executor_backend="uni", max_model_len=128, seed=0,
-              weight_transfer_config={"backend": "rlsync"})
+    llm = native_engine(common.save(arch, 100, tmp_path / "v0"))
     tensors = common.trainer.tensors(common.trainer.build(arch, 100), state_dict=True)
     assert "lm_head.weight" in [t[0] for t in tensors]
     address = f"tcp://127.0.0.1:{common.free_port()}"
@@ -95,14 +98,10 @@ def test_a_writer_the_engine_refuses_fails_the_engines_update_at_once(tmp_path: 
     import threading
     import time
 
-    from vllm import LLM
-
     from rlsync import SyncOptions, WeightMismatchError, WeightsWriter
     from rlsync.layouts import engine_layout, from_state_dict
 
-    llm = LLM(model=str(common.save("qwen3-tied", 100, tmp_path / "v0")), skip_tokenizer_init=True, enforce_eager=True,
-              dtype="bfloat16", distributed_executor_backend="uni", max_model_len=128, seed=0,
-              weight_transfer_config={"backend": "rlsync"})
+    llm = native_engine(common.save("qwen3-tied", 100, tmp_path / "v0"))
     before = common.generate(llm)
     model = common.trainer.build("qwen3-tied", 7)
     state = {name: t.detach() for name, t in model.state_dict().items()}

@@ -22,7 +22,8 @@ is only done when asked for, and says so.
 A version that comes with the trainer's canary (``rlsync.Canary``) is checked once it is in the parameters and
 before it serves: the module's own log-probs of the canary tokens (a forward, ``rlsync.causal_lm_logprobs``)
 against the trainer's. A version that deviates is refused and the parameters get their previous values back
-(kept in host memory for that, only while a version with a canary commits).
+(kept in host memory for that, only while a version with a canary commits). With ``verify`` the parameters' own bytes
+are checked after the copy too (a copy that missed one undoes the version the same way).
 """
 
 from __future__ import annotations

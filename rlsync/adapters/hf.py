@@ -45,7 +45,7 @@ from rlsync import (
     WeightsReader,
     causal_lm_logprobs,
 )
-from rlsync.core import Checksums, HostStaging
+from rlsync.core import HostStaging, same_bytes
 from rlsync.layouts import from_state_dict
 from rlsync.wire import SCALE_SUFFIX, dequantize, is_quantized, scale_shape
 
@@ -158,10 +158,7 @@ class ModuleReceiver:
         for name, p in self.module.named_parameters():
             if self.wire == "fp8" and is_quantized(name, tuple(p.shape)):
                 continue
-            live, landed = Checksums("sum64"), Checksums("sum64")
-            live.add(name, [p.detach().reshape(-1).view(torch.uint8)])
-            landed.add(name, [torch.as_tensor(buffers[name]).reshape(-1)])
-            if live.values != landed.values:
+            if not same_bytes(p.detach(), torch.as_tensor(buffers[name])):
                 raise WeightMismatchError(f"parameter {name!r} holds other bytes than the ones that landed (and matched the "
                                           f"trainer's checksums): the commit missed or misplaced them; version undone")
 

@@ -51,8 +51,8 @@ PROMPT = [5, 17, 42, 99, 3, 250, 11]
 # ---------------------------------------------------------------------------------------------
 
 
-def _states(config: dict[str, Any]) -> list[dict[str, Any]]:
-    """Two different sets of weights under checkpoint names; versions alternate between them."""
+def _models(config: dict[str, Any]) -> list[Any]:
+    """Two models with different weights; versions alternate between them."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -65,8 +65,17 @@ def _states(config: dict[str, Any]) -> list[dict[str, Any]]:
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0, 0.05)
-        out.append({n: p.detach().contiguous() for n, p in model.named_parameters()})
+        out.append(model.eval())
     return out
+
+
+def _states(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The two models' weights under checkpoint names."""
+    return [_state(model) for model in _models(config)]
+
+
+def _state(model: Any) -> dict[str, Any]:
+    return {n: p.detach().contiguous() for n, p in model.named_parameters()}
 
 
 def _gloo(port: int, rank: int) -> Any:
@@ -86,9 +95,9 @@ def _trainer(config: dict[str, Any]) -> None:
     from rlsync.adapters.vllm import engine_layout
     from rlsync.layouts import from_state_dict
 
-    states = _states(config)
+    models = _models(config)  # the trainer's: the canary path computes its canary with them
+    states = [_state(model) for model in models]
     writer = group = None
-    models: dict[int, Any] = {}
     _emit({"ready": True, "params": sum(t.numel() for t in states[0].values()),
            "bytes": sum(t.numel() * t.element_size() for t in states[0].values())})
     for line in sys.stdin:
@@ -98,11 +107,7 @@ def _trainer(config: dict[str, Any]) -> None:
             if writer is None:
                 dst = engine_layout([[n, t.dtype, t.shape] for n, t in state.items()])
                 writer = WeightsWriter(from_state_dict(state), dst, 0, [cmd["address"]], options=SyncOptions(timeout=600))
-            canary = None
-            if cmd["cmd"] == "rlsync-canary":
-                parity = cmd["version"] % 2
-                models[parity] = models.get(parity) or _model(config, state)  # the trainer's model, built off the clock
-                canary = Canary.of(models[parity])
+            canary = Canary.of(models[cmd["version"] % 2]) if cmd["cmd"] == "rlsync-canary" else None
             writer.multi_put(state)
             writer.complete(cmd["version"], canary=canary)
         elif cmd["cmd"] == "save":
@@ -114,17 +119,6 @@ def _trainer(config: dict[str, Any]) -> None:
         _emit({"done": cmd["cmd"]})
     if writer is not None:
         writer.close()
-
-
-def _model(config: dict[str, Any], state: dict[str, Any]) -> Any:
-    """The trainer's model holding ``state`` (for its canary)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = dict(config)
-    model_config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    model = AutoModelForCausalLM.from_config(model_config, dtype=next(iter(state.values())).dtype)  # type: ignore[no-untyped-call]
-    model.load_state_dict(state)
-    return model.eval()
 
 
 def _engine(config: dict[str, Any], model_dir: str) -> None:

@@ -19,7 +19,7 @@ from rlsync.core._builders import (
     zero3,
 )
 from rlsync.core._canary import Canary, canary_tokens, causal_lm_logprobs
-from rlsync.core._checksum import Checksums, version_label
+from rlsync.core._checksum import Checksums, same_bytes, version_label
 from rlsync.core._control import is_loopback, resolve_secret
 from rlsync.core._delta import ChangeLog
 from rlsync.core._delta import apply as apply_delta
@@ -96,6 +96,6 @@ __all__ = [
     "engine_layout", "engine_tp", "flat_partitions", "flat_range_boxes", "freshest_per_group", "from_state_dict", "fsdp", "gather_shards",
     "hookimpl", "hookspec", "importance_weights", "is_loopback", "load_model_spec", "make_buffer", "make_layout",
     "make_plugin_manager", "megatron", "model_spec", "own_buffer_shard", "raw_dtype", "reader_layout",
-    "region_offsets", "replicated", "resolve_secret", "resolve_transport", "scatter", "tensor_metas", "tied_aliases", "transports", "version_label",
+    "region_offsets", "replicated", "resolve_secret", "resolve_transport", "same_bytes", "scatter", "tensor_metas", "tied_aliases", "transports", "version_label",
     "whole_tensor_view", "wire_codecs", "zero3",
 ]

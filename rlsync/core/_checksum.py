@@ -89,6 +89,15 @@ class Checksums:
         self.values[buffer] = value
 
 
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same bytes, each checksummed where it lives (``sum64``: a parameter on a GPU and
+    its landed copy on the host are compared without moving either)."""
+    sums = [Checksums("sum64") for _ in (a, b)]
+    for checksum, tensor in zip(sums, (a, b)):
+        checksum.add("t", [tensor.contiguous().reshape(-1).view(torch.uint8)])
+    return sums[0].values == sums[1].values
+
+
 def digest(checksums_by_writer: Mapping[int, Mapping[str, int]]) -> str:
     """A version's fingerprint on one reader: its writers' per-buffer checksums (those it checked the landed bytes
     against), hashed in a fixed order. 16 hex digits."""

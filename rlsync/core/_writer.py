@@ -140,7 +140,6 @@ class WeightsWriter:
         #: with verify: per reader rank, the digest of this writer's checksums of the last version (what the reader
         #: reports back; ``rlsync.version_label`` of them, in reader order, is the label a one-writer engine shows)
         self.last_digests: dict[int, str] = {}
-        self._canary: Canary | None = None
 
     def put(self, name: str, tensor: Any) -> None:
         """Bind this rank's buffer ``name`` (for plain and FSDP layouts: the parameter name) to ``tensor``.
@@ -256,14 +255,13 @@ class WeightsWriter:
             self._changes.record(version, self._sources)
         self._sent = {}
         self.last_digests = {}
-        self._canary = canary
         deviations: list[float] = []
         failed: dict[int, str] = {}
         if len(self._runs) > 1:  # readers get their parts at once: publishing to N readers costs ~one reader
             with ThreadPoolExecutor(len(self._runs), thread_name_prefix=f"rlsync-writer-{self.rank}") as pool:
-                outcomes = list(pool.map(lambda r: self._post(r, version, progress), self._runs))
+                outcomes = list(pool.map(lambda r: self._post(r, version, progress, canary), self._runs))
         else:
-            outcomes = [self._post(r, version, progress) for r in self._runs]
+            outcomes = [self._post(r, version, progress, canary) for r in self._runs]
         self._staging.wait()
         sent = [r for r, error in zip(self._runs, outcomes) if error is None]
         failed.update({r: error for r, error in zip(self._runs, outcomes) if error is not None})
@@ -273,7 +271,7 @@ class WeightsWriter:
             remaining = max(0.0, deadline - time.monotonic())
             got = channel.recv(timeout_ms=int(remaining * 1000))
             if got is not None and isinstance(got[1], Refuse) and got[1].kind == "delta":  # it cannot take our delta
-                resent = self._post(dst_rank, version, progress, full=True)
+                resent = self._post(dst_rank, version, progress, canary, full=True)
                 got = None if resent is not None else channel.recv(timeout_ms=int(max(0.0, deadline - time.monotonic()) * 1000))
             if got is None:
                 failed[dst_rank] = f"did not confirm version {version} within {self.timeout} s (it may have died)"
@@ -320,7 +318,8 @@ class WeightsWriter:
         payload = encode_delta(groups, changed, self._sources, self._itemsizes, capacity)
         return None if payload is None else (base, payload)
 
-    def _post(self, dst_rank: int, version: int, progress: Callable[[int], None] | None, full: bool = False) -> str | None:
+    def _post(self, dst_rank: int, version: int, progress: Callable[[int], None] | None, canary: Canary | None,
+              full: bool = False) -> str | None:
         """Write this rank's part of ``version`` to one reader and notify it; the error, if any."""
         try:
             self._connect(dst_rank)
@@ -356,7 +355,7 @@ class WeightsWriter:
                 self.last_digests[dst_rank] = digest({self.rank: checksums.values})
             self._channels[dst_rank].send(Done(self.rank, version, slot, None if checksums is None else checksums.values,
                                                delta_base=None if delta is None else delta[0], delta_nbytes=nbytes,
-                                               canary=self._canary))
+                                               canary=canary))
         except TransportError as exc:
             self._drop(dst_rank)
             return str(exc)

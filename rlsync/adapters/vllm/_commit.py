@@ -30,7 +30,7 @@ from typing import Any
 from rlsync import ConfigError, WeightMismatchError
 from rlsync.adapters.vllm._probe import Placements
 from rlsync.adapters.vllm._reload import Before, reload, reload_atomically
-from rlsync.core import Checksums, HostStaging
+from rlsync.core import HostStaging, same_bytes
 
 #: quant methods that use a module's weights as loaded (vLLM's unquantized linear and embedding methods)
 IN_PLACE_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
@@ -129,7 +129,7 @@ class EngineCommit:
                 for tensor, src_lo, src_sizes, dst_lo, dst_sizes in segments:
                     source = views[tensor][tuple(slice(o, o + n) for o, n in zip(src_lo, src_sizes))]
                     live = param.data[tuple(slice(o, o + n) for o, n in zip(dst_lo, dst_sizes))]
-                    if _sum64(live) != _sum64(source):
+                    if not same_bytes(live, source):
                         raise WeightMismatchError(
                             f"the engine's {type(module).__name__} parameter loaded from {tensor!r} holds other bytes "
                             f"than the ones that landed (and matched the trainer's checksums): the commit missed or "
@@ -164,11 +164,3 @@ def _within(segment: list[Any], shape: Any) -> bool:
     _, _, _, dst_lo, dst_sizes = segment
     return len(dst_lo) == len(shape) and all(o + n <= s for o, n, s in zip(dst_lo, dst_sizes, shape))
 
-
-def _sum64(tensor: Any) -> int:
-    """A position-weighted checksum of a tensor's bytes, computed where it lives (``rlsync.Checksums('sum64')``)."""
-    import torch
-
-    checksum = Checksums("sum64")
-    checksum.add("t", [tensor.contiguous().reshape(-1).view(torch.uint8)])
-    return checksum.values["t"]

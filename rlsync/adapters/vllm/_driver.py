@@ -20,22 +20,33 @@ def apply_next_version(llm: Any, timeout: float = DEFAULT_TIMEOUT) -> int:
     versions = llm.collective_rpc("rlsync_apply", args=(timeout, True))
     if len(set(versions)) != 1:
         raise VersionError(f"vLLM workers loaded different weight versions {versions}: restart the update")
-    canary = llm.collective_rpc("rlsync_canary")[0]
-    if canary is not None:
-        llm.reset_prefix_cache()  # the canary's prompt must run on the new weights, not hit a cached prefix
-        try:
-            checked = Canary(**canary)
-            deviation = checked.check(prompt_logprobs(llm, checked.tokens), where="the vLLM engine")
-        except BaseException as exc:
-            llm.collective_rpc("rlsync_settle", args=(str(exc), None))
-            llm.reset_prefix_cache()
-            raise
-        llm.collective_rpc("rlsync_settle", args=(None, deviation))
-    llm.reset_prefix_cache()
+    try:
+        check_held_canary(llm, "rlsync_canary", "rlsync_settle", where="the vLLM engine", new_weights=True)
+    finally:
+        llm.reset_prefix_cache()
     # with verify, the label vLLM stamps on every output binds the version to its bytes: "V+DIGEST" of the checksums
     # every worker checked its landed bytes against (what the trainer's writer computes too: version_label)
     llm.update_weight_version(version_label(int(versions[0]), llm.collective_rpc("rlsync_digest")))
     return int(versions[0])
+
+
+def check_held_canary(llm: Any, canary_rpc: str, settle_rpc: str, *, where: str, lora_request: Any = None,
+                      new_weights: bool = False) -> None:
+    """The held version's canary (``canary_rpc``; none: nothing to do) against the engine's prompt log-probs, then
+    ``settle_rpc`` on every worker: kept with its deviation, or undone with the reason (``CanaryError`` raised here).
+    ``new_weights``: the base weights changed, so cached prefixes are dropped first (an adapter has its own)."""
+    canary = llm.collective_rpc(canary_rpc)[0]
+    if canary is None:
+        return
+    if new_weights:
+        llm.reset_prefix_cache()  # the canary's prompt must run on the new weights, not hit a cached prefix
+    try:
+        checked = Canary(**canary)
+        deviation = checked.check(prompt_logprobs(llm, checked.tokens, lora_request), where=where)
+    except BaseException as exc:
+        llm.collective_rpc(settle_rpc, args=(str(exc), None))
+        raise
+    llm.collective_rpc(settle_rpc, args=(None, deviation))
 
 
 def prompt_logprobs(llm: Any, tokens: Sequence[Sequence[int]], lora_request: Any = None) -> list[list[float]]:

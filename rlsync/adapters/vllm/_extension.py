@@ -105,9 +105,8 @@ class RlsyncWorkerExtension:
     def rlsync_canary(self) -> dict[str, Any] | None:
         """The trainer's canary of the version ``rlsync_apply(hold=True)`` committed and holds, as plain data
         (``rlsync.Canary``'s fields); None when no version is held."""
-        held = getattr(self, "_rlsync_held", None)
         canary = self._rlsync.reader.landed_canary
-        return None if held is None or canary is None else msgspec.structs.asdict(canary)
+        return None if self._rlsync_held is None or canary is None else msgspec.structs.asdict(canary)
 
     def rlsync_settle(self, refused: str | None = None, deviation: float | None = None) -> int:
         """End a held version: live (``refused`` None; ``deviation``, the canary's, goes to the trainer), or undone
@@ -115,7 +114,7 @@ class RlsyncWorkerExtension:
         ``CanaryError`` with that reason). Returns the version the engine serves."""
         from vllm.config import set_current_vllm_config
 
-        held, self._rlsync_held = getattr(self, "_rlsync_held", None), None
+        held, self._rlsync_held = self._rlsync_held, None
         if held is None:
             raise ConfigError("rlsync_settle: no version is held (call rlsync_apply(timeout, hold=True) first)")
         version, finish, undo = held

@@ -26,8 +26,8 @@ from typing import Any
 
 import msgspec
 
-from rlsync import DEFAULT_TIMEOUT, Canary, CanaryError, ConfigError, Finish, StagedReceiver, SyncOptions, VersionError
-from rlsync.adapters.vllm._driver import prompt_logprobs
+from rlsync import DEFAULT_TIMEOUT, CanaryError, ConfigError, Finish, StagedReceiver, SyncOptions, VersionError
+from rlsync.adapters.vllm._driver import check_held_canary
 
 #: adapter ids of synced versions: far above ids users give their own adapters
 LORA_ID_BASE = 1_000_000_000
@@ -154,13 +154,6 @@ def apply_next_lora(llm: Any, name: str = "policy", timeout: float = DEFAULT_TIM
         raise VersionError(f"vLLM workers registered different adapter versions {versions}: restart the update")
     version = int(versions[0])
     request = LoRARequest(f"{name}@{version}", LORA_ID_BASE + version, LORA_PATH.format(name=name, version=version))
-    canary = llm.collective_rpc("rlsync_lora_canary")[0]
-    if canary is not None:  # the adapter is registered, not yet settled: its log-probs against the trainer's
-        try:
-            checked = Canary(**canary)
-            deviation = checked.check(prompt_logprobs(llm, checked.tokens, request), where="the vLLM engine's adapter")
-        except BaseException as exc:
-            llm.collective_rpc("rlsync_lora_settle", args=(str(exc), None))
-            raise
-        llm.collective_rpc("rlsync_lora_settle", args=(None, deviation))
+    # registered, not yet settled: checked with its own adapter
+    check_held_canary(llm, "rlsync_lora_canary", "rlsync_lora_settle", where="the vLLM engine's adapter", lora_request=request)
     return request

@@ -197,19 +197,20 @@ class VllmServer:
         import torch
 
         started = time.perf_counter()
-        named = dict(named_tensors)
-        aliases = tied_aliases(named)  # a tied lm_head.weight: the engine's model ties it itself
-        if self._writer is None:
-            dtype = getattr(torch, str(self.config()["model_config"]["dtype"]).removeprefix("torch."))
-            state = {name: _cast(t, dtype) for name, t in named.items() if name not in aliases}
+        first = self._writer is None
+        dtype = getattr(torch, str(self.config()["model_config"]["dtype"]).removeprefix("torch.")) if first else self._dtype
+        # cast as they come (an iterator may gather each parameter and release it after it is taken), then drop the
+        # names that are still one tensor (a tied lm_head.weight already in the server's dtype); a tied alias cast
+        # into a copy is left out by the engine itself
+        state = {name: _cast(t, dtype) for name, t in named_tensors}
+        for alias in tied_aliases(state):
+            del state[alias]
+        if first:
             self._open(state)
-        else:
-            dtype = self._dtype
-            state = {name: _cast(t, dtype) for name, t in named.items() if name not in aliases}
-            if list(state) != self._names:
-                extra, missing = sorted(set(state) - set(self._names)), sorted(set(self._names) - set(state))
-                raise ConfigError(f"the tensors changed since the first version (new: {extra[:5]}, gone: {missing[:5]}); "
-                                  "the server's tensor list is fixed at the first publish")
+        elif list(state) != self._names:
+            extra, missing = sorted(set(state) - set(self._names)), sorted(set(self._names) - set(state))
+            raise ConfigError(f"the tensors changed since the first version (new: {extra[:5]}, gone: {missing[:5]}); "
+                              "the server's tensor list is fixed at the first publish")
         writer = self._writer
         assert writer is not None
         # version 0 is the checkpoint the server started from: a fresh server's first published version is 1; after

@@ -97,6 +97,13 @@ def trainer(address: str, seeds: list[int], *extra: str) -> subprocess.Popen[str
                              *extra, "--seeds", *map(str, seeds)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def reports_of(pushed: subprocess.Popen[str]) -> list[dict[str, Any]]:
+    """The trainer's line per version (completed or refused), once it exited cleanly."""
+    out, err = pushed.communicate(timeout=120)
+    assert pushed.returncode == 0, err
+    return [json.loads(line) for line in out.splitlines()]
+
+
 def canary_of(seed: int) -> Canary:
     return Canary.of(copy.deepcopy(common.trainer.build(ARCH, seed, PEAKED)).float())
 
@@ -120,13 +127,10 @@ def test_faults_are_refused_before_they_serve_and_healthy_versions_pass(tmp_path
             assert llm.collective_rpc("rlsync_version") == [1]
         assert apply_next_version(llm, 120.0) == 5
         last = common.generate(llm)
-        out, err = pushed.communicate(timeout=120)
-        assert pushed.returncode == 0, err
+        reports = reports_of(pushed)
     finally:
         if pushed.poll() is None:
             pushed.kill()
-    reports = [json.loads(line) for line in out.splitlines()]
-    print(reports)
     assert [r.get("completed", r.get("refused")) for r in reports] == [1, 2, 3, 4, 5]
     assert [("refused" in r) for r in reports] == [False, True, True, True, False]  # the trainer heard each refusal
     assert all("deviate from the trainer's" in r["error"] for r in reports if "refused" in r)
@@ -149,10 +153,8 @@ def test_without_the_canary_each_fault_goes_live_silently(tmp_path: Path, cleanu
             llm.reset_prefix_cache()
             canary = canary_of(seeds[version - 1])
             mean, _, _ = canary.deviation(prompt_logprobs(llm, canary.tokens))
-            print(name, mean)
             assert mean > canary.tolerance, name
-        out, err = pushed.communicate(timeout=120)
-        assert pushed.returncode == 0, err
+        reports_of(pushed)
     finally:
         if pushed.poll() is None:
             pushed.kill()
@@ -176,12 +178,10 @@ def test_with_verify_a_commit_that_misses_a_parameter_is_caught_where_the_kernel
             apply_next_version(llm, 120.0)
         llm.reset_prefix_cache()
         assert common.generate(llm) == healthy and llm.collective_rpc("rlsync_version") == [1]
-        out, err = pushed.communicate(timeout=120)
-        assert pushed.returncode == 0, err
+        reports = reports_of(pushed)
     finally:
         if pushed.poll() is None:
             pushed.kill()
-    reports = [json.loads(line) for line in out.splitlines()]
     assert [r.get("refused") for r in reports] == [None, 2]
     assert label == reports[0]["label"] and label.startswith("1+")  # the digest the trainer computed, on the engine
     assert llm.get_weight_version() == label

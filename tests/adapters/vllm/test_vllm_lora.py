@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,16 +33,24 @@ def new_adapter_weights(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
 
 
-def test_adapter_versions_reach_vllm_without_the_base_model(tmp_path: Path) -> None:
-    from vllm import LLM, SamplingParams
-    from vllm.lora.request import LoRARequest
+def trainer_and_engine(tmp_path: Path, max_cpu_loras: int) -> tuple[Any, Any]:
+    """A PEFT trainer (r=8 on q/v) over a tiny Qwen2, and a vLLM engine serving that base model with LoRA."""
+    from vllm import LLM
 
     base_dir = common.save("qwen2", 100, tmp_path / "base")
     trainer = peft.get_peft_model(common.trainer.build("qwen2", 100),
                                   peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     llm = LLM(model=str(base_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=128, seed=0,
-              distributed_executor_backend="uni", enable_lora=True, max_lora_rank=8, max_loras=2, max_cpu_loras=4,
-              worker_extension_cls="rlsync.adapters.vllm.RlsyncWorkerExtension")
+              distributed_executor_backend="uni", enable_lora=True, max_lora_rank=8, max_loras=2,
+              max_cpu_loras=max_cpu_loras, worker_extension_cls="rlsync.adapters.vllm.RlsyncWorkerExtension")
+    return trainer, llm
+
+
+def test_adapter_versions_reach_vllm_without_the_base_model(tmp_path: Path) -> None:
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    trainer, llm = trainer_and_engine(tmp_path, max_cpu_loras=4)
     params = SamplingParams(max_tokens=8, temperature=0)
     prompts = [{"prompt_token_ids": p} for p in common.PROMPTS]
 
@@ -96,7 +105,6 @@ def test_an_adapter_that_never_reaches_the_engine_is_refused_by_its_canary(tmp_p
     the canary unchecked the same fault goes live silently."""
     import copy
 
-    from vllm import LLM
     from vllm.lora.request import LoRARequest
 
     from rlsync import Canary, CanaryError
@@ -104,12 +112,7 @@ def test_an_adapter_that_never_reaches_the_engine_is_refused_by_its_canary(tmp_p
     from rlsync.adapters.vllm._driver import prompt_logprobs
     from rlsync.adapters.vllm._lora import LoraReceiver
 
-    base_dir = common.save("qwen2", 100, tmp_path / "base")
-    trainer = peft.get_peft_model(common.trainer.build("qwen2", 100),
-                                  peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
-    llm = LLM(model=str(base_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=128, seed=0,
-              distributed_executor_backend="uni", enable_lora=True, max_lora_rank=8, max_loras=2, max_cpu_loras=2,
-              worker_extension_cls="rlsync.adapters.vllm.RlsyncWorkerExtension")
+    trainer, llm = trainer_and_engine(tmp_path, max_cpu_loras=2)
     tensors, config = lora_state(trainer)
     addresses = llm.collective_rpc("rlsync_lora_start", args=([[n, str(t.dtype), list(t.shape)] for n, t in tensors.items()], config, 1))
     writer = WeightsWriter(from_state_dict(tensors), None, 0, addresses)

@@ -36,6 +36,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds one sync may take")
     p.add_argument("--wire", choices=("full", "delta"), default="full",
                    help="delta: send only the values that changed since the last sync (a few percent at RL learning rates)")
+    p.add_argument("--no-canary", dest="canary", action="store_false",
+                   help="do not check each version's canary (the trainer's log-probs of a fixed batch) before it serves")
     p.add_argument("--max-staleness", type=int, default=None,
                    help="async mode: drop samples generated more than N weight versions ago (rlsync's MaxStaleness)")
     return p
@@ -79,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.weight_sync == "rlsync":
         opts = {"rlsync": __version__, "openrlhf": version, "transport": args.transport, "host": args.host,
                 "timeout": args.timeout, "max_staleness": args.max_staleness,
-                "wire": args.wire}
+                "wire": args.wire, "canary": args.canary}
         start_ray(opts)
         patch_trainer()  # the driver too: the trainer classes it hands to Ray are patched before they are sent
     sys.argv = [ENTRY, *theirs]

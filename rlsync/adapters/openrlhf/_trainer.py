@@ -10,22 +10,33 @@ once all of it has landed from every rank (``rlsync.layouts.flat_partitions`` to
 
 ``_init_vllm_sync_group`` (rank 0, as OpenRLHF calls it) is the handshake: the engines answer with their
 workers' addresses only if their side is patched too; otherwise it fails at once, naming the side.
+
+The canary (``rlsync.Canary``; launcher ``--no-canary`` turns it off): every rank computes the actor's log-probs of
+a small fixed batch with the weights it sends (under ZeRO-3 that forward is collective, as OpenRLHF's own are);
+the engines load the version and hold it, rank 0 runs the canary's prompts through each engine actor's
+``generate`` and compares, then every engine keeps the version or, if any deviates, every engine undoes it and
+every rank's sync raises ``CanaryError`` naming the deviation. The deviation goes to OpenRLHF's step status as
+``rlsync/canary_deviation``. An engine that cannot generate while OpenRLHF syncs (``--train.partial_rollout_enable``
+pauses it, ``--vllm.enable_sleep`` keeps its KV cache asleep) is not checked: said once.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import cache
 from typing import Any
 
-from rlsync import ConfigError, SyncOptions, TensorMeta, WeightsWriter, __version__
+from rlsync import Canary, ConfigError, SyncOptions, TensorMeta, WeightsWriter, __version__
 from rlsync.adapters.openrlhf._versions import clock
-from rlsync.adapters.openrlhf._worker import APPLY, HANDSHAKE
+from rlsync.adapters.openrlhf._worker import APPLY, HANDSHAKE, SETTLE
+from rlsync.adapters.vllm import canary_sampling_params, prompt_logprobs_of
 from rlsync.layouts import flat_partitions
 from rlsync.patches.openrlhf import installed_version, options
 
-DEFAULTS: dict[str, Any] = {"transport": "shm", "host": "127.0.0.1", "timeout": 600.0}
+DEFAULTS: dict[str, Any] = {"transport": "shm", "host": "127.0.0.1", "timeout": 600.0, "canary": True}
 
 
 def _options() -> dict[str, Any]:
@@ -50,7 +61,7 @@ def init_vllm_sync_group(self: Any, backend: str) -> None:
 
     opts = _options()
     hello = {"rlsync": __version__, "openrlhf": installed_version(), "transport": opts["transport"],
-             "host": opts["host"], "timeout": float(opts["timeout"]),
+             "host": opts["host"], "timeout": float(opts["timeout"]), "canary": bool(opts["canary"]),
              "tensors": [[m.name, m.dtype, list(m.shape)] for m in (_meta(n, p) for n, p in _params(self))]}
     address = HANDSHAKE + json.dumps(hello)
     refs = [engine.init_process_group.remote(address, 0, 0, 0, "rlsync", backend, False) for engine in self.vllm_engines]
@@ -85,6 +96,45 @@ def _my_parts(trainer: Any, rank: int, world: int) -> dict[str, Any]:
     return parts
 
 
+@cache
+def _say_unchecked(why: str) -> None:
+    logging.getLogger("rlsync").warning("rlsync: the canary is not checked in this run: %s", why)
+
+
+def _canary_checked(trainer: Any, opts: dict[str, Any]) -> bool:
+    """Whether the engines can run the canary's prompts while OpenRLHF syncs (the same answer on every rank)."""
+    if not opts["canary"]:
+        return False
+    args = trainer.strategy.args
+    if getattr(args.vllm, "enable_sleep", False):
+        _say_unchecked("--vllm.enable_sleep keeps the engines' KV cache asleep during the sync")
+        return False
+    if getattr(args.train, "async_enable", False) and getattr(args.train, "partial_rollout_enable", False):
+        _say_unchecked("--train.partial_rollout_enable pauses the engines during the sync")
+        return False
+    return True
+
+
+def _check_canary(engines: list[Any], canary: Canary) -> float:
+    """Rank 0, every engine holding the new version: its prompt log-probs of the canary against the trainer's; then
+    every engine keeps the version, or (any deviating) every engine undoes it. Returns the largest mean deviation."""
+    import ray
+
+    params = canary_sampling_params()
+    refused: str | None = None
+    deviation = 0.0
+    try:
+        ray.get([engine.reset_prefix_cache.remote() for engine in engines])  # the canary runs on the new weights
+        for i, engine in enumerate(engines):
+            outputs = ray.get([engine.generate.remote(list(t), params) for t in canary.tokens])
+            deviation = max(deviation, canary.check(prompt_logprobs_of(outputs, canary.tokens),
+                                                    where=f"OpenRLHF's vLLM engine {i}"))
+    except Exception as exc:  # noqa: BLE001  # any failure of the check refuses the version, with its reason
+        refused = str(exc)
+    ray.get([engine.update_weight.remote(SETTLE, dtype=refused, shape=[deviation]) for engine in engines])
+    return deviation
+
+
 def broadcast_to_vllm(self: Any) -> None:
     """Every rank: make the current weights live on every engine as the next version."""
     import ray
@@ -98,28 +148,40 @@ def broadcast_to_vllm(self: Any) -> None:
         if box[0] is None:
             raise ConfigError("rlsync's weight sync was not initialised on trainer rank 0 (no vLLM engines?)")
         src = flat_partitions([_meta(n, p) for n, p in _params(self)], world)
-        options = SyncOptions(transport=opts["transport"], timeout=float(opts["timeout"]), wire=opts.get("wire", "full"))
+        options = SyncOptions(transport=opts["transport"], timeout=float(opts["timeout"]), wire=opts.get("wire", "full"),
+                              canary=bool(opts["canary"]))
         self._rlsync_writers = [WeightsWriter(src, None, rank, engine, options=options)
                                 for engine in box[0]]
         self._rlsync_version = max(1, *(w.next_version for w in self._rlsync_writers)) - 1
     version = self._rlsync_version + 1
     started = time.perf_counter()
+    # every rank: a collective forward under ZeRO-3, as OpenRLHF's own forwards are
+    canary = Canary.of(self.actor.model.module) if _canary_checked(self, opts) else None
     refs = []
-    if rank == 0:  # the engines wait for the version's bytes, then load it all at once
-        refs = [engine.update_weight.remote(APPLY, dtype=None, shape=[version, float(opts["timeout"])])
+    if rank == 0:  # the engines wait for the version's bytes, then load it all at once (and hold it for the canary)
+        refs = [engine.update_weight.remote(APPLY, dtype=None, shape=[version, float(opts["timeout"]), canary is not None])
                 for engine in self.vllm_engines]
     parts = _my_parts(self, rank, world)
     for writer in self._rlsync_writers:
         writer.multi_put(parts)
+    deviation = None
     with ThreadPoolExecutor(len(self._rlsync_writers)) as pool:
-        list(pool.map(lambda w: w.complete(version), self._rlsync_writers))
+        completed = [pool.submit(w.complete, version, canary=canary) for w in self._rlsync_writers]
+        try:
+            if rank == 0:
+                ray.get(refs)  # loaded (and held: the writers' complete() waits for the canary's verdict)
+                if canary is not None:
+                    deviation = _check_canary(self.vllm_engines, canary)
+            for done in completed:
+                done.result()  # CanaryError on every rank when the engines undid the version
+        finally:
+            if rank == 0 and getattr(self.strategy.args.vllm, "enable_prefix_caching", False):
+                ray.get([engine.reset_prefix_cache.remote() for engine in self.vllm_engines])
     if rank == 0:
-        ray.get(refs)
-        ray.get(clock().set.remote(version))  # what the samples generated from now on are stamped with
-        if getattr(self.strategy.args.vllm, "enable_prefix_caching", False):
-            ray.get([engine.reset_prefix_cache.remote() for engine in self.vllm_engines])
+        ray.get(clock().set.remote(version, deviation))  # what the samples generated from now on are stamped with
         sent = sum(w.last_bytes for w in self._rlsync_writers)
+        checked = "" if deviation is None else f"; canary deviation {deviation:.4f}"
         print(f"rlsync: version {version} live on {len(self.vllm_engines)} vLLM engine(s); rank 0 sent {sent / 1e6:.1f} MB "
-              f"of {world} ranks' shares in {time.perf_counter() - started:.2f} s", flush=True)
+              f"of {world} ranks' shares in {time.perf_counter() - started:.2f} s{checked}", flush=True)
     self._rlsync_version = version
     dist.barrier()

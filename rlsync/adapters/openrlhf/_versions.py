@@ -7,7 +7,8 @@ trainer rank 0 sets it after every sync (``_trainer.broadcast_to_vllm``). The pa
 mid-generation, otherwise OpenRLHF's lock keeps both equal). The patched ``BasePPOTrainer.train_step`` drops,
 with rlsync's ``MaxStaleness`` gate, every sample whose oldest token lags the live version by more than
 ``max_staleness`` before OpenRLHF turns the samples into experiences, and reports ``rlsync/staleness_mean`` and
-``rlsync/dropped_stale`` in the step's status.
+``rlsync/dropped_stale`` in the step's status, and the last sync's ``rlsync/canary_deviation`` when its canary was
+checked.
 """
 
 from __future__ import annotations
@@ -27,12 +28,16 @@ class VersionClock:
 
     def __init__(self) -> None:
         self.version = 0
+        self.canary_deviation: float | None = None
 
-    def set(self, version: int) -> None:  # trainer rank 0 only, after each sync
-        self.version = int(version)
+    def set(self, version: int, canary_deviation: float | None = None) -> None:  # trainer rank 0 only, after each sync
+        self.version, self.canary_deviation = int(version), canary_deviation
 
     def get(self) -> int:
         return self.version
+
+    def get_canary_deviation(self) -> float | None:
+        return self.canary_deviation
 
 
 _handle: list[Any] = []  # held for the life of this process: Ray collects an actor no handle refers to
@@ -51,6 +56,13 @@ def live_version() -> int:
     import ray
 
     return int(ray.get(clock().get.remote()))
+
+
+def canary_deviation() -> float | None:
+    """The canary's deviation of the live version (None: not checked)."""
+    import ray
+
+    return ray.get(clock().get_canary_deviation.remote())  # type: ignore[no-any-return]
 
 
 def tag_samples(original: Any) -> Any:
@@ -84,6 +96,9 @@ def gate_samples(original: Any, max_staleness: int | None) -> Any:
                 lags.append(live - oldest)
         dropped = len(rollout_samples) - len(kept)
         extra = {"rlsync/dropped_stale": float(dropped), "rlsync/version": float(live)}
+        deviation = canary_deviation()
+        if deviation is not None:
+            extra["rlsync/canary_deviation"] = deviation
         if not kept:  # nothing fresh enough: no step, the weights stay as they are
             return {**extra, "rlsync/staleness_mean": float("nan")}, global_step
         status, step = original(self, kept, global_step)

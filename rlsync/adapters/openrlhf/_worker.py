@@ -10,7 +10,10 @@ kept with their signatures so that OpenRLHF's actor needs no change:
   not rlsync's means the trainer side is not patched: refused at once, naming it (OpenRLHF's own code would
   otherwise wait in an NCCL rendezvous the trainer never joins).
 - ``update_weight(name, ...)``: ``name == APPLY`` loads the next landed version, all or nothing
-  (``RlsyncWorkerExtension.rlsync_apply``), and checks it is the version the trainer announced (``shape[0]``).
+  (``RlsyncWorkerExtension.rlsync_apply``), and checks it is the version the trainer announced (``shape[0]``);
+  with ``shape[2]`` true it holds the version for the canary (the trainer then runs the canary's prompts through
+  the engine actor's ``generate``); ``name == SETTLE`` ends a held version: kept (``dtype`` None, ``shape[0]`` the
+  canary's deviation), or undone (``dtype``: why; the trainer's ``complete`` raises it).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from rlsync.adapters.vllm import RlsyncWorkerExtension
 
 HANDSHAKE = "rlsync-handshake:"  # prefix of master_address when rlsync's trainer side calls
 APPLY = "rlsync:apply"  # the parameter name of update_weight that loads the next version
+SETTLE = "rlsync:settle"  # ... that ends a version held for the canary
 
 
 def unpatched_trainer(what: str) -> ConfigError:
@@ -43,13 +47,16 @@ class RlsyncWorkerWrap(WorkerWrap, RlsyncWorkerExtension):  # type: ignore[misc]
             raise ConfigError(f"rlsync versions differ: trainer side {hello['rlsync']}, vLLM side {__version__}: "
                               "install the same rlsync in both environments")
         return self.rlsync_start(hello["tensors"], options={"transport": hello["transport"], "host": hello["host"],
-                                                            "timeout": float(hello["timeout"])})
+                                                            "timeout": float(hello["timeout"]),
+                                                            "canary": bool(hello.get("canary", True))})
 
     def update_weight(self, name: str, dtype: Any, shape: Any, empty_cache: bool = False) -> int:
+        if name == SETTLE:
+            return self.rlsync_settle(dtype, float(shape[0]))
         if name != APPLY:
             raise unpatched_trainer(f"update_weight({name!r})")
-        expected, timeout = int(shape[0]), float(shape[1])
-        version = self.rlsync_apply(timeout)
+        expected, timeout, hold = int(shape[0]), float(shape[1]), len(shape) > 2 and bool(shape[2])
+        version = self.rlsync_apply(timeout, hold)
         if version != expected:
             raise VersionError(f"the vLLM engine loaded version {version}, the trainer announced {expected}")
         return version

@@ -52,9 +52,20 @@ def check_held_canary(llm: Any, canary_rpc: str, settle_rpc: str, *, where: str,
 def prompt_logprobs(llm: Any, tokens: Sequence[Sequence[int]], lora_request: Any = None) -> list[list[float]]:
     """log p(``tokens[i][j + 1]`` | ``tokens[i][: j + 1]``) as the engine computes them (vLLM's prompt log-probs, raw),
     with the adapter of ``lora_request`` if given."""
+    outs = llm.generate([{"prompt_token_ids": list(t)} for t in tokens], canary_sampling_params(), use_tqdm=False,
+                        lora_request=lora_request)
+    return prompt_logprobs_of(outs, tokens)
+
+
+def canary_sampling_params() -> Any:
+    """vLLM's ``SamplingParams`` that make a request return its prompt's log-probs and generate one token."""
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-    outs = llm.generate([{"prompt_token_ids": list(t)} for t in tokens], params, use_tqdm=False, lora_request=lora_request)
+    return SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+
+
+def prompt_logprobs_of(outputs: Sequence[Any], tokens: Sequence[Sequence[int]]) -> list[list[float]]:
+    """The prompt log-probs of ``tokens`` in vLLM's ``RequestOutput``s of them (``canary_sampling_params``), in the
+    canary's layout (``rlsync.Canary.logprobs``): from any route to the engine (``LLM``, an engine actor)."""
     return [[float(position[token].logprob) for position, token in zip(out.prompt_logprobs[1:], t[1:])]
-            for out, t in zip(outs, tokens)]
+            for out, t in zip(outputs, tokens)]

@@ -11,7 +11,9 @@ Stand-ins, each a FAKE named as such, for what needs CUDA:
   ``vllm_engines``), as ``ActorPPOTrainer.__init__`` sets them.
 - ``fake_zero3`` partitions parameters as DeepSpeed ZeRO-3 does (``deepspeed/runtime/zero/partition_parameters.py``:
   ``param.data`` emptied, ``ds_shape``/``ds_numel`` the full shape and size, ``ds_tensor`` this rank's flat
-  partition of ``ceil(numel / world)`` elements, zero-padded at the end).
+  partition of ``ceil(numel / world)`` elements, zero-padded at the end), and gathers a module's parameters for
+  its forward and frees them after, as ZeRO-3's module hooks do (``deepspeed/runtime/zero/parameter_offload.py``,
+  ``DeepSpeedZeRoOffload.setup_zero_stage3_hooks``: an all-gather on every rank, so forwards are collective).
 """
 
 from __future__ import annotations
@@ -38,11 +40,14 @@ def nudged(seed: int) -> torch.nn.Module:
 
 class FakeStrategy:
     def __init__(self, zero_stage: int) -> None:
-        self.args = SimpleNamespace(vllm=SimpleNamespace(enable_prefix_caching=False, sync_backend="nccl"),
-                                    ds=SimpleNamespace(zero_stage=zero_stage, tensor_parallel_size=1))
+        self.args = SimpleNamespace(vllm=SimpleNamespace(enable_prefix_caching=False, sync_backend="nccl", enable_sleep=False),
+                                    ds=SimpleNamespace(zero_stage=zero_stage, tensor_parallel_size=1),
+                                    train=SimpleNamespace(async_enable=False, partial_rollout_enable=False))
 
 
 def fake_zero3(model: torch.nn.Module, rank: int, world: int) -> None:
+    import torch.distributed as dist
+
     for p in model.parameters():
         full = p.data.reshape(-1)
         size = -(-full.numel() // world)
@@ -51,6 +56,23 @@ def fake_zero3(model: torch.nn.Module, rank: int, world: int) -> None:
         part[: piece.numel()] = piece
         p.ds_shape, p.ds_numel, p.ds_tensor = p.shape, full.numel(), part  # type: ignore[attr-defined]
         p.data = torch.empty(0, dtype=p.dtype)
+
+    def gather(module: torch.nn.Module, _args: Any) -> None:
+        for p in module._parameters.values():
+            if p is not None:
+                pieces = [torch.empty_like(p.ds_tensor) for _ in range(world)]  # type: ignore[attr-defined]
+                dist.all_gather(pieces, p.ds_tensor)  # type: ignore[attr-defined]
+                p.data = torch.cat(pieces)[: p.ds_numel].view(p.ds_shape)  # type: ignore[attr-defined]
+
+    def release(module: torch.nn.Module, _args: Any, _out: Any) -> None:
+        for p in module._parameters.values():
+            if p is not None:
+                p.data = torch.empty(0, dtype=p.dtype)
+
+    for module in model.modules():
+        if any(p is not None for p in module._parameters.values()):
+            module.register_forward_pre_hook(gather)
+            module.register_forward_hook(release)
 
 
 class TrainerRank:

@@ -12,7 +12,7 @@ from typing import Any
 import openrlhf_parts as parts
 import pytest
 
-from rlsync.adapters.openrlhf._versions import gate_samples, live_version, tag_samples
+from rlsync.adapters.openrlhf._versions import canary_deviation, gate_samples, live_version, tag_samples
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -83,6 +83,8 @@ def test_two_trainer_ranks_sync_three_versions_into_openrlhfs_engine(launched_ra
         ray.get([r.load.remote(seed) for r in ranks])
         assert ray.get([r.sync.remote() for r in ranks]) == [version, version]
         assert live_version() == version  # what OpenRLHF's samples are stamped with from now on
+        deviation = canary_deviation()  # checked on the engine before the version served: fp32 trainer, bf16 engine
+        assert deviation is not None and deviation < 0.05, deviation
         got = parts.greedy_of_engine(engine)
         parts.models.build("qwen2", seed).save_pretrained(tmp_path / f"v{version}")
         assert got == parts.fresh_greedy(str(tmp_path / f"v{version}")), f"version {version}"
@@ -98,6 +100,55 @@ def test_two_trainer_ranks_sync_three_versions_into_openrlhfs_engine(launched_ra
     assert parts.greedy_of_engine(engine) != seen[-1]
     for actor in (*ranks, engine):
         ray.kill(actor)
+
+
+@pytest.mark.timeout(600)
+def test_replicas_that_diverged_are_refused_by_the_canary_and_the_engine_keeps_serving(
+        launched_ray: dict[str, object], tmp_path: Path) -> None:
+    """ZeRO-2 replicas that drifted apart (rank 1 holds other weights than rank 0) each send their half: every byte
+    lands as sent, so no byte check sees it, but the engine would serve a model no rank trained. Rank 0's canary
+    refuses it on the engine (undone before it serves) and every rank's sync raises; the replicas agreeing again,
+    the same version number goes live."""
+    import ray
+
+    from rlsync import CanaryError
+
+    model_dir = tmp_path / "v0"
+    parts.models.build("qwen2", 100).save_pretrained(model_dir)
+    engine = _engine(model_dir)
+    ranks = _ranks([engine], zero_stage=2)
+    ray.get([r.load.remote(100) for r in ranks])
+    ray.get([r.init_sync.remote() for r in ranks])
+    before = parts.greedy_of_engine(engine)
+    assert before == parts.fresh_greedy(str(model_dir))
+    ray.get([ranks[0].load.remote(201), ranks[1].load.remote(202)])
+    for rank in ranks:
+        with pytest.raises(CanaryError, match=r"OpenRLHF's vLLM engine 0's log-probs deviate .* \(version refused\)"):
+            try:
+                ray.get(rank.sync.remote(), timeout=300)
+            except ray.exceptions.RayTaskError as exc:
+                raise exc.cause from None
+    assert live_version() == 0 and parts.greedy_of_engine(engine) == before  # still the previous version
+    ray.get([r.load.remote(201) for r in ranks])
+    assert ray.get([r.sync.remote() for r in ranks]) == [1, 1]
+    parts.models.build("qwen2", 201).save_pretrained(tmp_path / "v1")
+    assert parts.greedy_of_engine(engine) == parts.fresh_greedy(str(tmp_path / "v1"))
+    for actor in (*ranks, engine):
+        ray.kill(actor)
+
+
+def test_the_canary_is_left_out_only_where_openrlhf_keeps_the_engine_from_generating() -> None:
+    from rlsync.adapters.openrlhf._trainer import _canary_checked
+
+    def trainer(sleep: bool = False, partial: bool = False) -> SimpleNamespace:
+        args = SimpleNamespace(vllm=SimpleNamespace(enable_sleep=sleep),
+                               train=SimpleNamespace(async_enable=partial, partial_rollout_enable=partial))
+        return SimpleNamespace(strategy=SimpleNamespace(args=args))
+
+    assert _canary_checked(trainer(), {"canary": True})
+    assert not _canary_checked(trainer(), {"canary": False})  # --no-canary
+    assert not _canary_checked(trainer(sleep=True), {"canary": True})
+    assert not _canary_checked(trainer(partial=True), {"canary": True})
 
 
 def test_a_half_patched_pair_fails_at_init_naming_the_side(launched_ray: dict[str, object], tmp_path: Path) -> None:

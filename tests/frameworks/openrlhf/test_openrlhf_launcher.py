@@ -122,10 +122,10 @@ def test_replicas_that_diverged_are_refused_by_the_canary_and_the_engine_keeps_s
     before = parts.greedy_of_engine(engine)
     assert before == parts.fresh_greedy(str(model_dir))
     ray.get([ranks[0].load.remote(201), ranks[1].load.remote(202)])
-    for rank in ranks:
+    for synced in [r.sync.remote() for r in ranks]:
         with pytest.raises(CanaryError, match=r"OpenRLHF's vLLM engine 0's log-probs deviate .* \(version refused\)"):
             try:
-                ray.get(rank.sync.remote(), timeout=300)
+                ray.get(synced, timeout=300)
             except ray.exceptions.RayTaskError as exc:
                 raise exc.cause from None
     assert live_version() == 0 and parts.greedy_of_engine(engine) == before  # still the previous version

@@ -13,6 +13,10 @@ trainer knows where to connect before the engine answers, and learns the layout 
 loader and learns its part of each tensor (``learn_parts``): a bad name fails the init, before a byte
 moves. A version is loaded only once all its bytes have landed, all or nothing (``EngineCommit``):
 a trainer that dies, a timeout or a loader error leaves the engine serving the previous version.
+
+With ``lora`` in the init info (a PEFT adapter's config) the tensors are a LoRA adapter's and the base model is
+never touched: each version is kept for vLLM's own loader (``_lora_versions``), which the trainer's
+``/v1/load_lora_adapter`` call then registers as adapter ``NAME@VERSION`` (``VllmServer.publish_lora``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from rlsync import DEFAULT_TIMEOUT, CanaryError, ConfigError, Finish, StagedReceiver, SyncOptions, VersionError
 from rlsync.adapters.vllm._commit import EngineCommit
+from rlsync.adapters.vllm._lora_versions import AdapterVersions, install_loader
 from rlsync.adapters.vllm._probe import learn_parts, learn_placements
 
 
@@ -44,6 +49,10 @@ class RlsyncInitInfo(WeightTransferInitInfo):
     boxes_file: str | None = None
     # a CRC per tensor, sent by the trainer and checked on landing (the trainer's writer must send them)
     verify: bool = False
+    # adapter-only sync: the PEFT adapter's config (adapter_config.json as data); tensors are its A/B matrices
+    lora: dict[str, Any] | None = None
+    lora_name: str = "policy"  # versions are served as adapters NAME@VERSION
+    keep: int = 2  # adapter versions kept loadable (a rollout started on one may finish on it)
 
 
 @dataclass
@@ -67,6 +76,10 @@ class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpda
         from vllm.distributed.parallel_state import get_world_group
 
         world = get_world_group()
+        self._adapters: AdapterVersions | None = None
+        if init_info.lora is not None:
+            self._init_lora(init_info, init_info.lora, world.rank, world.world_size)
+            return
         tensors, boxes = learn_parts(self.model, init_info.tensors, world.cpu_group)
         if init_info.boxes_file is not None and world.rank == 0:
             Path(init_info.boxes_file).write_text(json.dumps(boxes))
@@ -78,6 +91,19 @@ class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpda
         self._commit = EngineCommit(self.model, learn_placements(self.model, init_info.tensors))
         self._finish: Finish | None = None
         self._undo: Callable[[], None] | None = None  # a version that came with a canary, until it is checked
+
+    def _init_lora(self, init_info: RlsyncInitInfo, peft_config: dict[str, Any], rank: int, world: int) -> None:
+        """Adapter-only sync: every worker receives the whole adapter (vLLM's LoRA layers slice it per rank)."""
+        if getattr(self.model, "lora_manager", None) is None:
+            raise ConfigError("this vLLM server serves no LoRA adapters: start it with --enable-lora --max-lora-rank R "
+                              "(at least the adapter's rank) and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
+        install_loader()
+        host, port = init_info.address.removeprefix("tcp://").rsplit(":", 1)
+        options = SyncOptions(transport=init_info.transport, host=host, port=int(port) + rank, verify=init_info.verify)
+        whole = {str(name): [[0] * len(shape), list(shape)] for name, _, shape in init_info.tensors}
+        self._receiver = StagedReceiver(init_info.tensors, boxes=[whole] * world, rank=rank, options=options)
+        self._adapters = AdapterVersions(init_info.lora_name, peft_config, init_info.keep)
+        self._rank, self._digest, self._finish, self._undo = rank, None, None, None
 
     def start_weight_update(self) -> None:
         # Nothing to prepare: the reload starts only once a version's bytes have all landed (receive_weights),
@@ -100,6 +126,12 @@ class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpda
             error = VersionError(f"the engine expected version {update_info.version}, the trainer sent {version}")
             finish(error)
             raise error
+        if self._adapters is not None:  # kept for vLLM's loader; live once the trainer's load and canary passed
+            adapters = self._adapters
+            adapters.add(version, {name: t.clone() for name, t in views})  # the staging slot takes the next version
+            self._digest = self._receiver.reader.landed_digest  # with verify, the trainer checks it over HTTP
+            self._finish, self._undo = finish, lambda: adapters.drop(version)
+            return
         reader = self._receiver.reader
         checked = reader.landed_canary is not None and reader.options.canary  # the trainer checks it over HTTP
         self._digest = reader.landed_digest  # with verify, the trainer checks it over HTTP too
@@ -121,8 +153,13 @@ class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpda
 
     def finish_weight_update(self) -> None:
         finish, self._finish, self._undo = self._finish, None, None
+        if self._adapters is not None:
+            self._adapters.trim()
         if finish is not None:
             finish(None)  # the trainer's complete(v) returns: v is what the engine serves
 
     def shutdown(self) -> None:
         self._receiver.close()
+        adapters = getattr(self, "_adapters", None)
+        if adapters is not None:
+            adapters.close()

@@ -124,23 +124,27 @@ class LoraReceiver:
         return version
 
     def _build(self, version: int, tensors: dict[str, Any]) -> Any:
-        """vLLM's ``LoRAModel`` from the adapter's tensors, with the arguments its checkpoint loader uses."""
-        manager = self._manager
-        model = manager._adapter_manager.model
-        mapper = getattr(model, "hf_to_vllm_mapper", None)
-        lora = manager._lora_model_cls.from_lora_tensors(
-            lora_model_id=LORA_ID_BASE + version, tensors=tensors, peft_helper=self.peft, device="cpu",
-            dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
-            weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
-            skip_prefixes=getattr(model, "lora_skip_prefixes", None),
-        )
-        if not lora.loras:
-            raise ConfigError(f"version {version}: none of the adapter's tensors names a module this model has "
-                              f"(e.g. {next(iter(tensors), None)!r}); send the PEFT state dict (rlsync.wire.lora_state)")
-        return lora
+        return build_lora(self._manager, LORA_ID_BASE + version, tensors, self.peft, f"version {version}")
 
     def close(self) -> None:
         self._staged.close()
+
+
+def build_lora(manager: Any, lora_id: int, tensors: dict[str, Any], peft: Any, what: str) -> Any:
+    """vLLM's ``LoRAModel`` from an adapter's tensors, with the arguments vLLM's checkpoint loader uses
+    (``manager``: a worker's ``WorkerLoRAManager``; ``peft``: vLLM's ``PEFTHelper`` of the adapter's config)."""
+    model = manager._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    lora = manager._lora_model_cls.from_lora_tensors(
+        lora_model_id=lora_id, tensors=tensors, peft_helper=peft, device="cpu",
+        dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
+        weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+    )
+    if not lora.loras:
+        raise ConfigError(f"{what}: none of the adapter's tensors names a module this model has "
+                          f"(e.g. {next(iter(tensors), None)!r}); send the PEFT state dict (rlsync.wire.lora_state)")
+    return lora
 
 
 def apply_next_lora(llm: Any, name: str = "policy", timeout: float = DEFAULT_TIMEOUT) -> Any:

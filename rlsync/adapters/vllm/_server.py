@@ -19,7 +19,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -34,6 +34,7 @@ from rlsync import (
     WeightsWriter,
     version_label,
 )
+from rlsync.adapters.vllm._lora_versions import path_of
 from rlsync.layouts import from_state_dict, tied_aliases
 
 _SERVER_FLAGS = "VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{\"backend\": \"rlsync\"}'"
@@ -47,6 +48,7 @@ class PublishStats:
     tensors: int
     canary_deviation: float | None = None  # the server's canary deviation (mean nats per token), when checked
     label: str = ""  # the weight version the server reports: "V", or "V+DIGEST" of the bytes with verify
+    adapter: str | None = None  # publish_lora: the adapter's name on the server, "NAME@V" (what requests give as model)
 
 
 @cache
@@ -99,6 +101,8 @@ class VllmServer:
         host = options.host if options.host != SyncOptions.host else server_host  # the workers bind beside the server
         self.options = options.replace(host="127.0.0.1" if host == "localhost" else host)
         self._writer: WeightsWriter | None = None
+        self._lora: dict[str, Any] | None = None  # adapter-only sync (publish_lora): its config, name and keep
+        self._adapters: list[str] = []  # the adapter versions the server serves, oldest first
         self._names: list[str] = []
         self._dtype: Any = None
         self._model: str | None = None  # the served model's name (its completions route wants it)
@@ -114,6 +118,7 @@ class VllmServer:
         try:
             with urllib.request.urlopen(request, timeout=timeout or self.options.timeout) as response:
                 text = response.read()
+                plain = response.headers.get_content_type() != "application/json"  # the LoRA routes answer text
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:2000]
             if exc.code == 404:
@@ -121,6 +126,8 @@ class VllmServer:
             raise PeerLostError(f"vLLM server {self.url}{route} answered {exc.code}: {detail}") from exc
         except OSError as exc:
             raise PeerLostError(f"vLLM server {self.url}{route}: {exc}") from exc
+        if plain:
+            return text.decode(errors="replace")
         return json.loads(text) if text.strip() else None
 
     def wait_ready(self, timeout: float = 240.0) -> None:
@@ -156,14 +163,15 @@ class VllmServer:
         self.call("/resume")
         self.paused = False
 
-    def prompt_logprobs(self, tokens: Sequence[Sequence[int]]) -> list[list[float]]:
+    def prompt_logprobs(self, tokens: Sequence[Sequence[int]], *, model: str | None = None) -> list[list[float]]:
         """log p(``tokens[i][j + 1]`` | ``tokens[i][: j + 1]``) as the server computes them (its completions route with
-        ``prompt_logprobs``: vLLM's raw log-probs of the prompt's own tokens)."""
+        ``prompt_logprobs``: vLLM's raw log-probs of the prompt's own tokens), with the served adapter ``model``
+        (``NAME@VERSION``) if given."""
         if self._model is None:
             self._model = str(self.call("/v1/models", method="GET")["data"][0]["id"])
         rows = []
         for row in tokens:
-            answer = self.call("/v1/completions", {"model": self._model, "prompt": list(row), "max_tokens": 1,
+            answer = self.call("/v1/completions", {"model": model or self._model, "prompt": list(row), "max_tokens": 1,
                                                    "temperature": 0.0, "prompt_logprobs": 0})
             positions = answer["choices"][0]["prompt_logprobs"][1:]
             rows.append([float(position[str(token)]["logprob"]) for position, token in zip(positions, row[1:])])
@@ -194,29 +202,75 @@ class VllmServer:
         deviation is ``PublishStats.canary_deviation``. A paused server (``pause()``) runs no request: its canary
         is not checked, and a warning says so.
         """
-        import torch
-
         started = time.perf_counter()
-        first = self._writer is None
-        dtype = getattr(torch, str(self.config()["model_config"]["dtype"]).removeprefix("torch.")) if first else self._dtype
+        dtype = self._server_dtype()
         # cast as they come (an iterator may gather each parameter and release it after it is taken), then drop the
         # names that are still one tensor (a tied lm_head.weight already in the server's dtype); a tied alias cast
         # into a copy is left out by the engine itself
         state = {name: _cast(t, dtype) for name, t in named_tensors}
         for alias in tied_aliases(state):
             del state[alias]
-        if first:
-            self._open(state)
+        writer = self._writer_for(state, lora=None)
+        version = self._next(writer, version)
+        writer.multi_put(state)  # checks names, dtypes and sizes before the server waits for anything
+        deviation, label = self._go_live(writer, version, canary, adapter=None)
+        return PublishStats(version, writer.last_bytes, time.perf_counter() - started, len(state), deviation, label)
+
+    def publish_lora(self, tensors: Mapping[str, Any], peft_config: Mapping[str, Any], version: int | None = None, *,
+                     name: str = "policy", keep: int = 2, canary: Canary | None = None) -> PublishStats:
+        """Make a PEFT LoRA adapter live on the server as adapter ``NAME@VERSION``; nothing of the base model moves.
+
+        ``tensors, peft_config = rlsync.wire.lora_state(model)``. The server needs ``--enable-lora --max-lora-rank R``
+        and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (its ``/v1/load_lora_adapter`` route registers each version).
+        Requests use a version by naming it (``"model": stats.label``); the newest ``keep`` versions stay served (a
+        rollout started on one finishes on it), older ones are unloaded. ``canary`` (``rlsync.Canary.of`` the PEFT
+        model): checked with the new adapter before this returns, as in ``publish``; a version that deviates is
+        unloaded again and ``CanaryError`` raised. ``PublishStats.adapter`` is the name requests give
+        (``NAME@VERSION``); ``PublishStats.label`` what ``/weight_info`` reports (the same, with the digest under verify).
+        """
+        started = time.perf_counter()
+        dtype = self._server_dtype()
+        state = {n: _cast(t, dtype) for n, t in tensors.items()}
+        writer = self._writer_for(state, lora={"config": dict(peft_config), "name": name, "keep": keep})
+        version = self._next(writer, version)
+        writer.multi_put(state)
+        adapter = f"{name}@{version}"
+        deviation, label = self._go_live(writer, version, canary, adapter=adapter)
+        self._adapters.append(adapter)
+        while len(self._adapters) > keep:  # no request can name it from now on (the engine drops its tensors too)
+            self.call("/v1/unload_lora_adapter", {"lora_name": self._adapters.pop(0)})
+        return PublishStats(version, writer.last_bytes, time.perf_counter() - started, len(state), deviation, label, adapter)
+
+    def _server_dtype(self) -> Any:
+        import torch
+
+        if self._dtype is None:
+            self._dtype = getattr(torch, str(self.config()["model_config"]["dtype"]).removeprefix("torch."))
+        return self._dtype
+
+    def _writer_for(self, state: dict[str, Any], lora: dict[str, Any] | None) -> WeightsWriter:
+        if self._writer is None:
+            self._open(state, lora)
+        elif (lora is None) != (self._lora is None):
+            raise ConfigError("this VllmServer already sends " + ("full weights" if self._lora is None else "adapters") +
+                              ": one route per connection (close() it, or use another VllmServer)")
         elif list(state) != self._names:
             extra, missing = sorted(set(state) - set(self._names)), sorted(set(self._names) - set(state))
             raise ConfigError(f"the tensors changed since the first version (new: {extra[:5]}, gone: {missing[:5]}); "
                               "the server's tensor list is fixed at the first publish")
-        writer = self._writer
-        assert writer is not None
+        assert self._writer is not None
+        return self._writer
+
+    def _next(self, writer: WeightsWriter, version: int | None) -> int:
         # version 0 is the checkpoint the server started from: a fresh server's first published version is 1; after
         # close() and a new receiver, numbering goes on from what this object last made live
-        version = max(writer.next_version, self.version + 1) if version is None else version
-        writer.multi_put(state)  # checks names, dtypes and sizes before the server waits for anything
+        return max(writer.next_version, self.version + 1) if version is None else version
+
+    def _go_live(self, writer: WeightsWriter, version: int, canary: Canary | None, *,
+                 adapter: str | None) -> tuple[float | None, str]:
+        """The version's bytes (put already) go live: sent while the engine waits for them, loaded, its canary
+        checked (``adapter``: registered under that name first, and checked with it), bound to its digests under
+        verify, then made what the server serves. Any failure leaves the server on the previous version."""
         self.call("/start_weight_update", {})
         failure: list[BaseException] = []
 
@@ -241,26 +295,37 @@ class VllmServer:
                 raise failure[0] from None
             raise
         deviation = None
-        if canary is not None:  # loaded, not yet live: the trainer's writer waits for finish_weight_update
-            try:
+        try:  # loaded, not yet live: the trainer's writer waits for finish_weight_update
+            if adapter is not None:
+                self._load_adapter(adapter, version)
+            if canary is not None:
+                if adapter is None:
+                    self.call("/reset_prefix_cache")  # the canary must run on the new weights
+                deviation = canary.check(self.prompt_logprobs(canary.tokens, model=adapter),
+                                         where=f"the vLLM server at {self.url}")
+        except Exception as exc:
+            if adapter is not None:
+                self._unload_quietly(adapter)
+            self.call("/update_weights", {"update_info": {"version": version, "refused": str(exc)}})
+            self.call("/finish_weight_update", {})
+            if adapter is None:
                 self.call("/reset_prefix_cache")
-                deviation = canary.check(self.prompt_logprobs(canary.tokens), where=f"the vLLM server at {self.url}")
-            except Exception as exc:
-                self.call("/update_weights", {"update_info": {"version": version, "refused": str(exc)}})
-                self.call("/finish_weight_update", {})
-                self.call("/reset_prefix_cache")
-                sender.join(self.options.timeout)
-                raise
+            sender.join(self.options.timeout)
+            raise
         label = str(version)
         if writer.last_digests:  # verify: each worker checks its landed version is the bytes this writer sent
             digests = [writer.last_digests[r] for r in range(self._workers)]
             try:
                 self.call("/update_weights", {"update_info": {"version": version, "digests": digests}})
             except Exception:
+                if adapter is not None:
+                    self._unload_quietly(adapter)
                 sender.join(self.options.timeout)
                 raise failure[0] if failure else VersionError(f"the vLLM server at {self.url} refused version {version}'s "
                                                               f"digests {digests}") from None
             label = version_label(version, digests)
+        if adapter is not None:
+            label = f"{adapter.rsplit('@', 1)[0]}@{label}"
         self.call("/finish_weight_update", {"weight_version": label})
         sender.join(self.options.timeout)
         if failure:
@@ -271,20 +336,38 @@ class VllmServer:
                                f"went live as {label!r} (version+digest of the bytes sent)")
         writer.next_version = version + 1
         self.version = version
-        return PublishStats(version, writer.last_bytes, time.perf_counter() - started, len(state), deviation, label)
+        return deviation, label
 
-    def _open(self, state: dict[str, Any]) -> None:
+    def _load_adapter(self, adapter: str, version: int) -> None:
+        """Register the landed adapter version with the API server (and so with every worker's LoRA manager)."""
+        try:
+            self.call("/v1/load_lora_adapter", {"lora_name": adapter, "lora_path": path_of(adapter.rsplit("@", 1)[0], version)})
+        except ConfigError:
+            raise ConfigError(f"the vLLM server at {self.url} has no /v1/load_lora_adapter route: start it with "
+                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (and --enable-lora --max-lora-rank R)") from None
+
+    def _unload_quietly(self, adapter: str) -> None:
+        try:
+            self.call("/v1/unload_lora_adapter", {"lora_name": adapter})
+        except (PeerLostError, ConfigError):
+            pass  # never registered: nothing to unload
+
+    def _open(self, state: dict[str, Any], lora: dict[str, Any] | None) -> None:
         tensors = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in state.items()]
         workers = int(self.call("/get_world_size", method="GET")["world_size"])
         host, plain = self.options.host, self.options.to_mapping()  # plain: the transport by name, for JSON
         base = reserve_ports(host, workers)
-        self.call("/init_weight_transfer_engine", {"init_info": {"address": f"tcp://{host}:{base}", "tensors": tensors,
-                                                                "transport": plain["transport"], "verify": plain["verify"]}})
+        info: dict[str, Any] = {"address": f"tcp://{host}:{base}", "tensors": tensors, "transport": plain["transport"],
+                                "verify": plain["verify"]}
+        if lora is not None:
+            info.update(lora=lora["config"], lora_name=lora["name"], keep=lora["keep"])
+        self.call("/init_weight_transfer_engine", {"init_info": info})
         readers = [f"tcp://{host}:{base + r}" for r in range(workers)]
         self._workers = workers
         self._writer = WeightsWriter(from_state_dict(state), None, 0, readers, options=self.options)
         self._names = list(state)
-        self._dtype = next(iter(state.values())).dtype
+        self._lora = lora
+        self._adapters = []
 
     def close(self) -> None:
         """Release the server's receiving side (a later trainer can connect again) and this writer."""
@@ -292,6 +375,7 @@ class VllmServer:
             return
         writer, self._writer = self._writer, None
         writer.close()
+        self._dtype = None
         try:
             self.call("/shutdown_weight_transfer_engine", {}, timeout=60)
         except (PeerLostError, ConfigError):

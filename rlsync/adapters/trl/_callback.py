@@ -21,10 +21,17 @@ own log-probs of the same tokens must match before the version serves (``VllmSer
 deviates is undone and the step raises ``rlsync.CanaryError`` naming the largest deviation.
 Logged per step: ``rlsync/sync_seconds``, ``rlsync/bytes``, ``rlsync/version``, ``rlsync/canary_deviation``,
 ``rlsync/staleness_mean``, ``rlsync/dropped_stale``.
+
+LoRA: with a PEFT model and a server started with ``--enable-lora`` (and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``),
+only the adapter's A/B matrices (and ``modules_to_save``) cross, never the base model (``VllmServer.publish_lora``):
+each version is served as adapter ``policy@V`` and TRL's client generates with the newest; the previous
+``max_staleness`` versions stay served. Without LoRA on the server (or with FSDP, whose sharded adapters this route
+does not gather) TRL's merged weights are sent, as TRL does; a log line says which route was taken.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -34,8 +41,10 @@ from transformers import TrainerCallback
 from rlsync import Canary, ConfigError, Decision, MaxStaleness, Sample, SyncOptions, VersionError
 from rlsync.adapters.vllm import VllmServer
 from rlsync.patches.trl import rlsync_owns_sync
+from rlsync.wire import lora_state
 
 VERSIONS = "rlsync_versions"  # per generated token: the policy version that produced it
+_log = logging.getLogger("rlsync")
 
 
 class RlsyncSyncCallback(TrainerCallback):
@@ -65,6 +74,8 @@ class RlsyncSyncCallback(TrainerCallback):
                                   "before building the trainer")
             self.server = VllmServer(client.base_url, options=options)
         self._base: int | None = None
+        self._adapter_only: bool | None = None  # decided at the first sync, the same on every rank
+        self._adapters_kept = (max_staleness or 1) + 1  # adapter versions served: a sample may be max_staleness versions old
         generation.sync_weights = self._sync
         self._generate = trainer._generate_and_score_completions
         trainer._generate_and_score_completions = self._generate_and_stamp
@@ -79,22 +90,58 @@ class RlsyncSyncCallback(TrainerCallback):
     def _version_of(self, step: int) -> int:
         return (self._base or 0) + step + 1
 
+    def _route_is_adapter_only(self) -> bool:
+        """PEFT model, unsharded by FSDP, and a server serving LoRA: only the adapter is sent. Said once in the log."""
+        from accelerate.utils import broadcast_object_list, is_peft_model
+
+        if self._adapter_only is None:
+            peft = is_peft_model(self.generation.model)
+            choice = [False]
+            if self.server is not None:
+                serves_lora = bool(self.server.config().get("lora_config")) if peft else False
+                choice = [peft and serves_lora and not self.generation._dist.is_fsdp]
+                if choice[0]:
+                    _log.info("rlsync: adapter-only sync (PEFT model, LoRA server): each version is served as adapter "
+                              "policy@V and TRL's client generates with the newest")
+                elif peft:
+                    _log.warning("rlsync: merged-weight sync of a PEFT model: %s", "FSDP shards the adapter (adapter-only sync "
+                                 "does not gather it)" if serves_lora else f"the vLLM server at {self.server.url} serves no "
+                                 "LoRA; start it with --enable-lora --max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 "
+                                 "to send the adapter alone")
+            if self.trainer.accelerator.num_processes > 1:
+                broadcast_object_list(choice, from_process=0)
+            self._adapter_only = bool(choice[0])
+        return self._adapter_only
+
+    def _adapter(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The adapter's tensors (gathered under ZeRO-3, as TRL gathers for its merge: every rank takes part)."""
+        model = self.generation.model
+        with self.generation._dist.gather_params([p for n, p in model.named_parameters() if "lora_" in n or "modules_to_save" in n]):
+            tensors, config = lora_state(model)
+            return {n: t.clone() for n, t in tensors.items()}, config  # copies: the gathered memory goes on exit
+
     def _sync(self) -> None:
         """TRL's ``sync_weights``, through rlsync: every rank walks the parameters, the main process publishes."""
         step = self.trainer.state.global_step
         # every rank: under FSDP/ZeRO-3 the forward is collective, as the parameter walk below is
         canary = Canary.of(self.trainer.model) if self.options.canary else None
-        named = self.generation._iter_named_params()
-        if self.server is None:
-            for _ in named:  # take part in the gather collectives (FSDP, ZeRO-3)
-                pass
-            return
-        if self._base is None:
-            stats = self.server.publish(named, canary=canary)  # the next version after the server's live one
-            self._base = stats.version - step - 1
+        version = None if self._base is None else self._version_of(step)  # first: the next after the server's live one
+        if self._route_is_adapter_only():
+            tensors, config = self._adapter()
+            if self.server is None:
+                return
+            stats = self.server.publish_lora(tensors, config, version, keep=self._adapters_kept, canary=canary)
+            self.generation.vllm_client.model = stats.adapter  # TRL's requests name the newest adapter version
         else:
-            stats = self.server.publish(named, self._version_of(step), canary=canary)
-        self.server.reset_prefix_cache()  # cached prefixes were computed with the previous weights
+            named = self.generation._iter_named_params()
+            if self.server is None:
+                for _ in named:  # take part in the gather collectives (FSDP, ZeRO-3)
+                    pass
+                return
+            stats = self.server.publish(named, version, canary=canary)
+            self.server.reset_prefix_cache()  # cached prefixes were computed with the previous weights
+        if self._base is None:
+            self._base = stats.version - step - 1
         reported = self.server.weight_version()  # what vLLM stamps on its outputs from now on
         if reported != stats.label:
             raise VersionError(f"the vLLM server reports weight version {reported!r} after rlsync made {stats.label!r} live")

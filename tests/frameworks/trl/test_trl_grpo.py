@@ -16,7 +16,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.filterwarnings("ig
               pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 
-def _trainer(model_dir: Path, server: Any, tmp_path: Path, steps: int, lr: float = 3e-3, **config: Any) -> Any:
+def _trainer(model_dir: Path, server: Any, tmp_path: Path, steps: int, lr: float = 3e-3, peft_config: Any = None,
+             **config: Any) -> Any:
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -29,7 +30,7 @@ def _trainer(model_dir: Path, server: Any, tmp_path: Path, steps: int, lr: float
                       use_cpu=True, seed=0, **config)
     prompts = [f"w{i} w{(3 * i) % 24}" for i in range(64)]
     return GRPOTrainer(model=str(model_dir), reward_funcs=example.reward_target, args=args,
-                       train_dataset=Dataset.from_dict({"prompt": prompts}),
+                       train_dataset=Dataset.from_dict({"prompt": prompts}), peft_config=peft_config,
                        processing_class=AutoTokenizer.from_pretrained(model_dir.parent / "tokenizer"))
 
 
@@ -144,3 +145,54 @@ def test_a_version_the_server_computes_wrongly_is_refused_before_it_serves(model
     assert server.greedy(PROMPTS) == before
     assert client.publish(stepped.named_parameters(), canary=Canary.of(stepped)).version == 2  # a good one goes on
     client.close()
+
+
+LORA_RANK = 8
+
+
+@pytest.fixture
+def lora_server(model_dir: Path, tokenizer_dir: Path, tmp_path: Path) -> Any:
+    running = example.Server(model_dir, tokenizer_dir, tmp_path / "lora-server.log", lora_rank=LORA_RANK)
+    yield running
+    running.stop()
+
+
+def test_a_peft_run_sends_the_adapter_alone_and_generates_with_each_new_version(
+        model_dir: Path, lora_server: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """GRPOTrainer with a PEFT LoRA and a server serving LoRA: each sync moves the adapter's bytes (not the model's),
+    TRL's client generates with the newest adapter version, and that version answers as the same server serving the
+    trainer's adapter loaded from PEFT's ``save_pretrained`` (vLLM's own loader)."""
+    import logging
+
+    from peft import LoraConfig
+
+    from rlsync.adapters.trl import RlsyncSyncCallback
+
+    trainer = _trainer(model_dir, lora_server, tmp_path, steps=3, lr=5e-2,
+                       peft_config=LoraConfig(r=LORA_RANK, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    callback = RlsyncSyncCallback(trainer)
+    trainer.add_callback(callback)
+    rlsync_sync = trainer.vllm_generation.sync_weights
+    seen: list[tuple[str, list[list[int]], list[list[int]]]] = []
+
+    def sync_and_look() -> None:
+        rlsync_sync()
+        adapter = trainer.vllm_generation.vllm_client.model  # what TRL's generation requests name from now on
+        where = tmp_path / f"adapter-{len(seen)}"
+        trainer.model.save_pretrained(where)
+        lora_server.post("/v1/load_lora_adapter", {"lora_name": f"disk-{len(seen)}", "lora_path": str(where)})
+        seen.append((adapter, lora_server.greedy(PROMPTS, model=adapter), lora_server.greedy(PROMPTS, model=f"disk-{len(seen)}")))
+
+    trainer.vllm_generation.sync_weights = sync_and_look
+    with caplog.at_level(logging.INFO, logger="rlsync"):
+        trainer.train()
+    assert "adapter-only sync" in caplog.text
+    assert [adapter for adapter, *_ in seen] == ["policy@1", "policy@2", "policy@3"]
+    for adapter, synced, fresh in seen:
+        assert synced == fresh, adapter
+    assert len({str(synced) for _, synced, _ in seen}) >= 2  # the adapter moved and the server followed
+    adapter_bytes = sum(p.numel() * 2 for n, p in trainer.model.named_parameters() if "lora_" in n)  # bf16 on the wire
+    model_bytes = sum(p.numel() * 2 for p in trainer.model.parameters())
+    logged = [entry for entry in trainer.state.log_history if "rlsync/bytes" in entry]
+    assert len(logged) == 3 and all(entry["rlsync/bytes"] == adapter_bytes < model_bytes / 10 for entry in logged), logged
+    assert all(0 < entry["rlsync/canary_deviation"] < 0.05 for entry in logged), logged

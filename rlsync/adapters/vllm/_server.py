@@ -169,11 +169,13 @@ class VllmServer:
         (``NAME@VERSION``) if given."""
         if self._model is None:
             self._model = str(self.call("/v1/models", method="GET")["data"][0]["id"])
+        # one request for every row (the completions route takes a batch of token-id prompts)
+        answer = self.call("/v1/completions", {"model": model or self._model, "prompt": [list(row) for row in tokens],
+                                               "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0})
+        choices = sorted(answer["choices"], key=lambda choice: int(choice["index"]))
         rows = []
-        for row in tokens:
-            answer = self.call("/v1/completions", {"model": model or self._model, "prompt": list(row), "max_tokens": 1,
-                                                   "temperature": 0.0, "prompt_logprobs": 0})
-            positions = answer["choices"][0]["prompt_logprobs"][1:]
+        for choice, row in zip(choices, tokens):
+            positions = choice["prompt_logprobs"][1:]
             rows.append([float(position[str(token)]["logprob"]) for position, token in zip(positions, row[1:])])
         return rows
 

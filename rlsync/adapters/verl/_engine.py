@@ -14,6 +14,13 @@ byte from every actor rank has landed (and, with ``verify``, its checksums match
 ``send_weights`` return only once the rollout side has consumed it. A rank that dies mid-sync leaves the
 rollout side on the previous step: its ``receive_weights`` times out and verl's manager raises.
 
+LoRA: verl 0.9 hands a checkpoint engine what ``get_per_tensor_param()`` yields with its defaults. With
+``actor_rollout_ref.model.lora.merge=True`` that is the merged model (base + adapter), which syncs like any model.
+With ``merge=False`` it is the **base model alone**, renamed ``...q_proj.base_layer.weight`` (verl's
+``collect_lora_params(base_sync_done=False)`` and ``replace_lora_wrapper``), no adapter tensor and no adapter
+config: the rollout would sample from the initial policy for the whole run (verl issue #7495). That is refused at
+the first tensor, naming ``lora.merge=True``.
+
 Versions: rlsync's version counts syncs (it continues after the version a rollout worker serves, so a
 restarted trainer is accepted); ``global_steps`` (which may be None) is reported in the metrics.
 """
@@ -53,6 +60,16 @@ def for_server_adapter(tensor: torch.Tensor, bucket_size: int, device: torch.dev
     if device is None or tensor.numel() * tensor.element_size() <= bucket_size:
         return tensor
     return tensor.to(device)
+
+
+def refuse_base_without_adapter(name: str) -> None:
+    """A ``.base_layer.`` name is a LoRA model's base weight under its PEFT wrapper's name: what verl hands a checkpoint
+    engine without the adapter (see the module docstring)."""
+    if ".base_layer." in name:
+        raise ConfigError(f"verl handed the checkpoint engine {name!r}: a LoRA model's base weights without its adapter "
+                          "(verl 0.9 syncs only the base model to a checkpoint engine when the adapter is not merged), "
+                          "so the rollout would keep sampling from the initial policy. Set "
+                          "actor_rollout_ref.model.lora.merge=True: the merged weights are synced")
 
 
 def _free_port(host: str) -> int:
@@ -131,6 +148,7 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         started = time.perf_counter()
         metas: list[TensorMeta] = []
         async for name, tensor in ensure_async_iterator(weights):  # drain it all: every rank takes part in each full_tensor()
+            refuse_base_without_adapter(name)  # every rank at the same tensor: none is left in a collective
             metas.append(TensorMeta(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)))
             self._keep_my_chunk(metas[-1], tensor)  # and the full tensor can go
         src = fsdp(metas, self._world)

@@ -262,3 +262,27 @@ def test_the_weights_end_in_a_vllm_engine_that_generates_like_a_fresh_one(model_
     before = subprocess.run([VLLM_PYTHON, "-c", GREEDY, str(model_dir), json.dumps(PROMPTS)], capture_output=True,
                             text=True, timeout=600, env=env)
     assert served != json.loads([x for x in before.stdout.splitlines() if x.startswith("GREEDY ")][0].removeprefix("GREEDY "))
+
+
+def test_a_lora_base_model_without_its_adapter_is_refused_naming_the_merge_option() -> None:
+    """verl 0.9 with an unmerged LoRA hands a checkpoint engine ``get_per_tensor_param()``'s defaults: the base model
+    alone, under PEFT's ``.base_layer`` names (its own ``collect_lora_params`` and ``replace_lora_wrapper``, run here on
+    a real PEFT model). Synced silently, the rollout would sample from the initial policy all run (verl #7495)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from verl.utils.fsdp_utils import collect_lora_params, replace_lora_wrapper
+
+    from rlsync import ConfigError
+    from rlsync.adapters.verl import RlsyncCheckpointEngine
+
+    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1)
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    model = get_peft_model(Qwen2ForCausalLM(config), peft_config)
+    params = collect_lora_params(module=model, layered_summon=False, base_sync_done=False)
+    handed = {replace_lora_wrapper(k, peft_config): v for k, v in params.items()}  # as FSDPEngine.get_per_tensor_param
+    assert not any("lora_" in name for name in handed)  # no adapter tensor reaches the checkpoint engine
+    engine = RlsyncCheckpointEngine(bucket_size=1 << 20)
+    engine.init_process_group("actor", 0, 1, ["tcp://127.0.0.1:9"])
+    with pytest.raises(ConfigError, match=r"base weights without its adapter .* actor_rollout_ref\.model\.lora\.merge=True"):
+        asyncio.run(engine.send_weights(iter(handed.items()), global_steps=1))

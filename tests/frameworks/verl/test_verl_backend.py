@@ -66,7 +66,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class Cluster:
-    def __init__(self, model_dir: Path, engine_kwargs: dict[str, Any], vllm: tuple[str, str] | None = None) -> None:
+    def __init__(self, model_dir: Path, engine_kwargs: dict[str, Any], vllm: tuple[str, str] | None = None,
+                 lora: bool = False) -> None:
         import verl_workers
         from verl.checkpoint_engine import CheckpointEngineManager
         from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
@@ -80,7 +81,7 @@ class Cluster:
         self.trainer = RayWorkerGroup(
             resource_pool=RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1),
             ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(verl_workers.FsdpTrainer),
-                                                   checkpoint_engine_config=self.config, model_dir=str(model_dir),
+                                                   checkpoint_engine_config=self.config, model_dir=str(model_dir), lora=lora,
                                                    store=str(Path(tempfile.mkdtemp(prefix="rlsync-verl-")) / "store")),
             device_name="cpu")
         self.rollout = RayWorkerGroup(
@@ -286,3 +287,21 @@ def test_a_lora_base_model_without_its_adapter_is_refused_naming_the_merge_optio
     engine.init_process_group("actor", 0, 1, ["tcp://127.0.0.1:9"])
     with pytest.raises(ConfigError, match=r"base weights without its adapter .* actor_rollout_ref\.model\.lora\.merge=True"):
         asyncio.run(engine.send_weights(iter(handed.items()), global_steps=1))
+
+
+def test_a_merged_lora_reaches_the_rollout_with_its_adapter(model_dir: Path, ray_cluster: None, clusters: list[Cluster]) -> None:
+    """``lora.merge=True``: verl's merged weights (its own ``merged_lora_context``) land on every rollout worker and
+    carry each step's adapter: equal to base + scale * B @ A of the trainer's current adapter, not the base model."""
+    cluster = Cluster(model_dir, {"timeout": 120}, lora=True)
+    clusters.append(cluster)
+    for step in (1, 2):
+        cluster.trainer.train_step(step)  # moves every parameter, the adapter's A and B too
+        cluster.manager.update_weights(global_steps=step)
+        merged = cluster.trainer.merged_state()[0]
+        for weights, _ in cluster.received():
+            assert weights.keys() == merged.keys()
+            for name, tensor in merged.items():
+                torch.testing.assert_close(weights[name].float(), tensor, atol=0.01, rtol=0.01, msg=f"step {step} {name}")
+        q = "model.layers.0.self_attn.q_proj.weight"
+        base = cluster.trainer.full_state()[0]["base_model.model." + q.replace(".weight", ".base_layer.weight")].float()
+        assert (weights[q].float() - base).abs().mean() > 0.05, "the rollout got the base weights without the adapter"

@@ -5,7 +5,9 @@ Two stand-ins, each for a part of verl that cannot run on a CPU-only machine:
   ``ActorRolloutRefWorker.update_weights``, which asks for "cpu:gloo,cuda:nccl" and cannot start here). It holds
   a real tiny transformers Qwen2 under torch FSDP2 (``fully_shard`` on a CPU gloo mesh) and sends what verl's FSDP
   engine's ``get_per_tensor_param`` yields: ``(name, param.full_tensor())`` for every parameter, drained by every
-  rank (``full_tensor`` is collective), into ``checkpoint_engine.send_weights(..., global_steps=...)``.
+  rank (``full_tensor`` is collective), into ``checkpoint_engine.send_weights(..., global_steps=...)``. With
+  ``lora=True`` the model is a PEFT LoRA and it yields what that engine's ``_merged_lora_per_tensor_param`` yields
+  under ``lora.merge=True``, through verl's own ``merged_lora_context`` and ``normalize_peft_param_name``.
 - ``RecordingServerAdapter`` is a FAKE of verl's rollout server adapter (``verl/workers/rollout/base.py``
   ``BaseRollout.update_weights``; verl's vLLM adapter needs a GPU engine): it consumes the generator verl's own
   ``CheckpointEngineWorker.update_weights`` hands it and keeps copies of the tensors and ``global_steps``.
@@ -34,7 +36,7 @@ from rlsync import SyncOptions
 class FsdpTrainer(Worker):  # type: ignore[misc]
     """FAKE of verl's trainer worker; see the module docstring."""
 
-    def __init__(self, checkpoint_engine_config: Any, model_dir: str, store: str) -> None:
+    def __init__(self, checkpoint_engine_config: Any, model_dir: str, store: str, lora: bool = False) -> None:
         super().__init__()
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -47,8 +49,17 @@ class FsdpTrainer(Worker):  # type: ignore[misc]
                                 world_size=int(os.environ["WORLD_SIZE"]))
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
         model.model.norm.float()  # mixed dtypes: one float32 tensor among bf16 ones
+        self.lora = lora
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+            with torch.no_grad():  # an adapter some steps into training (PEFT starts B at zero: no effect yet)
+                for name, p in model.named_parameters():
+                    if "lora_B" in name:
+                        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)) * 0.5)
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for layer in model.model.layers:
+        for layer in (model.base_model.model if lora else model).model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         self.model = model
@@ -78,6 +89,22 @@ class FsdpTrainer(Worker):  # type: ignore[misc]
         return {name: p.full_tensor().detach().clone() for name, p in self.model.named_parameters()}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def merged_state(self) -> dict[str, torch.Tensor]:
+        """The LoRA model's weights with the adapter folded in (W + scale * B @ A), computed here from the parts."""
+        state = {name: p.full_tensor().detach().float() for name, p in self.model.named_parameters()}
+        merged = {}
+        for name, weight in state.items():
+            if "lora_" in name:
+                continue
+            base = name.replace(".base_layer", "")
+            a = state.get(name.replace("base_layer.weight", "lora_A.default.weight"))
+            if name.endswith(".base_layer.weight") and a is not None:
+                b = state[name.replace("base_layer.weight", "lora_B.default.weight")]
+                weight = weight + 2.0 * (b @ a)  # lora_alpha / r
+            merged[base.replace("base_model.model.", "")] = weight
+        return merged
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def die_in_next_sync(self, rank: int, after: int) -> None:
         """Rank ``rank`` is SIGKILLed after yielding ``after`` tensors of the next sync."""
         if torch.distributed.get_rank() == rank:
@@ -85,6 +112,9 @@ class FsdpTrainer(Worker):  # type: ignore[misc]
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     async def update_weights(self, global_steps: int | None = None, mode: str = "auto") -> Any:
+        if self.lora:
+            return await self.checkpoint_engine.send_weights(self._merged_lora_per_tensor_param(), global_steps=global_steps)
+
         def per_tensor_param() -> Any:
             for i, (name, p) in enumerate(self.model.named_parameters()):
                 if self.die_after is not None and i == self.die_after:
@@ -92,6 +122,15 @@ class FsdpTrainer(Worker):  # type: ignore[misc]
                 yield name, p.full_tensor()
 
         return await self.checkpoint_engine.send_weights(per_tensor_param(), global_steps=global_steps)
+
+    def _merged_lora_per_tensor_param(self) -> Any:
+        """As verl's FSDP engine yields a LoRA model with ``lora.merge=True`` (its ``_merged_lora_per_tensor_param``)."""
+        from torch.distributed.tensor import DTensor
+        from verl.utils.fsdp_utils import merged_lora_context, normalize_peft_param_name
+
+        with merged_lora_context(self.model, backup_adapters=True):
+            for name, param in normalize_peft_param_name(self.model.state_dict()).items():
+                yield name, param.full_tensor().to(torch.bfloat16) if isinstance(param, DTensor) else param.detach().clone()
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
     def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:

@@ -29,6 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from typing import Any
 
+import torch
+
 from rlsync import Canary, ConfigError, SyncOptions, TensorMeta, WeightsWriter, __version__
 from rlsync.adapters.openrlhf._versions import clock
 from rlsync.adapters.openrlhf._worker import APPLY, HANDSHAKE, SETTLE
@@ -43,11 +45,28 @@ def _options() -> dict[str, Any]:
     return {**DEFAULTS, **(options() or {})}
 
 
-def _params(trainer: Any) -> list[tuple[str, Any]]:
-    """The parameters OpenRLHF syncs, in its order (a VLM's frozen vision tower is left out, as OpenRLHF does)."""
+def _params(trainer: Any) -> list[tuple[str, Any, Any]]:
+    """``(name in the engine's checkpoint, parameter, LoRA layer or None)`` of what OpenRLHF syncs, in its order (a
+    VLM's frozen vision tower is left out, as OpenRLHF does). A LoRA actor (``--ds.lora.rank``) syncs merged: each
+    adapted weight goes as base + its LoRA layer's delta (OpenRLHF's engines serve no adapters), under the base
+    model's names; the adapter's own tensors are not sent."""
     model = trainer.actor.model.module
     is_vlm = getattr(trainer.actor, "is_vlm", False)
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad or not is_vlm]
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad or not is_vlm or "lora_" in n]
+    if not hasattr(model, "peft_config"):
+        return [(n, p, None) for n, p in params]
+    if any(hasattr(p, "ds_tensor") for _, p in params):
+        raise ConfigError("rlsync syncs a LoRA actor merged, and under ZeRO-3 each rank would need the whole adapter of "
+                          "every layer gathered: not supported yet. Train the LoRA with --ds.zero_stage 2 (the adapter is "
+                          "small: ZeRO-3 saves little memory on it), or run with --weight-sync openrlhf")
+    synced = []
+    for name, param in params:
+        if "lora_" in name or ".original_module." in name:
+            continue  # the adapter goes merged into its base weight; a modules_to_save copy replaces its original
+        layer = model.get_submodule(name.rsplit(".base_layer", 1)[0]) if name.endswith(".base_layer.weight") else None
+        plain = name.removeprefix("base_model.model.").replace(".base_layer", "").replace(".modules_to_save.default", "")
+        synced.append((plain, param, layer))
+    return synced
 
 
 def _meta(name: str, param: Any) -> TensorMeta:
@@ -62,7 +81,7 @@ def init_vllm_sync_group(self: Any, backend: str) -> None:
     opts = _options()
     hello = {"rlsync": __version__, "openrlhf": installed_version(), "transport": opts["transport"],
              "host": opts["host"], "timeout": float(opts["timeout"]), "canary": bool(opts["canary"]),
-             "tensors": [[m.name, m.dtype, list(m.shape)] for m in (_meta(n, p) for n, p in _params(self))]}
+             "tensors": [[m.name, m.dtype, list(m.shape)] for m in (_meta(n, p) for n, p, _ in _params(self))]}
     address = HANDSHAKE + json.dumps(hello)
     refs = [engine.init_process_group.remote(address, 0, 0, 0, "rlsync", backend, False) for engine in self.vllm_engines]
     try:
@@ -82,7 +101,7 @@ def _my_parts(trainer: Any, rank: int, world: int) -> dict[str, Any]:
     """This rank's flat part of every parameter where it lives (``flat_partitions``' buffers of ``rank``): the writer
     copies device memory into host buffers it allocates once."""
     parts = {}
-    for name, param in _params(trainer):
+    for name, param, lora in _params(trainer):
         numel = int(getattr(param, "ds_numel", param.numel()))
         size = -(-numel // world)
         lo, hi = min(rank * size, numel), min((rank + 1) * size, numel)
@@ -90,6 +109,9 @@ def _my_parts(trainer: Any, rank: int, world: int) -> dict[str, Any]:
             continue
         if hasattr(param, "ds_tensor"):  # ZeRO-3: this rank's partition, padded to ``size``: no gather
             flat = param.ds_tensor.detach().reshape(-1)[: hi - lo]
+        elif lora is not None:  # a LoRA actor: this part of the merged weight (PEFT's own delta: B @ A times scaling)
+            with torch.no_grad():
+                flat = (param.detach() + lora.get_delta_weight(lora.active_adapters[0]).to(param.dtype)).reshape(-1)[lo:hi]
         else:  # ZeRO-1/2: the whole parameter is here; send one part of it
             flat = param.detach().reshape(-1)[lo:hi]
         parts[name] = flat
@@ -147,7 +169,7 @@ def broadcast_to_vllm(self: Any) -> None:
         dist.broadcast_object_list(box, src=0)
         if box[0] is None:
             raise ConfigError("rlsync's weight sync was not initialised on trainer rank 0 (no vLLM engines?)")
-        src = flat_partitions([_meta(n, p) for n, p in _params(self)], world)
+        src = flat_partitions([_meta(n, p) for n, p, _ in _params(self)], world)
         options = SyncOptions(transport=opts["transport"], timeout=float(opts["timeout"]), wire=opts.get("wire", "full"),
                               canary=bool(opts["canary"]))
         self._rlsync_writers = [WeightsWriter(src, None, rank, engine, options=options)

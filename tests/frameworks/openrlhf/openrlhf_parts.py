@@ -45,6 +45,19 @@ class FakeStrategy:
                                     train=SimpleNamespace(async_enable=False, partial_rollout_enable=False))
 
 
+def lora(seed: int) -> torch.nn.Module:
+    """The model of 100 under a PEFT LoRA (as OpenRLHF's ``Actor`` wraps it for ``--ds.lora.rank 8``) whose adapter has
+    moved (B from ``seed``: PEFT starts B at zero)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(models.build("qwen2", 100), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.5)
+    return model
+
+
 def fake_zero3(model: torch.nn.Module, rank: int, world: int) -> None:
     import torch.distributed as dist
 
@@ -95,8 +108,8 @@ class TrainerRank:
 
         return {name: getattr(ActorPPOTrainer, name).__module__ for name in ("_init_vllm_sync_group", "broadcast_to_vllm")}
 
-    def load(self, seed: int, nudge: bool = False) -> None:
-        model = nudged(seed) if nudge else models.build("qwen2", seed)
+    def load(self, seed: int, nudge: bool = False, with_lora: bool = False) -> None:
+        model = lora(seed) if with_lora else nudged(seed) if nudge else models.build("qwen2", seed)
         if self.zero_stage == 3:
             fake_zero3(model, self.rank, self.world)
         self.trainer.actor.model.module = model

@@ -138,6 +138,38 @@ def test_replicas_that_diverged_are_refused_by_the_canary_and_the_engine_keeps_s
         ray.kill(actor)
 
 
+@pytest.mark.timeout(600)
+def test_a_lora_actor_syncs_merged_and_the_engine_serves_its_adapter(launched_ray: dict[str, object], tmp_path: Path) -> None:
+    """``--ds.lora.rank``: OpenRLHF's engines serve no adapters, so each version goes merged (base + B @ A x scaling,
+    PEFT's own delta) under the base model's names; the engine then generates as a fresh one loading PEFT's
+    ``merge_and_unload()``. Under ZeRO-3 it is refused at init, naming ZeRO-2."""
+    import ray
+
+    from rlsync import ConfigError
+
+    model_dir = tmp_path / "v0"
+    parts.models.build("qwen2", 100).save_pretrained(model_dir)
+    engine = _engine(model_dir)
+    ranks = _ranks([engine], zero_stage=2)
+    ray.get([r.load.remote(11, with_lora=True) for r in ranks])
+    ray.get([r.init_sync.remote() for r in ranks])
+    for version, seed in ((1, 11), (2, 12)):
+        ray.get([r.load.remote(seed, with_lora=True) for r in ranks])
+        assert ray.get([r.sync.remote() for r in ranks]) == [version, version]
+        parts.lora(seed).merge_and_unload().save_pretrained(tmp_path / f"v{version}")
+        assert parts.greedy_of_engine(engine) == parts.fresh_greedy(str(tmp_path / f"v{version}")), f"version {version}"
+    assert parts.greedy_of_engine(engine) != parts.fresh_greedy(str(model_dir))  # the adapter is what changed it
+    zero3 = _ranks([engine], zero_stage=3)
+    ray.get([r.load.remote(11, with_lora=True) for r in zero3])
+    with pytest.raises(ConfigError, match="--ds.zero_stage 2"):
+        try:
+            ray.get(zero3[0].init_sync.remote(), timeout=120)
+        except ray.exceptions.RayTaskError as exc:
+            raise exc.cause from None
+    for actor in (*ranks, *zero3, engine):
+        ray.kill(actor)
+
+
 def test_the_canary_is_left_out_only_where_openrlhf_keeps_the_engine_from_generating() -> None:
     from rlsync.adapters.openrlhf._trainer import _canary_checked
 

@@ -56,6 +56,13 @@ class SyncOptions:
             raise ConfigError(f"timeout={self.timeout!r}: a number of seconds above 0")
 
     @property
+    def link_options(self) -> dict[str, Any]:
+        """What the transport's landings and links get: the reader's address and the secret (a reader's landing
+        listens where its control socket does, with the same secret), the timeout (a link that waits longer on a
+        lost peer would outlive its version), then ``transport_options`` as they are."""
+        return {"host": self.host, "secret": self.secret, "timeout": self.timeout, **(self.transport_options or {})}
+
+    @property
     def delta(self) -> bool:
         """Whether a writer sends only what changed where it can."""
         return "delta" in self.wire

@@ -122,7 +122,7 @@ class WeightsReader:
         self._pair_runs: dict[tuple[int, int], PairRuns] = {}
         self._tensors_of: dict[tuple[int, str], str] = {}  # (writer rank, its buffer) -> the tensor it holds
         self._transport = resolve_transport(options.transport, self._plugins)
-        self._transport_options = options.transport_options
+        self._transport_options = options.link_options
         self._landing: Landing | None = None
         if dst is not None:
             self._set_dst(dst)

@@ -115,7 +115,7 @@ class WeightsWriter:
         self._specs = {b.name: b for b in src.buffers if b.rank == rank}
         self._needed = {name for groups in self._runs.values() for name, _ in groups}
         self._transport = resolve_transport(options.transport, self._plugins)
-        self._options = options.transport_options
+        self._options = options.link_options
         self._secret = secret
         self._checksum = options.verify
         self.timeout = timeout

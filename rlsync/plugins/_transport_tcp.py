@@ -92,8 +92,10 @@ class TcpLanding(Landing):
 class TcpLink(Link):
     def __init__(self, description: dict[str, Any], options: Mapping[str, Any] | None = None) -> None:
         host, port = description["host"], int(description["port"])
+        # the writer's timeout: a partitioned network fails a send or a flush within it, not after a fixed wait
+        timeout = float((options or {}).get("timeout") or 30.0)
         try:
-            self._sock = socket.create_connection((host, port), timeout=30)
+            self._sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
             raise PeerLostError(f"cannot reach the reader's tcp landing at {host}:{port}: {exc}") from exc
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -102,8 +102,20 @@ def writer_main(args: argparse.Namespace) -> None:
         scatter(src, args.rank, (delta_values if args.delta else values)(src, version), buffers)
         dtypes = {b.name: b.dtype for b in src.buffers if b.rank == args.rank}
         writer.multi_put({name: torch.from_numpy(buf).view(getattr(torch, dtypes[name])) for name, buf in buffers.items()})
-        writer.complete(version)
-        print(json.dumps({"completed": version, "bytes": writer.last_bytes}), flush=True)
+        if args.wait_for:  # a test cuts the network here (the version's bytes are put, not yet complete)
+            print(json.dumps({"put": version}), flush=True)
+            while not os.path.exists(f"{args.wait_for}.{version}"):
+                time.sleep(0.01)
+        started = time.monotonic()
+        try:
+            writer.complete(version)
+        except Exception as exc:  # noqa: BLE001 - reported; --keep-going goes on with the next version
+            print(json.dumps({"failed": version, "error": f"{type(exc).__name__}: {exc}",
+                              "seconds": time.monotonic() - started}), flush=True)
+            if not args.keep_going:
+                raise
+            continue
+        print(json.dumps({"completed": version, "bytes": writer.last_bytes, "seconds": time.monotonic() - started}), flush=True)
     writer.close()
 
 
@@ -111,14 +123,28 @@ def reader_main(args: argparse.Namespace) -> None:
     from rlsync import WeightsReader
 
     src, dst = layouts(args.layout)
-    reader = WeightsReader(src, dst, args.rank, options=SyncOptions(transport=args.transport))
+    try:
+        reader = WeightsReader(src, dst, args.rank, options=SyncOptions(transport=args.transport, host=args.host))
+    except Exception as exc:  # noqa: BLE001 - a refused configuration is what some tests look for
+        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+        return
     print(json.dumps({"address": reader.address}), flush=True)
     deadline = time.monotonic() + args.timeout
     seen: int | None = None
+    refused: str | None = None
     while time.monotonic() < deadline:
+        if reader.refusal != refused:
+            refused = reader.refusal
+            print(json.dumps({"refused": refused}), flush=True)
         if reader.version != seen:
             seen = reader.version
-            print(json.dumps({"version": seen}), flush=True)
+            report: dict[str, object] = {"version": seen}
+            if args.check and seen > 0:  # every byte that landed, against the values the writer sent for it
+                expected = values(dst, seen)
+                got = {name: np.empty_like(array) for name, array in expected.items()}
+                reader.multi_get(got)
+                report["exact"] = all(np.array_equal(got[n], expected[n]) for n in expected)
+            print(json.dumps(report), flush=True)
         time.sleep(0.01)
     reader.close()
 
@@ -135,6 +161,10 @@ if __name__ == "__main__":
     parser.add_argument("--checksum", action="store_true")
     parser.add_argument("--die-after-writes", type=int, default=0)
     parser.add_argument("--delta", action="store_true", help="send deltas; versions change a few values each")
+    parser.add_argument("--host", default="127.0.0.1", help="reader: the address it listens on")
+    parser.add_argument("--check", action="store_true", help="reader: compare every landed version with its values")
+    parser.add_argument("--wait-for", default="", help="writer: before completing version V, wait for file PATH.V")
+    parser.add_argument("--keep-going", action="store_true", help="writer: a version that fails is reported, then the next")
     ns = parser.parse_args()
     (writer_main if ns.role == "writer" else reader_main)(ns)
     sys.exit(0)

@@ -1,0 +1,96 @@
+"""Hostile input on the control plane: every control message type, fuzzed (hypothesis), sent to a live reader from a
+peer that is not an rlsync writer. Well-formed frames of every type with wrong field types, unknown fields, huge
+numbers (versions, slots, ranks, byte counts a frame merely claims), random bytes and wrong frame counts. The
+reader answers each with a refusal or drops it, its memory does not grow by what the frames claim, and afterwards a
+real writer's version lands and serves."""
+
+from __future__ import annotations
+
+import resource
+import threading
+import time
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rlsync import StagedReceiver, SyncOptions, WeightsWriter
+from rlsync.layouts import from_state_dict
+
+TENSORS = [["model.embed_tokens.weight", "float32", [16, 8]], ["model.norm.weight", "float32", [8]]]
+STATE = {"model.embed_tokens.weight": torch.randn(16, 8), "model.norm.weight": torch.randn(8)}
+TYPES = ["Hello", "AskLayout", "LayoutIs", "Welcome", "Refuse", "Done", "Ack", "Begin", "Go", "Nonsense"]
+EXAMPLES = 150  # per message type
+
+huge = st.sampled_from([2**31, 2**40, 2**63 - 1, -(2**63), -1, 0])
+value: st.SearchStrategy[Any] = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | huge | st.floats(allow_nan=True) | st.text(max_size=20) | st.binary(max_size=64),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12)
+FIELDS = ["writer_rank", "src_fingerprint", "dst_fingerprint", "dst_tensors", "session", "src", "delta", "checksums",
+          "layout", "live_version", "reader_rank", "transport", "description", "next_slot", "inbox", "inbox_offset",
+          "inbox_capacity", "reason", "kind", "version", "slot", "delta_base", "delta_nbytes", "canary", "digest"]
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Any:
+    with StagedReceiver(TENSORS, options=SyncOptions(timeout=30)) as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def peer(receiver: StagedReceiver) -> Any:
+    sock = zmq.Context.instance().socket(zmq.DEALER)  # a process on the reader's host, not an rlsync writer
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(receiver.address)
+    yield sock
+    sock.close()
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_every_message_type_fuzzed_is_refused_or_dropped(kind: str, receiver: StagedReceiver, peer: Any) -> None:
+    before = _peak_rss_mb()
+
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(fields=st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=8), value, max_size=8),
+           shape=st.sampled_from(["message", "message", "bytes", "one-frame", "four-frames"]))
+    def send(fields: dict[str, Any], shape: str) -> None:
+        payload = msgspec.msgpack.encode({"type": kind, **fields})
+        frames = {"message": [payload, b""], "bytes": [bytes(fields.get("session", b"\x00garbage"), "utf-8")
+                                                        if isinstance(fields.get("session"), str) else b"\xc1\xff", b""],
+                  "one-frame": [payload], "four-frames": [payload, b"", b"", b""]}[shape]
+        peer.send_multipart(frames)
+
+    send()
+    time.sleep(0.5)  # the reader's thread has taken them all
+    assert _peak_rss_mb() - before < 256, "the reader allocated what hostile frames claimed"
+    assert receiver.reader._thread.is_alive()  # type: ignore[attr-defined]
+
+
+def test_after_the_fuzzing_a_real_writer_still_lands_a_version(receiver: StagedReceiver) -> None:
+    writer = WeightsWriter(from_state_dict(STATE), None, 0, [receiver.address], options=SyncOptions(timeout=30))
+    try:
+        writer.multi_put(STATE)
+        got: dict[str, Any] = {}
+
+        def engine() -> None:
+            version, views, finish = receiver.next(30)
+            got.update(version=version, views={n: t.clone() for n, t in views})
+            finish(None)
+
+        thread = threading.Thread(target=engine)
+        thread.start()
+        writer.complete(max(1, writer.next_version))
+        thread.join(30)
+        assert torch.equal(got["views"]["model.norm.weight"].view(torch.float32), STATE["model.norm.weight"])
+    finally:
+        writer.close()
+

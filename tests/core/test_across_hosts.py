@@ -41,6 +41,8 @@ class Peer:
 
     def __init__(self, hosts: TestHosts, host: int, args: list[str], secret: str | None) -> None:
         env = {k: v for k, v in os.environ.items() if k != "RLSYNC_SECRET"}
+        # NIXL's UCX would take shared memory between namespaces of one kernel: TCP, as between real hosts
+        env["UCX_TLS"] = "tcp"
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
         if secret is not None:
             env["RLSYNC_SECRET"] = secret
@@ -86,21 +88,25 @@ class Peer:
         return self.reports
 
 
-def _reader(hosts: TestHosts, secret: str | None, seconds: float = 90.0) -> Peer:
-    return Peer(hosts, 1, ["reader", "--transport", "tcp", "--host", hosts.addresses[1], "--check",
+def _reader(hosts: TestHosts, secret: str | None, seconds: float = 90.0, transport: str = "tcp") -> Peer:
+    return Peer(hosts, 1, ["reader", "--transport", transport, "--host", hosts.addresses[1], "--check",
                            "--timeout", str(seconds)], secret)
 
 
-def _writer(hosts: TestHosts, address: str, versions: list[int], secret: str | None, *extra: str) -> Peer:
-    return Peer(hosts, 0, ["writer", "--transport", "tcp", "--readers", json.dumps({"0": address}), "--versions",
+def _writer(hosts: TestHosts, address: str, versions: list[int], secret: str | None, *extra: str,
+            transport: str = "tcp") -> Peer:
+    return Peer(hosts, 0, ["writer", "--transport", transport, "--readers", json.dumps({"0": address}), "--versions",
                            *map(str, versions), *extra], secret)
 
 
-def test_versions_land_exactly_across_hosts_with_the_shared_secret(hosts: TestHosts) -> None:
-    reader = _reader(hosts, SECRET)
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("nixl", marks=pytest.mark.nixl)])
+def test_versions_land_exactly_across_hosts_with_the_shared_secret(hosts: TestHosts, transport: str) -> None:
+    if transport == "nixl":
+        pytest.importorskip("nixl")
+    reader = _reader(hosts, SECRET, transport=transport)
     address = reader.next("address")["address"]
     assert hosts.addresses[1] in address  # a real address of the reader's host, not loopback
-    writer = _writer(hosts, address, [1, 2, 3], SECRET, "--timeout", "30")
+    writer = _writer(hosts, address, [1, 2, 3], SECRET, "--timeout", "30", transport=transport)
     for version in (1, 2, 3):
         assert writer.next("completed")["completed"] == version
     landed = [r for r in reader.reports if "version" in r]

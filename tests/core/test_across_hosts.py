@@ -151,3 +151,68 @@ def test_a_partition_mid_version_keeps_the_old_version_and_the_next_lands_after_
     while landed["version"] != 3:
         landed = reader.next("version")
     assert all(r["exact"] for r in reader.reports if r.get("version", 0) > 0), reader.reports
+
+
+BUFFER = str(Path(__file__).parents[1] / "_support" / "buffer_peers.py")
+
+
+@pytest.mark.redis
+def test_the_redis_buffer_on_its_own_host_loses_and_repeats_nothing_across_a_partition(tmp_path: Path) -> None:
+    """Redis on host 2, a generator on host 0 and a trainer on host 1; the generator's host is cut off for 3 s in the
+    middle of its puts. Its put blocks (retrying) and goes on after the heal; the trainer gets every sample once.
+    A partition longer than the buffer's retry window raises ``RolloutBufferError`` naming Redis, and nothing the
+    generator put before it is lost."""
+    import shutil
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (Debian package 'redis-server')")
+    why = unavailable()
+    if why:
+        pytest.skip(f"no test hosts on this machine: {why}")
+    hosts = TestHosts(3)
+    try:
+        hosts.popen(2, ["redis-server", "--port", "6390", "--bind", hosts.addresses[2], "--protected-mode", "no",
+                        "--dir", str(tmp_path), "--save", "", "--appendonly", "no", "--daemonize", "no"],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url = f"redis://{hosts.addresses[2]}:6390/0"
+        time.sleep(1.0)
+        total = 400
+        producer = _buffer_peer(hosts, 0, ["produce", url, str(total)])
+        consumer = _buffer_peer(hosts, 1, ["consume", url, str(total)])
+        producer.next("put", timeout=60)
+        while producer.next("put", timeout=60)["put"] < 100:
+            pass
+        hosts.cut(0)  # the generator's host loses the network mid-stream
+        time.sleep(3.0)
+        hosts.heal(0)
+        done = producer.next("produced", timeout=120)
+        assert done["longest_put"] > 2.0  # it waited out the partition (retrying), then went on
+        got = consumer.next("got", timeout=120)["got"]
+        assert len(got) == len(set(got)) == total and set(got) == {f"s{i}" for i in range(total)}
+
+        # a partition longer than the retry window: the client hears it, by name
+        short = _buffer_peer(hosts, 0, ["produce", url, "200", "--retry", "2", "--first", "1000"])
+        while short.next("put", timeout=60)["put"] < 50:
+            pass
+        hosts.cut(0)
+        error = short.next("error", timeout=60)["error"]
+        assert "RolloutBufferError" in error and "Redis unreachable" in error, error
+        hosts.heal(0)
+        put = max(r["put"] for r in short.reports if "put" in r)
+        drain = _buffer_peer(hosts, 1, ["consume", url, str(put)])
+        got = drain.next("got", timeout=120)["got"]
+        assert len(got) == len(set(got)) == put  # everything acknowledged before the cut is there, once
+        assert set(got) == {f"s{1000 + i}" for i in range(put)}
+    finally:
+        hosts.close()
+
+
+def _buffer_peer(hosts: TestHosts, host: int, args: list[str]) -> Peer:
+    peer = Peer.__new__(Peer)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    peer.process = hosts.popen(host, [sys.executable, BUFFER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    peer.reports = []
+    peer._lines = queue.Queue()
+    threading.Thread(target=peer._read, daemon=True).start()
+    return peer

@@ -1,0 +1,57 @@
+"""The sampling mask, reapplied in the trainer: top-k and top-p change the action space a token was drawn from.
+
+An engine that samples with ``top_k``/``top_p`` draws each token from the renormalized kept set, and reports the
+log-prob under it (vLLM with ``logprobs_mode="processed_logprobs"``). A trainer that scores the same token under
+its full softmax gets a log-prob lower by the log of the kept mass, so the importance weight ``exp(trainer -
+behaviour)`` is biased low for every token of a sampled batch, not by a difference of policies. Reapplying the same
+mask to the trainer's logits gives the log-prob under the same action space.
+
+The mask follows vLLM's sampler (``vllm/v1/sample``, read for its order of operations): temperature first, then
+top-k (tokens whose logit is below the k-th largest are dropped), then top-p on what is left (a token is kept while
+the probability mass ranked strictly above it is below ``top_p``; the most likely token is always kept). Recorded
+compactly per token as the kept-set size (``kept_sizes``); the trainer rebuilds a mask of that size from its own
+logits (``kept=``), which tolerates the small logit differences between the two sides' kernels.
+
+Torch ops on whatever device the logits live on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sampling_mask(logits: torch.Tensor, *, top_k: int | None = None, top_p: float | None = None,
+                  kept: torch.Tensor | None = None) -> torch.Tensor:
+    """Which tokens the sampler could draw, per position: a bool tensor shaped like ``logits`` (``[..., vocab]``;
+    temperature already applied). ``kept`` (one size per position, e.g. recorded at generation): the top-``kept``
+    tokens instead of ``top_k``/``top_p``."""
+    if kept is not None:
+        order = logits.argsort(dim=-1, descending=True)
+        ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(logits.shape[-1], device=logits.device).expand_as(order))
+        return ranks < kept.to(logits.device).unsqueeze(-1)
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    if top_k is not None and 0 < top_k < logits.shape[-1]:
+        keep &= logits >= logits.topk(top_k, dim=-1).values[..., -1:]
+    if top_p is not None and top_p < 1.0:
+        probs = logits.masked_fill(~keep, float("-inf")).float().softmax(dim=-1)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        above = sorted_probs.cumsum(dim=-1) - sorted_probs  # the mass ranked strictly above each token
+        kept_sorted = above < top_p
+        kept_sorted[..., 0] = True
+        keep &= torch.zeros_like(keep).scatter_(-1, order, kept_sorted)
+    return keep
+
+
+def masked_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0, top_k: int | None = None,
+                    top_p: float | None = None, kept: torch.Tensor | None = None) -> torch.Tensor:
+    """log p(``tokens``) under the sampler's renormalized distribution: ``logits`` ``[..., vocab]`` (raw), ``tokens``
+    ``[...]``. A token outside the mask gets ``-inf`` (it could not have been sampled)."""
+    scaled = logits.float() / temperature
+    mask = sampling_mask(scaled, top_k=top_k, top_p=top_p, kept=kept)
+    return scaled.masked_fill(~mask, float("-inf")).log_softmax(dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def kept_sizes(processed_logprobs: torch.Tensor) -> torch.Tensor:
+    """The kept-set size per position from an engine's processed log-probs over the whole vocabulary (or its top-N
+    entries, when fewer than N survived the mask): how many are finite."""
+    return torch.isfinite(processed_logprobs).sum(dim=-1)

@@ -78,7 +78,9 @@ def writer_main(args: argparse.Namespace) -> None:
 
     src, dst = layouts(args.layout)
     readers = {int(k): v for k, v in json.loads(args.readers).items()}
-    writer = WeightsWriter(src, dst, args.rank, readers, options=SyncOptions(transport=args.transport, timeout=args.timeout, verify=args.checksum, wire="delta" if args.delta else "full"))
+    writer = WeightsWriter(src, None if args.replicas else dst, args.rank, readers,
+                           options=SyncOptions(transport=args.transport, timeout=args.timeout, verify=args.checksum,
+                                               wire="delta" if args.delta else "full"))
     if args.die_after_writes:
         budget = [args.die_after_writes]
         original_open = writer._transport.open
@@ -124,7 +126,11 @@ def reader_main(args: argparse.Namespace) -> None:
 
     src, dst = layouts(args.layout)
     try:
-        reader = WeightsReader(src, dst, args.rank, options=SyncOptions(transport=args.transport, host=args.host))
+        options = SyncOptions(transport=args.transport, host=args.host)
+        if args.replicas:  # one of N engines holding a whole copy each: the layout comes from the writers
+            reader = WeightsReader(None, None, args.rank, replicas=args.replicas, options=options)
+        else:
+            reader = WeightsReader(src, dst, args.rank, options=options)
     except Exception as exc:  # noqa: BLE001 - a refused configuration is what some tests look for
         print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
         return
@@ -140,7 +146,7 @@ def reader_main(args: argparse.Namespace) -> None:
             seen = reader.version
             report: dict[str, object] = {"version": seen}
             if args.check and seen > 0:  # every byte that landed, against the values the writer sent for it
-                expected = values(dst, seen)
+                expected = values(src if args.replicas else dst, seen)
                 got = {name: np.empty_like(array) for name, array in expected.items()}
                 reader.multi_get(got)
                 report["exact"] = all(np.array_equal(got[n], expected[n]) for n in expected)
@@ -165,6 +171,7 @@ if __name__ == "__main__":
     parser.add_argument("--check", action="store_true", help="reader: compare every landed version with its values")
     parser.add_argument("--wait-for", default="", help="writer: before completing version V, wait for file PATH.V")
     parser.add_argument("--keep-going", action="store_true", help="writer: a version that fails is reported, then the next")
+    parser.add_argument("--replicas", type=int, default=0, help="N engines that hold a whole copy each (layout from the writer)")
     ns = parser.parse_args()
     (writer_main if ns.role == "writer" else reader_main)(ns)
     sys.exit(0)

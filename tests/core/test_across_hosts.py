@@ -153,6 +153,48 @@ def test_a_partition_mid_version_keeps_the_old_version_and_the_next_lands_after_
     assert all(r["exact"] for r in reader.reports if r.get("version", 0) > 0), reader.reports
 
 
+def test_a_reader_host_that_disappears_fails_the_version_there_only(tmp_path: Path) -> None:
+    """Two engines (replicas) on two hosts, the writer on a third; one engine's host drops off the network while a
+    version is sent. What rlsync does (documented in docs/reliability.md): the version goes live on every engine
+    that got all of it, and the writer's ``complete`` raises within its timeout, naming the engine that did not and
+    where it is live. Back on the network, the next version reaches both engines again."""
+    why = unavailable()
+    if why:
+        pytest.skip(f"no test hosts on this machine: {why}")
+    hosts = TestHosts(3)
+    gate = str(tmp_path / "go")
+    try:
+        readers = [Peer(hosts, h, ["reader", "--transport", "tcp", "--host", hosts.addresses[h], "--check", "--replicas", "2",
+                                   "--rank", str(h - 1), "--timeout", "120"], SECRET) for h in (1, 2)]
+        addresses = {str(i): r.next("address")["address"] for i, r in enumerate(readers)}
+        writer = Peer(hosts, 0, ["writer", "--transport", "tcp", "--replicas", "2", "--readers", json.dumps(addresses),
+                                 "--versions", "1", "2", "3", "--timeout", "8", "--keep-going", "--wait-for", gate], SECRET)
+        Path(f"{gate}.1").touch()
+        assert writer.next("completed")["completed"] == 1
+        assert writer.next("put")["put"] == 2
+        hosts.cut(2)  # engine rank 1's host is gone
+        Path(f"{gate}.2").touch()
+        failed = writer.next("failed", timeout=60)
+        assert failed["failed"] == 2 and failed["seconds"] < 8 + 5, failed
+        assert "reader rank 1" in failed["error"] and "Live on reader ranks [0]" in failed["error"], failed
+        landed = readers[0].next("version")
+        while landed["version"] != 2:
+            landed = readers[0].next("version")
+        assert landed["exact"]  # the engine still on the network serves version 2, exactly
+        assert 2 not in [r["version"] for r in readers[1].drain(1.0) if "version" in r]
+        hosts.heal(2)
+        assert writer.next("put")["put"] == 3
+        Path(f"{gate}.3").touch()
+        assert writer.next("completed", timeout=60)["completed"] == 3  # both engines again
+        for reader in readers:
+            landed = reader.next("version")
+            while landed["version"] != 3:
+                landed = reader.next("version")
+            assert landed["exact"]
+    finally:
+        hosts.close()
+
+
 BUFFER = str(Path(__file__).parents[1] / "_support" / "buffer_peers.py")
 
 

@@ -6,11 +6,11 @@ sync, ``rlsync_lora_start``). ``VllmServer`` is the trainer's side of a stock vL
 ``--weight-transfer-config '{"backend": "rlsync"}'`` (its HTTP routes, no vLLM import). A driver that reaches its
 engine another way (an engine actor) checks the canary with ``canary_sampling_params`` and ``prompt_logprobs_of``."""
 
-from rlsync.adapters.vllm._driver import apply_next_version, canary_sampling_params, prompt_logprobs_of
+from rlsync.adapters.vllm._driver import apply_next_version, canary_sampling_params, prompt_logprobs_of, token_versions
 from rlsync.adapters.vllm._extension import RlsyncWorkerExtension
 from rlsync.adapters.vllm._lora import LORA_ID_BASE, apply_next_lora
 from rlsync.adapters.vllm._server import PublishStats, VllmServer, reserve_ports
 from rlsync.layouts import engine_layout
 
 __all__ = ["LORA_ID_BASE", "PublishStats", "RlsyncWorkerExtension", "VllmServer", "apply_next_lora", "apply_next_version",
-           "canary_sampling_params", "engine_layout", "prompt_logprobs_of", "reserve_ports"]
+           "canary_sampling_params", "engine_layout", "prompt_logprobs_of", "reserve_ports", "token_versions"]

@@ -5,7 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from rlsync import DEFAULT_TIMEOUT, Canary, VersionError, version_label
+
+STARTING_LABEL = "default"  # vLLM's weight version label before any update (``EngineCore._weight_version``)
 
 
 def apply_next_version(llm: Any, timeout: float = DEFAULT_TIMEOUT) -> int:
@@ -69,3 +73,19 @@ def prompt_logprobs_of(outputs: Sequence[Any], tokens: Sequence[Sequence[int]]) 
     canary's layout (``rlsync.Canary.logprobs``): from any route to the engine (``LLM``, an engine actor)."""
     return [[float(position[token].logprob) for position, token in zip(out.prompt_logprobs[1:], t[1:])]
             for out, t in zip(outputs, tokens)]
+
+
+def token_versions(completion: Any, *, base: int = 0) -> np.ndarray:
+    """The weight version that sampled each generated token of ``completion`` (vLLM's ``CompletionOutput``), from the
+    spans vLLM records (``weight_versions``) of the labels rlsync makes live ("V", "V+DIGEST", "NAME@V"): a request
+    that ran across a sync carries both versions, token by token. Tokens no label covers were sampled by the weights
+    the engine started with (vLLM labels them "default"): ``base``."""
+    versions = np.full(len(completion.token_ids), base, dtype=np.int64)
+    for span in completion.weight_versions or ():
+        if span.version == STARTING_LABEL:
+            continue
+        label = str(span.version).rsplit("@", 1)[-1].split("+", 1)[0]
+        if not label.lstrip("-").isdigit():
+            raise VersionError(f"weight version label {span.version!r} is not one of rlsync's ('V', 'V+DIGEST', 'NAME@V')")
+        versions[span.start:span.end] = int(label)
+    return versions

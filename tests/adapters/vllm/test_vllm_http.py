@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
@@ -85,6 +86,14 @@ def test_http_server_updates_through_its_weight_transfer_routes(arch: str, tmp_p
             fresh = common.engine(common.save(arch, seeds[version - 1], tmp_path / f"v{version}"))
             assert got[version] == common.generate(fresh), f"version {version}"
             del fresh
+        if arch == "qwen2":  # adapters into a server started without LoRA: refused, naming the flags
+            from rlsync import PeerLostError
+            from rlsync.adapters.vllm import VllmServer
+
+            with pytest.raises(PeerLostError, match="--enable-lora --max-lora-rank"):
+                VllmServer(base).publish_lora({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+                                               torch.zeros(8, 64)}, {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]})
+            assert _completions(base, model) == got[len(seeds)]  # the server serves on, unchanged
     finally:
         server.terminate()
         try:

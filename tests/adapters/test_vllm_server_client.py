@@ -82,3 +82,16 @@ def test_reserved_ports_are_consecutive_and_free() -> None:
         held.append(s)
     for s in held:
         s.close()
+
+
+def test_per_expert_lora_is_refused_by_name_before_anything_is_sent() -> None:
+    """PEFT LoRA on fused MoE expert parameters (``target_parameters``): not carried by the adapter route (vLLM 0.32
+    reads that 3D format only from a checkpoint), refused before the server is even asked."""
+    import torch
+
+    from rlsync import ConfigError
+
+    server = VllmServer(f"http://127.0.0.1:{reserve_ports('127.0.0.1', 1)}")  # nothing listens: no request is made
+    with pytest.raises(ConfigError, match="per-expert LoRA"):
+        server.publish_lora({"base_model.model.model.layers.0.mlp.experts.lora_A.weight": torch.zeros(8, 16)},
+                            {"r": 8, "target_modules": [], "target_parameters": ["mlp.experts.gate_up_proj"]})

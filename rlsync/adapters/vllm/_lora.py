@@ -43,6 +43,7 @@ class LoraReceiver:
         from vllm.distributed.parallel_state import get_world_group
         from vllm.lora.peft_helper import PEFTHelper
 
+        refuse_unsupported(peft_config)
         manager = getattr(worker.model_runner, "lora_manager", None)
         if manager is None:
             raise ConfigError("this vLLM engine serves no LoRA adapters: start it with enable_lora=True and "
@@ -128,6 +129,17 @@ class LoraReceiver:
 
     def close(self) -> None:
         self._staged.close()
+
+
+def refuse_unsupported(peft_config: Mapping[str, Any]) -> None:
+    """LoRA on fused MoE expert parameters (PEFT's ``target_parameters``, e.g. ``mlp.experts.gate_up_proj``): vLLM 0.32
+    reads such adapters only from a checkpoint directory in its 3D expert format, which this route does not build
+    (``build_lora`` passes no expert-parallel spec). Refused by name rather than served wrong."""
+    targets = peft_config.get("target_parameters") or []
+    if targets:
+        raise ConfigError(f"the adapter trains fused MoE expert parameters ({sorted(targets)[:3]}): rlsync's adapter-only "
+                          "sync does not carry per-expert LoRA yet. Sync merged weights instead (a server or engine "
+                          "started without LoRA gets them), or target the attention and dense projections only")
 
 
 def build_lora(manager: Any, lora_id: int, tensors: dict[str, Any], peft: Any, what: str) -> Any:

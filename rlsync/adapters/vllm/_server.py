@@ -34,6 +34,7 @@ from rlsync import (
     WeightsWriter,
     version_label,
 )
+from rlsync.adapters.vllm._lora import refuse_unsupported
 from rlsync.adapters.vllm._lora_versions import path_of
 from rlsync.layouts import from_state_dict, tied_aliases
 
@@ -230,6 +231,7 @@ class VllmServer:
         unloaded again and ``CanaryError`` raised. ``PublishStats.adapter`` is the name requests give
         (``NAME@VERSION``); ``PublishStats.label`` what ``/weight_info`` reports (the same, with the digest under verify).
         """
+        refuse_unsupported(peft_config)
         started = time.perf_counter()
         dtype = self._server_dtype()
         state = {n: _cast(t, dtype) for n, t in tensors.items()}

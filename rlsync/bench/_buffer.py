@@ -1,7 +1,8 @@
 """``rlsync bench --buffer``: put+get throughput of each rollout-buffer backend against the plain
 alternative a user would write instead, in the same run: ``queue.Queue`` (memory),
 ``ray.util.queue.Queue`` (ray), a bare ``XADD`` / ``XREADGROUP`` loop (redis). Samples carry 1k
-tokens; both sides move them in batches of 64."""
+tokens; both sides move them in batches of 64. The ``+routes`` rows carry MoE routing on every generated token too
+(48 layers x top-8 expert ids, as a large MoE records them: 192 KiB per sample)."""
 
 from __future__ import annotations
 
@@ -20,18 +21,21 @@ import numpy as np
 from rlsync import RolloutBuffer, Sample, decode_sample, encode_sample
 
 BATCH = 64
+ROUTES = (48, 8)  # MoE layers x experts per token, of 256 experts
 
 
-def make_samples(n: int) -> list[Sample]:
+def make_samples(n: int, routes: bool = False) -> list[Sample]:
     tokens = np.arange(1024, dtype=np.int32)
-    return [Sample(f"p{i}", tokens, 512, np.zeros(512, np.float32), np.zeros(512, np.int32)) for i in range(n)]
+    routed = np.random.default_rng(0).integers(0, 256, (512, *ROUTES)).astype(np.uint8) if routes else None
+    return [Sample(f"p{i}", tokens, 512, np.zeros(512, np.float32), np.zeros(512, np.int32), routes=routed)
+            for i in range(n)]
 
 
-def _rate(n: int, put: Callable[[list[Sample]], None], get: Callable[[], int], repeats: int) -> float:
+def _rate(n: int, put: Callable[[list[Sample]], None], get: Callable[[], int], repeats: int, routes: bool = False) -> float:
     """Best samples/s over ``repeats`` rounds of ``n`` fresh samples (fresh ids: Redis deduplicates)."""
     best = 0.0
     for _ in range(repeats):
-        samples = make_samples(n)
+        samples = make_samples(n, routes)
         started = time.perf_counter()
         moved = 0
         for at in range(0, len(samples), BATCH):
@@ -41,10 +45,10 @@ def _rate(n: int, put: Callable[[list[Sample]], None], get: Callable[[], int], r
     return best
 
 
-def bench_memory(repeats: int) -> tuple[float, float]:
+def bench_memory(repeats: int, routes: bool = False) -> tuple[float, float]:
     n = BATCH * 300
     buf = RolloutBuffer(batch_size=BATCH, max_staleness=1 << 30, on_stale="drop")
-    ours = _rate(n, buf.put, lambda: len(buf.get()), repeats)  # type: ignore[arg-type]
+    ours = _rate(n, buf.put, lambda: len(buf.get()), repeats, routes)  # type: ignore[arg-type]
     q: queue.Queue[Sample] = queue.Queue()
 
     def put(batch: list[Sample]) -> None:
@@ -54,7 +58,7 @@ def bench_memory(repeats: int) -> tuple[float, float]:
     def get() -> int:
         return len([q.get() for _ in range(BATCH)])
 
-    return ours, _rate(n, put, get, repeats)
+    return ours, _rate(n, put, get, repeats, routes)
 
 
 def bench_ray(repeats: int) -> tuple[float, float]:
@@ -96,7 +100,7 @@ def _redis_server(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
     return proc, f"redis://127.0.0.1:{port}/0"
 
 
-def bench_redis(repeats: int) -> tuple[float, float]:
+def bench_redis(repeats: int, routes: bool = False) -> tuple[float, float]:
     import redis
 
     from rlsync.plugins import RedisStorage
@@ -104,9 +108,9 @@ def bench_redis(repeats: int) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = _redis_server(tmp)
         try:
-            n = BATCH * 80
+            n = BATCH * (8 if routes else 80)  # routed samples are 192 KiB each: fewer of them
             buf = RolloutBuffer(batch_size=BATCH, max_staleness=1 << 30, on_stale="drop", storage=RedisStorage(url, name="bench"))
-            ours = _rate(n, buf.put, lambda: len(buf.get()), repeats)  # type: ignore[arg-type]
+            ours = _rate(n, buf.put, lambda: len(buf.get()), repeats, routes)  # type: ignore[arg-type]
             r = redis.Redis.from_url(url)
             r.xgroup_create("plain", "g", id="0", mkstream=True)
 
@@ -123,7 +127,7 @@ def bench_redis(repeats: int) -> tuple[float, float]:
                 r.xack("plain", "g", *[i for i, _ in entries])
                 return len(got)
 
-            return ours, _rate(n, put, get, repeats)
+            return ours, _rate(n, put, get, repeats, routes)
         finally:
             proc.kill()
             proc.wait()
@@ -133,16 +137,17 @@ def measure(repeats: int) -> dict[str, Any]:
     import importlib.util
 
     results = []
-    runs: list[tuple[str, Callable[[int], tuple[float, float]]]] = [("memory", bench_memory)]
+    runs: list[tuple[str, Callable[[int], tuple[float, float]]]] = [
+        ("memory", bench_memory), ("memory+routes", lambda r: bench_memory(r, routes=True))]
     if importlib.util.find_spec("ray"):
         runs.append(("ray", bench_ray))
     if importlib.util.find_spec("redis") and shutil.which("redis-server"):
-        runs.append(("redis", bench_redis))
+        runs += [("redis", bench_redis), ("redis+routes", lambda r: bench_redis(r, routes=True))]
     for name, fn in runs:
         ours, base = fn(repeats)
         results.append({"name": name, "kind": "backend", "samples_per_s": ours})
         results.append({"name": f"{name}-baseline", "kind": "baseline", "samples_per_s": base})
-    return {"sample_tokens": 1024, "batch": BATCH, "results": results}
+    return {"sample_tokens": 1024, "batch": BATCH, "routes": list(ROUTES), "results": results}
 
 
 def run(*, json_output: bool, repeats: int) -> None:
@@ -161,5 +166,6 @@ def run(*, json_output: bool, repeats: int) -> None:
         if r["kind"] == "backend":
             b = rows[f"{r['name']}-baseline"]
             table.add_row(r["name"], f"{r['samples_per_s']:,.0f}", {"memory": "queue.Queue", "ray": "ray.util.queue.Queue",
-                          "redis": "XADD/XREADGROUP"}[r["name"]], f"{b['samples_per_s']:,.0f}", f"{r['samples_per_s'] / b['samples_per_s']:.2f}x")
+                          "redis": "XADD/XREADGROUP"}[r["name"].split("+")[0]], f"{b['samples_per_s']:,.0f}",
+                          f"{r['samples_per_s'] / b['samples_per_s']:.2f}x")
     Console().print(table)

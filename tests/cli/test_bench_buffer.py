@@ -11,7 +11,7 @@ def test_bench_buffer_json_shape() -> None:
     assert out.returncode == 0, out.stderr
     results = json.loads(out.stdout)["results"]
     names = [r["name"] for r in results]
-    assert names[:2] == ["memory", "memory-baseline"]
+    assert names[:4] == ["memory", "memory-baseline", "memory+routes", "memory+routes-baseline"]  # routes: MoE per token
     for r in results:
         assert r["kind"] == ("baseline" if r["name"].endswith("-baseline") else "backend")
         assert r["samples_per_s"] > 0

@@ -78,14 +78,15 @@ class Cluster:
         rollout_config = RolloutConfig(name="vllm", tensor_model_parallel_size=1, data_parallel_size=1,
                                        pipeline_model_parallel_size=1, checkpoint_engine=self.config)
         model_config = HFModelConfig(path=str(model_dir), load_tokenizer=False)
+        self.pools = [RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1) for _ in range(2)]
         self.trainer = RayWorkerGroup(
-            resource_pool=RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1),
+            resource_pool=self.pools[0],
             ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(verl_workers.FsdpTrainer),
                                                    checkpoint_engine_config=self.config, model_dir=str(model_dir), lora=lora,
                                                    store=str(Path(tempfile.mkdtemp(prefix="rlsync-verl-")) / "store")),
             device_name="cpu")
         self.rollout = RayWorkerGroup(
-            resource_pool=RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1),
+            resource_pool=self.pools[1],
             ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(verl_workers.RecordingRollout),
                                                    rollout_config=rollout_config, model_config=model_config, vllm=vllm),
             device_name="cpu")
@@ -101,6 +102,9 @@ class Cluster:
     def close(self) -> None:
         for worker in [*self.trainer.workers, *self.rollout.workers]:
             ray.kill(worker)
+        for pool in self.pools:  # their CPUs go back to the module's Ray (16): a test can make any number of clusters
+            for pg in pool.pgs or ():
+                ray.util.remove_placement_group(pg)
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """Weights across hosts: a trainer and an engine reader on two test hosts (network namespaces on one virtual
-switch, ``tests/_support/test_hosts.py``), over tcp on non-loopback addresses. With the shared secret every version
+switch, ``tests/_support/netns_hosts.py``), over tcp on non-loopback addresses. With the shared secret every version
 lands exactly; without it the reader will not listen; with another one the writer is refused before a byte of
 weights moves, both sides naming the setting; a partition in the middle of a version leaves the reader on the
 previous version and fails the writer within its timeout, and once the link heals the next version lands with no
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _support.test_hosts import TestHosts, unavailable
+from _support.netns_hosts import TestHosts, unavailable
 
 pytestmark = pytest.mark.slow
 SCRIPT = str(Path(__file__).parents[1] / "_support" / "sync_processes.py")

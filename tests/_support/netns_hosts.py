@@ -5,7 +5,7 @@ down (this kernel has no ``netem``); ``heal`` sets it up again. Needs root and i
 
 Also a script (a developer's view of the same hosts)::
 
-    python tests/_support/test_hosts.py 3      # makes 3 hosts, prints their names and addresses, waits for Enter
+    python tests/_support/netns_hosts.py 3      # makes 3 hosts, prints their names and addresses, waits for Enter
 """
 
 from __future__ import annotations

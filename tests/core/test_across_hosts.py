@@ -37,18 +37,20 @@ def hosts() -> Iterator[TestHosts]:
 
 
 class Peer:
-    """A sync process on a test host; its JSON reports are read as they come (a thread per peer)."""
+    """A script on a test host (``script``: the sync peers by default); its JSON reports are read as they come (a
+    thread per peer)."""
 
-    def __init__(self, hosts: TestHosts, host: int, args: list[str], secret: str | None) -> None:
+    def __init__(self, hosts: TestHosts, host: int, args: list[str], secret: str | None, script: str = SCRIPT) -> None:
         env = {k: v for k, v in os.environ.items() if k != "RLSYNC_SECRET"}
         # NIXL's UCX would take shared memory between namespaces of one kernel: TCP, as between real hosts
         env["UCX_TLS"] = "tcp"
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
         if secret is not None:
             env["RLSYNC_SECRET"] = secret
-        self.process = hosts.popen(host, [sys.executable, SCRIPT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        self.process = hosts.popen(host, [sys.executable, script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    env=env)
         self.reports: list[dict[str, Any]] = []
+        self.ended = False
         self._lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -58,33 +60,33 @@ class Peer:
             self._lines.put(json.loads(line))
         self._lines.put(None)  # the peer ended
 
-    def next(self, key: str, timeout: float = 60.0) -> dict[str, Any]:
-        """The next report that has ``key``."""
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
+    def _until(self, deadline: float) -> Iterator[dict[str, Any]]:
+        """Reports as they come, until ``deadline`` or the peer's end (``ended``)."""
+        while not self.ended and (left := deadline - time.monotonic()) > 0:
             try:
                 report = self._lines.get(timeout=left)
             except queue.Empty:
-                break
+                return
             if report is None:
-                err = self.process.stderr.read() if self.process.stderr else ""
-                raise AssertionError(f"the peer ended without reporting {key!r}: {self.reports}\n{err[-3000:]}")
+                self.ended = True
+                return
             self.reports.append(report)
+            yield report
+
+    def next(self, key: str, timeout: float = 60.0) -> dict[str, Any]:
+        """The next report that has ``key``."""
+        for report in self._until(time.monotonic() + timeout):
             if key in report:
                 return report
+        if self.ended:
+            err = self.process.stderr.read() if self.process.stderr else ""
+            raise AssertionError(f"the peer ended without reporting {key!r}: {self.reports}\n{err[-3000:]}")
         raise AssertionError(f"no report with {key!r} within {timeout} s: {self.reports}")
 
     def drain(self, seconds: float) -> list[dict[str, Any]]:
         """Every report so far, waiting ``seconds`` for more."""
-        deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                report = self._lines.get(timeout=left)
-            except queue.Empty:
-                break
-            if report is None:
-                break
-            self.reports.append(report)
+        for _ in self._until(time.monotonic() + seconds):
+            pass
         return self.reports
 
 
@@ -250,11 +252,4 @@ def test_the_redis_buffer_on_its_own_host_loses_and_repeats_nothing_across_a_par
 
 
 def _buffer_peer(hosts: TestHosts, host: int, args: list[str]) -> Peer:
-    peer = Peer.__new__(Peer)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
-    peer.process = hosts.popen(host, [sys.executable, BUFFER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    peer.reports = []
-    peer._lines = queue.Queue()
-    threading.Thread(target=peer._read, daemon=True).start()
-    return peer
+    return Peer(hosts, host, args, None, script=BUFFER)

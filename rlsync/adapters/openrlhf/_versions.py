@@ -36,8 +36,8 @@ class VersionClock:
     def get(self) -> int:
         return self.version
 
-    def get_canary_deviation(self) -> float | None:
-        return self.canary_deviation
+    def get_with_canary(self) -> tuple[int, float | None]:
+        return self.version, self.canary_deviation
 
 
 _handle: list[Any] = []  # held for the life of this process: Ray collects an actor no handle refers to
@@ -60,9 +60,14 @@ def live_version() -> int:
 
 def canary_deviation() -> float | None:
     """The canary's deviation of the live version (None: not checked)."""
+    return _live_with_canary()[1]
+
+
+def _live_with_canary() -> tuple[int, float | None]:
     import ray
 
-    return ray.get(clock().get_canary_deviation.remote())  # type: ignore[no-any-return]
+    version, deviation = ray.get(clock().get_with_canary.remote())
+    return int(version), deviation
 
 
 def tag_samples(original: Any) -> Any:
@@ -86,7 +91,7 @@ def gate_samples(original: Any, max_staleness: int | None) -> Any:
 
     @functools.wraps(original)
     def train_step(self: Any, rollout_samples: Any, global_step: int) -> Any:
-        live = live_version()
+        live, deviation = _live_with_canary()  # one round trip to the clock
         kept, lags = [], []
         for sample in rollout_samples:
             oldest, newest = getattr(sample, "rlsync_versions", (live, live))
@@ -96,7 +101,6 @@ def gate_samples(original: Any, max_staleness: int | None) -> Any:
                 lags.append(live - oldest)
         dropped = len(rollout_samples) - len(kept)
         extra = {"rlsync/dropped_stale": float(dropped), "rlsync/version": float(live)}
-        deviation = canary_deviation()
         if deviation is not None:
             extra["rlsync/canary_deviation"] = deviation
         if not kept:  # nothing fresh enough: no step, the weights stay as they are

@@ -113,10 +113,13 @@ class RlsyncSyncCallback(TrainerCallback):
             self._adapter_only = bool(choice[0])
         return self._adapter_only
 
-    def _adapter(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The adapter's tensors (gathered under ZeRO-3, as TRL gathers for its merge: every rank takes part)."""
+    def _adapter(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """The adapter's tensors and config on the main process (None elsewhere): under ZeRO-3 gathered, as TRL gathers
+        for its merge, so every rank takes part."""
         model = self.generation.model
         with self.generation._dist.gather_params([p for n, p in model.named_parameters() if "lora_" in n or "modules_to_save" in n]):
+            if self.server is None:
+                return None
             tensors, config = lora_state(model)
             return {n: t.clone() for n, t in tensors.items()}, config  # copies: the gathered memory goes on exit
 
@@ -127,10 +130,10 @@ class RlsyncSyncCallback(TrainerCallback):
         canary = Canary.of(self.trainer.model) if self.options.canary else None
         version = None if self._base is None else self._version_of(step)  # first: the next after the server's live one
         if self._route_is_adapter_only():
-            tensors, config = self._adapter()
-            if self.server is None:
+            adapter = self._adapter()
+            if adapter is None or self.server is None:
                 return
-            stats = self.server.publish_lora(tensors, config, version, keep=self._adapters_kept, canary=canary)
+            stats = self.server.publish_lora(*adapter, version, keep=self._adapters_kept, canary=canary)
             self.generation.vllm_client.model = stats.adapter  # TRL's requests name the newest adapter version
         else:
             named = self.generation._iter_named_params()

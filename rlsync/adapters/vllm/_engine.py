@@ -35,6 +35,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from rlsync import DEFAULT_TIMEOUT, CanaryError, ConfigError, Finish, StagedReceiver, SyncOptions, VersionError
 from rlsync.adapters.vllm._commit import EngineCommit
+from rlsync.adapters.vllm._lora import adapter_receiver
 from rlsync.adapters.vllm._lora_versions import AdapterVersions, install_loader
 from rlsync.adapters.vllm._probe import learn_parts, learn_placements
 
@@ -67,6 +68,12 @@ class RlsyncUpdateInfo(WeightTransferUpdateInfo):
     digests: list[str] | None = None
 
 
+def _options(init_info: RlsyncInitInfo, rank: int) -> SyncOptions:
+    """Worker ``rank``'s reader options: it binds PORT + rank of the init info's address."""
+    host, port = init_info.address.removeprefix("tcp://").rsplit(":", 1)
+    return SyncOptions(transport=init_info.transport, host=host, port=int(port) + rank, verify=init_info.verify)
+
+
 class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpdateInfo]):
     init_info_cls = RlsyncInitInfo
     update_info_cls = RlsyncUpdateInfo
@@ -83,9 +90,7 @@ class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpda
         tensors, boxes = learn_parts(self.model, init_info.tensors, world.cpu_group)
         if init_info.boxes_file is not None and world.rank == 0:
             Path(init_info.boxes_file).write_text(json.dumps(boxes))
-        host, port = init_info.address.removeprefix("tcp://").rsplit(":", 1)
-        options = SyncOptions(transport=init_info.transport, host=host, port=int(port) + world.rank, verify=init_info.verify)
-        self._receiver = StagedReceiver(tensors, boxes=boxes, rank=world.rank, options=options)
+        self._receiver = StagedReceiver(tensors, boxes=boxes, rank=world.rank, options=_options(init_info, world.rank))
         self._rank = world.rank
         self._digest: str | None = None
         self._commit = EngineCommit(self.model, learn_placements(self.model, init_info.tensors))
@@ -98,10 +103,7 @@ class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpda
             raise ConfigError("this vLLM server serves no LoRA adapters: start it with --enable-lora --max-lora-rank R "
                               "(at least the adapter's rank) and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
         install_loader()
-        host, port = init_info.address.removeprefix("tcp://").rsplit(":", 1)
-        options = SyncOptions(transport=init_info.transport, host=host, port=int(port) + rank, verify=init_info.verify)
-        whole = {str(name): [[0] * len(shape), list(shape)] for name, _, shape in init_info.tensors}
-        self._receiver = StagedReceiver(init_info.tensors, boxes=[whole] * world, rank=rank, options=options)
+        self._receiver = adapter_receiver(init_info.tensors, rank, world, _options(init_info, rank))
         self._adapters = AdapterVersions(init_info.lora_name, peft_config, init_info.keep)
         self._rank, self._digest, self._finish, self._undo = rank, None, None, None
 
@@ -160,6 +162,5 @@ class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpda
 
     def shutdown(self) -> None:
         self._receiver.close()
-        adapters = getattr(self, "_adapters", None)
-        if adapters is not None:
-            adapters.close()
+        if self._adapters is not None:
+            self._adapters.close()

@@ -41,7 +41,6 @@ class LoraReceiver:
     def __init__(self, worker: Any, tensors: Sequence[Sequence[Any]], peft_config: Mapping[str, Any], *, keep: int = 1,
                  options: SyncOptions | None = None) -> None:
         from vllm.distributed.parallel_state import get_world_group
-        from vllm.lora.peft_helper import PEFTHelper
 
         refuse_unsupported(peft_config)
         manager = getattr(worker.model_runner, "lora_manager", None)
@@ -49,11 +48,7 @@ class LoraReceiver:
             raise ConfigError("this vLLM engine serves no LoRA adapters: start it with enable_lora=True and "
                               "max_lora_rank at least the adapter's rank (--enable-lora --max-lora-rank R)")
         self._manager = manager
-        self.peft = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
-        try:
-            self.peft.validate_legal(manager.lora_config)
-        except ValueError as exc:
-            raise ConfigError(f"vLLM cannot serve this adapter: {exc}") from None
+        self.peft = peft_helper(manager, peft_config)
         capacity = manager._adapter_manager.capacity
         if not 1 <= keep <= capacity:
             raise ConfigError(f"keep={keep} adapter versions, but this engine holds at most {capacity} adapters: "
@@ -61,8 +56,7 @@ class LoraReceiver:
         self.keep = keep
         self.versions: list[int] = []  # registered, oldest first
         world = get_world_group().world_size
-        whole = {str(name): [[0] * len(shape), list(shape)] for name, _, shape in tensors}
-        self._staged = StagedReceiver(tensors, boxes=[whole] * world, rank=worker.rank, options=options)
+        self._staged = adapter_receiver(tensors, worker.rank, world, options)
         self._held: tuple[int, Finish] | None = None  # registered, canary not yet checked
 
     @property
@@ -131,6 +125,13 @@ class LoraReceiver:
         self._staged.close()
 
 
+def adapter_receiver(tensors: Sequence[Sequence[Any]], rank: int, world: int, options: SyncOptions | None) -> StagedReceiver:
+    """Worker ``rank``'s receiver of adapter versions: every worker takes the whole adapter (vLLM's LoRA layers slice
+    it for their tensor-parallel rank)."""
+    whole = {str(name): [[0] * len(shape), list(shape)] for name, _, shape in tensors}
+    return StagedReceiver(tensors, boxes=[whole] * world, rank=rank, options=options)
+
+
 def refuse_unsupported(peft_config: Mapping[str, Any]) -> None:
     """LoRA on fused MoE expert parameters (PEFT's ``target_parameters``, e.g. ``mlp.experts.gate_up_proj``): vLLM 0.32
     reads such adapters only from a checkpoint directory in its 3D expert format, which this route does not build
@@ -140,6 +141,19 @@ def refuse_unsupported(peft_config: Mapping[str, Any]) -> None:
         raise ConfigError(f"the adapter trains fused MoE expert parameters ({sorted(targets)[:3]}): rlsync's adapter-only "
                           "sync does not carry per-expert LoRA yet. Sync merged weights instead (a server or engine "
                           "started without LoRA gets them), or target the attention and dense projections only")
+
+
+def peft_helper(manager: Any, peft_config: Mapping[str, Any]) -> Any:
+    """vLLM's ``PEFTHelper`` of an adapter's config, checked against what the engine serves (``manager``: a worker's
+    ``WorkerLoRAManager``)."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    peft = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
+    try:
+        peft.validate_legal(manager.lora_config)
+    except ValueError as exc:
+        raise ConfigError(f"vLLM cannot serve this adapter: {exc}") from None
+    return peft
 
 
 def build_lora(manager: Any, lora_id: int, tensors: dict[str, Any], peft: Any, what: str) -> Any:

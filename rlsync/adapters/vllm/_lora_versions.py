@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from rlsync import ConfigError
-from rlsync.adapters.vllm._lora import build_lora
+from rlsync.adapters.vllm._lora import build_lora, peft_helper
 
 SCHEME = "rlsync-lora://"
 
@@ -76,8 +76,6 @@ def install_loader() -> None:
 
 
 def _from_versions(manager: Any, request: Any, path: str) -> Any:
-    from vllm.lora.peft_helper import PEFTHelper
-
     name, _, version = path.removeprefix(SCHEME).rpartition("/")
     versions = AdapterVersions.live.get(name)
     tensors = None if versions is None or not version.isdigit() else versions.tensors.get(int(version))
@@ -85,11 +83,7 @@ def _from_versions(manager: Any, request: Any, path: str) -> Any:
         held = [] if versions is None else sorted(versions.tensors)
         raise ConfigError(f"adapter {name!r} version {version} is not held by this engine (it holds versions {held}): "
                           "it never arrived, or it is older than the newest `keep` versions")
-    peft = PEFTHelper.from_dict({**versions.peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
-    try:
-        peft.validate_legal(manager.lora_config)
-    except ValueError as exc:
-        raise ConfigError(f"vLLM cannot serve this adapter: {exc}") from None
+    peft = peft_helper(manager, versions.peft_config)
     # a copy per load: vLLM folds the scaling into B in place, and its LRU may load the same version again later
     copies = {n: t.clone() for n, t in tensors.items()}
     return build_lora(manager, int(request.lora_int_id), copies, peft, f"{name}@{version}")

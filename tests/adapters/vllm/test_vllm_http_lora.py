@@ -5,14 +5,8 @@ versions are served at once; older ones are unloaded; a version whose canary dev
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
-import sys
-import time
 import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,65 +25,23 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.filterwarnings("ig
               pytest.mark.filterwarnings("ignore::UserWarning")]
 
 from _support import vllm_engines as common  # noqa: E402
+from _support import vllm_server  # noqa: E402
 
 RANK = 8
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _post(base: str, route: str, body: dict[str, Any]) -> Any:
-    request = urllib.request.Request(base + route, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=180) as response:
-        text = response.read()
-    return json.loads(text) if text.strip().startswith(b"{") else text.decode()
-
-
 def _greedy(base: str, model: str) -> list[list[int]]:
-    out = []
-    for prompt in common.PROMPTS:
-        answer = _post(base, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": common.NEW_TOKENS,
-                                                 "temperature": 0.0, "return_token_ids": True, "ignore_eos": True})
-        out.append(list(answer["choices"][0]["token_ids"]))
-    return out
+    return vllm_server.greedy(base, model, common.PROMPTS, common.NEW_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture
 def lora_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """A vLLM server of a tiny Qwen2 with LoRA enabled and rlsync's weight-transfer backend, as a user starts it."""
     model = common.save("qwen2", 100, tmp_path / "base")
-    port = _port()
-    base = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    log = (tmp_path / "server.log").open("w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-         "--port", str(port), "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "128",
-         "--seed", "0", "--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", "2", "--max-cpu-loras", "4",
-         "--weight-transfer-config", json.dumps({"backend": "rlsync"})],
-        env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                urllib.request.urlopen(base + "/health", timeout=2).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"vLLM server did not start:\n{(tmp_path / 'server.log').read_text()[-4000:]}") from None
-                time.sleep(1)
+    lora = ["--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", "2", "--max-cpu-loras", "4"]
+    with vllm_server.running(model, tmp_path / "server.log", lora,
+                             env={**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}) as base:
         yield base, model
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
 
 
 def _trainer() -> Any:
@@ -123,7 +75,7 @@ def test_adapter_versions_reach_a_vllm_server_without_the_base_model(lora_server
             assert stats.bytes == sum(t.numel() * 2 for t in tensors.values()) < model_bytes / 10  # the adapter alone, bf16
             assert server.weight_version() == stats.label
             trainer.save_pretrained(tmp_path / f"adapter-v{version}")  # the reference: vLLM's loader reads it from disk
-            _post(base, "/v1/load_lora_adapter", {"lora_name": f"disk-v{version}", "lora_path": str(tmp_path / f"adapter-v{version}")})
+            vllm_server.post(base, "/v1/load_lora_adapter", {"lora_name": f"disk-v{version}", "lora_path": str(tmp_path / f"adapter-v{version}")})
             synced = _greedy(base, stats.adapter)
             assert synced == _greedy(base, f"disk-v{version}"), f"version {version}"
             assert synced != base_greedy

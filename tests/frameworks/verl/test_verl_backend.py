@@ -210,50 +210,20 @@ def _free_port() -> int:
 def test_the_weights_end_in_a_vllm_engine_that_generates_like_a_fresh_one(model_dir: Path, ray_cluster: None,
                                                                           tmp_path: Path, clusters: list[Cluster]) -> None:
     import json
-    import time
-    import urllib.request
 
+    from _support import vllm_server
     from transformers import AutoModelForCausalLM
 
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_RPC_BASE_PATH": str(tmp_path),
-           "TMPDIR": str(tmp_path)}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_RPC_BASE_PATH": str(tmp_path), "TMPDIR": str(tmp_path)}
     env.pop("PYTHONPATH", None)
     assert VLLM_PYTHON is not None
-    server = subprocess.Popen([VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                               "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--enforce-eager",
-                               "--dtype", "bfloat16", "--max-model-len", "128", "--seed", "0",
-                               "--weight-transfer-config", json.dumps({"backend": "rlsync"})],
-                              env=env, stdout=subprocess.DEVNULL, stderr=(tmp_path / "server.log").open("w"))
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                urllib.request.urlopen(base + "/health", timeout=2).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"vLLM server did not start: {(tmp_path / 'server.log').read_text()[-3000:]}") from None
-                time.sleep(1)
+    with vllm_server.running(model_dir, tmp_path / "server.log", python=VLLM_PYTHON, env=env) as base:
         cluster = Cluster(model_dir, {"timeout": 300}, vllm=(base, f"tcp://127.0.0.1:{_free_port()}"))
         clusters.append(cluster)
         for step in (1, 2, 3):
             cluster.trainer.train_step(step)
             cluster.manager.update_weights(global_steps=step)
-        served = []
-        for prompt in PROMPTS:
-            body = {"model": str(model_dir), "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "return_token_ids": True}
-            request = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
-                                             headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=120) as response:
-                served.append(json.loads(response.read())["choices"][0]["token_ids"])
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        served = vllm_server.greedy(base, str(model_dir), PROMPTS, 8)
     # a fresh engine loaded with the trainer's step-3 weights generates the same tokens
     state = cluster.trainer.full_state()[0]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)

@@ -3,6 +3,11 @@
 Readers bind a ROUTER socket, writers connect DEALER sockets. Addresses default to loopback;
 binding anything else requires a shared secret (``secret=`` or ``RLSYNC_SECRET``), and then
 every message carries an HMAC-SHA256 of its payload that the other side checks.
+
+Every socket refuses a message longer than ``max_control_bytes()`` (1 GiB, ``RLSYNC_MAX_CONTROL_BYTES`` to change):
+ZeroMQ allocates a frame's length from its header before a byte of it arrives, so without the bound a peer that
+merely claims 2 GiB would be given them while it trickles bytes. ZeroMQ drops such a peer at the header; the others
+go on.
 """
 
 from __future__ import annotations
@@ -143,6 +148,12 @@ def resolve_secret(host: str, secret: str | None) -> bytes | None:
     return secret.encode() if secret else None
 
 
+def max_control_bytes() -> int:
+    """The longest control message a socket accepts. The largest real ones carry a layout (every tensor's shards on
+    every rank) or a checksum per tensor."""
+    return int(os.environ.get("RLSYNC_MAX_CONTROL_BYTES", 1 << 30))
+
+
 class BadFrame(TransportError):
     """A control message that is not one: unsigned or signed with another secret, or not decodable. ``identity``:
     the sender, where a router can answer it."""
@@ -164,6 +175,9 @@ class Channel:
 
     def send(self, message: Message, identity: bytes | None = None) -> None:
         payload = _encoder.encode(message)
+        if len(payload) > max_control_bytes():  # the peer would drop us at the header without a word
+            raise ConfigError(f"a {type(message).__name__} control message of {len(payload)} bytes is longer than "
+                              f"RLSYNC_MAX_CONTROL_BYTES={max_control_bytes()}: raise it on every process")
         frames = [payload, self._mac(payload)]
         self.socket.send_multipart(([identity] if identity is not None else []) + frames)
 
@@ -188,11 +202,17 @@ class Channel:
         self.socket.close(linger=0)
 
 
+def _socket(kind: int) -> zmq.Socket[bytes]:
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_control_bytes())
+    return sock
+
+
 def bind_router(host: str = "127.0.0.1", port: int = 0, secret: str | None = None) -> tuple[Channel, str]:
     """A ROUTER channel for a reader, and the address writers connect to."""
     key = resolve_secret(host, secret)
-    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
+    sock = _socket(zmq.ROUTER)
     if port:
         sock.bind(f"tcp://{host}:{port}")
     else:
@@ -203,7 +223,6 @@ def bind_router(host: str = "127.0.0.1", port: int = 0, secret: str | None = Non
 def connect_dealer(address: str, secret: str | None = None) -> Channel:
     host = address.rsplit(":", 1)[0].removeprefix("tcp://")
     key = resolve_secret(host, secret)
-    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
+    sock = _socket(zmq.DEALER)
     sock.connect(address)
     return Channel(sock, key)

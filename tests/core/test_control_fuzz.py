@@ -7,6 +7,8 @@ real writer's version lands and serves."""
 from __future__ import annotations
 
 import resource
+import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -18,7 +20,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlsync import StagedReceiver, SyncOptions, WeightsWriter
+from rlsync import ConfigError, StagedReceiver, SyncOptions, WeightsWriter
 from rlsync.layouts import from_state_dict
 
 TENSORS = [["model.embed_tokens.weight", "float32", [16, 8]], ["model.norm.weight", "float32", [8]]]
@@ -94,3 +96,50 @@ def test_after_the_fuzzing_a_real_writer_still_lands_a_version(receiver: StagedR
     finally:
         writer.close()
 
+
+
+def _zmtp_peer(address: str) -> socket.socket:
+    """A raw TCP peer that speaks ZeroMQ's wire protocol (ZMTP 3.0, NULL mechanism) up to its first message frame."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    conn = socket.create_connection((host, int(port)), timeout=5)
+    conn.sendall(b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31)
+    greeting = b""
+    while len(greeting) < 64:
+        greeting += conn.recv(64 - len(greeting))
+    ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack("!I", 6) + b"DEALER"
+    conn.sendall(b"\x04" + bytes([len(ready)]) + ready)
+    return conn
+
+
+@pytest.mark.parametrize("claimed", [2**31, 2**40, 2**62])
+def test_a_frame_that_claims_more_than_the_bound_drops_its_peer_at_the_header(receiver: StagedReceiver,
+                                                                             claimed: int) -> None:
+    conn = _zmtp_peer(receiver.address)
+    try:
+        conn.sendall(b"\x02" + struct.pack("!Q", claimed) + b"x" * 64)  # a long frame's header, then a trickle
+        before = _peak_rss_mb()
+        conn.settimeout(5)
+        dropped = b""
+        try:
+            while chunk := conn.recv(4096):  # the reader's READY, then the end of the connection
+                dropped += chunk
+        except TimeoutError:
+            pytest.fail(f"a peer claiming a {claimed}-byte frame was still connected after 5 s (no bound: ZeroMQ "
+                        f"allocated the claim and waits for the bytes)")
+        assert _peak_rss_mb() - before < 64
+    finally:
+        conn.close()
+    assert receiver.reader._thread.is_alive()  # type: ignore[attr-defined]
+    test_after_the_fuzzing_a_real_writer_still_lands_a_version(receiver)
+
+
+def test_a_message_over_the_bound_is_refused_by_its_sender_naming_the_setting(receiver: StagedReceiver,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RLSYNC_MAX_CONTROL_BYTES", "200")  # the writer's Hello carries its layout: longer than this
+    with pytest.raises(ConfigError, match="control message of .* RLSYNC_MAX_CONTROL_BYTES=200: raise it"):
+        writer = WeightsWriter(from_state_dict(STATE), None, 0, [receiver.address], options=SyncOptions(timeout=5))
+        try:
+            writer.multi_put(STATE)
+            writer.complete(writer.next_version)
+        finally:
+            writer.close()

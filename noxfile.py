@@ -20,6 +20,7 @@ nox.options.error_on_missing_interpreters = True
 TORCH = "torch==2.13.0"
 MYPY = "mypy==2.4.1"
 IMPORT_LINTER = "import-linter==2.17"
+ATHERIS = "atheris==3.0.0"  # coverage-guided fuzzing of the control plane (tests/fuzz)
 
 
 def _uv_install(session: nox.Session, *args: str) -> None:
@@ -45,7 +46,7 @@ def core(session: nox.Session) -> None:
     CLI and the docs' examples; then strict mypy over ``rlsync/``."""
     _ensure_redis_server(session)
     session.install(TORCH)
-    session.install("-e", ".[nixl,redis,ray,dev]", MYPY, IMPORT_LINTER)
+    session.install("-e", ".[nixl,redis,ray,dev]", MYPY, IMPORT_LINTER, ATHERIS)
     session.run("lint-imports")
     session.run(
         "pytest", "tests/core", "tests/plugins", "tests/adapters", "tests/cli", "tests/wire", "tests/docs", "tests/gpu",

@@ -2,15 +2,21 @@
 peer that is not an rlsync writer. Well-formed frames of every type with wrong field types, unknown fields, huge
 numbers (versions, slots, ranks, byte counts a frame merely claims), random bytes and wrong frame counts. The
 reader answers each with a refusal or drops it, its memory does not grow by what the frames claim, and afterwards a
-real writer's version lands and serves."""
+real writer's version lands and serves. A raw ZeroMQ peer whose frame header claims gigabytes is dropped at the header.
+Then the same with coverage-guided fuzzing (atheris: ``tests/fuzz/control_atheris.py``)."""
 
 from __future__ import annotations
 
+import json
+import os
 import resource
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -143,3 +149,20 @@ def test_a_message_over_the_bound_is_refused_by_its_sender_naming_the_setting(re
             writer.complete(writer.next_version)
         finally:
             writer.close()
+
+
+ATHERIS_RUNS = 20000
+
+
+def test_coverage_guided_fuzzing_with_atheris_finds_no_crash_hang_or_unbounded_allocation(tmp_path: Path) -> None:
+    pytest.importorskip("atheris")
+    counts = tmp_path / "counts.json"
+    done = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "fuzz" / "control_atheris.py"),
+                           f"-runs={ATHERIS_RUNS}", "-rss_limit_mb=1024", "-timeout=20", "-seed=1",
+                           f"-artifact_prefix={tmp_path}/"],
+                          env={**os.environ, "RLSYNC_FUZZ_COUNTS": str(counts)}, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(counts.read_text())  # inputs per message type, and how many of them decoded (reached a handler)
+    assert sum(seen["inputs"].values()) == ATHERIS_RUNS and min(seen["inputs"].values()) >= 200, seen
+    assert all(seen["handled"][kind] >= 20 for kind in TYPES if kind not in ("LayoutIs", "Nonsense")), seen

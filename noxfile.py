@@ -29,14 +29,14 @@ def _uv_install(session: nox.Session, *args: str) -> None:
     session.install(*(["--find-links", links] if links else []), *args)
 
 
-def _ensure_redis_server(session: nox.Session) -> None:
-    """The Redis tests start Debian's redis-server themselves; install it when missing (as root)."""
-    if shutil.which("redis-server"):
+def _ensure_debian(session: nox.Session, command: str, package: str, why: str) -> None:
+    """Install Debian's ``package`` when ``command`` is missing (as root): ``why`` the tests need it."""
+    if shutil.which(command):
         return
     if os.geteuid() != 0:
-        session.error("redis-server is missing: install Debian's 'redis-server' package")
+        session.error(f"{command} is missing ({why}): install Debian's '{package}' package")
     session.run("apt-get", "update", "-qq", external=True)
-    session.run("apt-get", "install", "-y", "-qq", "redis-server", external=True)
+    session.run("apt-get", "install", "-y", "-qq", package, external=True)
 
 
 @nox.session(python="3.11")
@@ -44,7 +44,8 @@ def core(session: nox.Session) -> None:
     """The layer contracts (import-linter, pyproject's [tool.importlinter]); the core, the transports (shm, tcp,
     NIXL, torch.distributed), the rollout buffer with a real Redis and a local Ray, the transformers receiver, the
     CLI and the docs' examples; then strict mypy over ``rlsync/``."""
-    _ensure_redis_server(session)
+    _ensure_debian(session, "redis-server", "redis-server", "the Redis tests start it themselves")
+    _ensure_debian(session, "nft", "nftables", "the test hosts' packet loss and latency")
     session.install(TORCH)
     session.install("-e", ".[nixl,redis,ray,dev]", MYPY, IMPORT_LINTER, ATHERIS)
     session.run("lint-imports")

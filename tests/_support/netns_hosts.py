@@ -1,7 +1,10 @@
 """Test hosts in network namespaces: each host a namespace with its own address on one virtual switch (a Linux
 bridge in a namespace of its own), joined by veth pairs. Nothing of the machine's own network is touched: every
 link and address lives in namespaces made here and deleted on ``close``. A partition is the host's switch port set
-down (this kernel has no ``netem``); ``heal`` sets it up again. Needs root and iproute2 (``ip netns``).
+down (this kernel has no ``netem``); ``heal`` sets it up again. Loss is an nftables rule that drops a share of the
+packets a host sends (``lossy``); latency is a relay inside the host that every TCP connection it opens goes
+through, delaying each byte both ways (``delay``, ``delay_relay.py``). Needs root and iproute2 (``ip netns``);
+``lossy`` and ``delay`` need nftables (``nft``).
 
 Also a script (a developer's view of the same hosts)::
 
@@ -11,6 +14,7 @@ Also a script (a developer's view of the same hosts)::
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,6 +34,15 @@ def unavailable() -> str | None:
         return f"`ip netns add` failed: {made.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
+
+
+def faults_unavailable() -> str | None:
+    """Why ``lossy`` and ``delay`` cannot be used here, or None."""
+    return "nftables' `nft` is not installed (Debian package 'nftables')" if shutil.which("nft") is None else None
+
+
+_RELAY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delay_relay.py")
+_RELAY_MARK = 0x52  # the relay's own connections, which the redirect lets pass
 
 
 def _ip(*args: str) -> None:
@@ -78,6 +91,43 @@ class TestHosts:
 
     def heal(self, host: int) -> None:
         _ip("-n", self.switch, "link", "set", self._ports[host], "up")
+
+    def _nft(self, host: int, rules: str) -> None:
+        done = subprocess.run(["ip", "netns", "exec", self.names[host], "nft", "-f", "-"], input=rules,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"nft in {self.names[host]}: {done.stderr.strip()}")
+
+    def lossy(self, host: int, percent: float) -> None:
+        """Host ``host`` loses ``percent`` % of the packets it sends on its cable, at random (real drops: TCP
+        retransmits them)."""
+        self._nft(host, f"""table inet rlsync_loss {{
+            chain out {{
+                type filter hook output priority 0; policy accept;
+                oifname "eth0" numgen random mod 10000 < {round(percent * 100)} counter drop
+            }}
+        }}""")
+
+    def dropped(self, host: int) -> int:
+        """Packets ``lossy`` dropped on host ``host`` so far."""
+        done = subprocess.run(["ip", "netns", "exec", self.names[host], "nft", "list", "table", "inet", "rlsync_loss"],
+                              capture_output=True, text=True)
+        found = re.search(r"counter packets (\d+)", done.stdout)
+        return int(found.group(1)) if found else 0
+
+    def delay(self, host: int, seconds: float, port: int = 7999) -> None:
+        """Every TCP connection host ``host`` opens to another test host goes through a relay that delivers each
+        byte ``seconds`` after it was sent, both ways (a round trip costs twice that)."""
+        relay = self.popen(host, [sys.executable, _RELAY, str(port), str(seconds), str(_RELAY_MARK)],
+                           stdout=subprocess.PIPE)
+        assert relay.stdout is not None and relay.stdout.readline().strip() == "ready", "the delay relay did not start"
+        subnet = self.addresses[0].rsplit(".", 1)[0] + ".0/24"
+        self._nft(host, f"""table ip rlsync_delay {{
+            chain out {{
+                type nat hook output priority -100; policy accept;
+                meta mark != {_RELAY_MARK} ip daddr {subnet} meta l4proto tcp redirect to :{port}
+            }}
+        }}""")
 
     def close(self) -> None:
         for process in self._processes:

@@ -36,6 +36,9 @@ BOXES_TP2 = [
 def layouts(kind: str) -> tuple[Layout, Layout]:
     if kind == "plain":  # one writer, one reader
         return from_state_dict(PLAIN), from_state_dict(PLAIN)
+    if kind == "large":  # 32 MiB, for a network path that loses packets: enough of them to lose
+        large = [TensorMeta(f"layer{i}.weight", "bfloat16", (1024, 1024)) for i in range(16)]
+        return from_state_dict(large), from_state_dict(large)
     if kind == "two_writers":  # FSDP over 2 trainer ranks -> one reader that holds everything
         return fsdp(PLAIN, 2), from_state_dict(PLAIN)
     if kind == "fanout":  # one writer, two readers that each need everything
@@ -100,6 +103,7 @@ def writer_main(args: argparse.Namespace) -> None:
 
         writer._transport = type("DyingTransport", (writer._transport,), {"open": staticmethod(open_then_die)})
     for version in args.versions:
+        began = time.monotonic()
         buffers = allocate(src, args.rank)
         scatter(src, args.rank, (delta_values if args.delta else values)(src, version), buffers)
         dtypes = {b.name: b.dtype for b in src.buffers if b.rank == args.rank}
@@ -117,7 +121,8 @@ def writer_main(args: argparse.Namespace) -> None:
             if not args.keep_going:
                 raise
             continue
-        print(json.dumps({"completed": version, "bytes": writer.last_bytes, "seconds": time.monotonic() - started}), flush=True)
+        print(json.dumps({"completed": version, "bytes": writer.last_bytes, "seconds": time.monotonic() - started,
+                          "with_put": time.monotonic() - began}), flush=True)
     writer.close()
 
 

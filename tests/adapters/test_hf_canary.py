@@ -84,16 +84,15 @@ def skip_one_parameter(receiver: ModuleReceiver) -> None:
 
 def fp8_scale_left_at_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fp8 ``down_proj`` weights dequantized with a zero scale (verl PR #7224's failure: the load succeeds)."""
-    import rlsync.adapters.hf
+    from rlsync.wire import dequantize as real
 
-    real = rlsync.adapters.hf.dequantize
     calls = [0]
 
     def zero_first_scale(q: Any, scale: Any, dtype: Any) -> Any:
         calls[0] += 1
         return real(q, scale * 0 if calls[0] % 7 == 0 else scale, dtype)  # per layer: q k v o gate up down
 
-    monkeypatch.setattr(rlsync.adapters.hf, "dequantize", zero_first_scale)
+    monkeypatch.setattr("rlsync.adapters.hf._receiver.dequantize", zero_first_scale)  # where the receiver calls it
 
 
 @pytest.mark.parametrize("fault", ["skipped parameter", "fp8 scale at zero"])

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
 EXAMPLE = Path(__file__).parents[3] / "examples" / "async_rl.py"
 STEPS, PROMPTS, GROUP = 4, 2, 2
 

@@ -25,8 +25,10 @@ class Sample:
     """One rollout: prompt and generated tokens, behaviour log-probs and versions per generated token; optionally,
     per generated token, the sampling mask's kept-set size (``kept``: reapply it in the trainer with
     ``rlsync.masked_logprobs(..., kept=)``) and, for MoE models, the experts each MoE layer routed it to
-    (``routes``: ``[generated, layers, top_k]``, or ``[len(tokens), layers, top_k]`` with the prompt's positions first,
-    which is what replaying the routing in the trainer needs; the smallest unsigned dtype that holds the ids)."""
+    (``routes``: ``[generated, layers, top_k]``, row j the experts of the forward step that sampled generated token j,
+    which ran at the position before it; or ``[len(tokens) - 1, layers, top_k]``, every position the engine ran, the
+    prompt's first, which is what replaying the routing in the trainer needs: the last token was sampled, never run.
+    Either way the rows end at position ``len(tokens) - 2``. The smallest unsigned dtype that holds the ids.)"""
 
     __slots__ = ("group", "kept", "logprobs", "meta", "newest_version", "oldest_version", "prompt_id", "prompt_len",
                  "reward", "routes", "sample_id", "tokens", "versions")
@@ -55,9 +57,9 @@ class Sample:
         if kept is not None and len(kept) != generated:
             raise RolloutBufferError(f"sample of prompt {prompt_id!r}: {generated} generated tokens but {len(kept)} "
                                      "kept-set sizes; give one per generated token")
-        if routes is not None and (routes.ndim != 3 or len(routes) not in (generated, len(tokens))):
-            raise RolloutBufferError(f"sample of prompt {prompt_id!r}: routes of shape {routes.shape}; give "
-                                     f"[{generated} generated tokens (or all {len(tokens)}), MoE layers, experts per token]")
+        if routes is not None and (routes.ndim != 3 or len(routes) not in (generated, len(tokens) - 1)):
+            raise RolloutBufferError(f"sample of prompt {prompt_id!r}: routes of shape {routes.shape}; give [{generated} "
+                                     f"generated tokens (or {len(tokens) - 1} positions run), MoE layers, experts per token]")
         self.prompt_id = prompt_id
         self.group = prompt_id if group is None else group
         self.tokens = tokens

@@ -109,14 +109,17 @@ def test_replay_takes_the_recorded_experts_after_the_weights_moved(arch: str) ->
 def test_routes_of_samples_place_each_record_at_its_positions_and_survive_the_wire() -> None:
     rng = np.random.default_rng(0)
     full = rlsync.Sample("a", np.arange(7), 3, np.zeros(4, np.float32), np.zeros(4, np.int64),
-                         routes=rng.integers(0, 8, (7, LAYERS, TOP_K)))  # every position, the prompt's first
+                         routes=rng.integers(0, 8, (6, LAYERS, TOP_K)))  # every position run: all but the last token
     generated = rlsync.Sample("b", np.arange(5), 3, np.zeros(2, np.float32), np.zeros(2, np.int64),
-                              routes=rng.integers(0, 8, (2, LAYERS, TOP_K)))
+                              routes=rng.integers(0, 8, (2, LAYERS, TOP_K)))  # the steps that sampled tokens 3 and 4
     back = [rlsync.decode_sample(rlsync.encode_sample(s)) for s in (full, generated)]
     batch = routes_of(back, 8)
     assert batch.shape == (2, 8, LAYERS, TOP_K)
-    assert np.array_equal(batch[0, :7], full.routes) and (batch[0, 7:] == -1).all()
-    assert (batch[1, :3] == -1).all() and np.array_equal(batch[1, 3:5], generated.routes) and (batch[1, 5:] == -1).all()
+    assert np.array_equal(batch[0, :6], full.routes) and (batch[0, 6:] == -1).all()
+    assert (batch[1, :2] == -1).all() and np.array_equal(batch[1, 2:4], generated.routes) and (batch[1, 4:] == -1).all()
+    with pytest.raises(rlsync.RolloutBufferError, match="or 6 positions run"):
+        rlsync.Sample("c", np.arange(7), 3, np.zeros(4, np.float32), np.zeros(4, np.int64),
+                      routes=np.zeros((7, LAYERS, TOP_K), np.uint8))
 
 
 def test_wrong_routes_and_models_without_routers_are_refused_naming_the_shape() -> None:

@@ -111,16 +111,16 @@ def replay_routes(model: torch.nn.Module, routes: torch.Tensor | np.ndarray) -> 
 
 def routes_of(samples: Sequence[Sample], width: int) -> np.ndarray:
     """``[len(samples), width, layers, top_k]`` routes for a right-padded batch of ``samples`` (their ``routes``):
-    each sample's record at its positions, -1 where it has none (padding; the prompt, when only the generated
-    tokens' routes were recorded)."""
+    each sample's record at the positions it covers (``rlsync.Sample``: its rows end at the second-to-last token),
+    -1 elsewhere (padding, the last token, the prompt when only the generated tokens' steps were recorded): those
+    positions keep the trainer's own routing."""
     recorded = [s for s in samples if s.routes is not None]
     if not recorded:
         raise ConfigError("none of these samples carries routes: record them at generation (Sample(routes=...))")
     layers, top_k = recorded[0].routes.shape[1:]  # type: ignore[union-attr]
     out = np.full((len(samples), width, layers, top_k), -1, dtype=np.int64)
     for i, s in enumerate(samples):
-        if s.routes is None:
-            continue
-        start = 0 if len(s.routes) == len(s.tokens) else s.prompt_len
-        out[i, start : start + len(s.routes)] = s.routes
+        if s.routes is not None:
+            end = len(s.tokens) - 1
+            out[i, end - len(s.routes) : end] = s.routes
     return out

@@ -32,6 +32,7 @@ import msgspec
 from rlsync import DEFAULT_TIMEOUT, CanaryError, ConfigError, Finish, StagedReceiver, SyncOptions
 from rlsync.adapters.vllm._commit import EngineCommit
 from rlsync.adapters.vllm._probe import learn_parts, learn_placements, probe_worker
+from rlsync.adapters.vllm._routes import worker_recorder
 from rlsync.layouts import RankBoxes
 
 
@@ -144,6 +145,15 @@ class RlsyncWorkerExtension:
 
     def rlsync_stop(self) -> None:
         self._rlsync.close()
+
+    def rlsync_record_routes(self) -> int:
+        """Record every MoE layer's experts for each token from now on (``rlsync.adapters.vllm.record_routes``);
+        returns the number of MoE layers."""
+        return worker_recorder(self).layers
+
+    def rlsync_take_routes(self, request_ids: Sequence[str]) -> dict[str, Any]:
+        """The recorded routes of these finished requests, taken (``rlsync.adapters.vllm.take_routes``)."""
+        return worker_recorder(self).take(request_ids)
 
     def rlsync_lora_start(self, tensors: Sequence[Sequence[Any]], peft_config: dict[str, Any], keep: int = 1,
                           options: Mapping[str, Any] | None = None) -> str:

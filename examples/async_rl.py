@@ -11,7 +11,7 @@ the sampling log-probs). Between them: rlsync's rollout buffer (a policy version
 is its admission control), and ``VllmServer.publish`` after every optimizer step. Generation lengths are
 long-tailed, as in reasoning RL: most completions are short, a few are several times longer.
 
-Modes (``--modes``), as verl's fully-async trainer names them:
+Modes (``--modes`` side by side, or ``--mode`` one), as verl's fully-async trainer names them:
 - ``lockstep``: generate a batch, train on it, sync, repeat (``max_staleness=0``). Each pool waits for the other.
 - ``one-step-off``: the next batch is generated with the previous weights while the trainer trains
   (``max_staleness=1``, whole batches); the sync waits for that batch to finish.
@@ -388,7 +388,8 @@ def plot(report: dict[str, Any], where: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--modes", nargs="+", default=list(MODES[:3]), choices=MODES)
+    parser.add_argument("--modes", nargs="+", default=list(MODES[:3]), choices=MODES, help="modes side by side")
+    parser.add_argument("--mode", choices=MODES, help="one mode alone (the same as --modes MODE)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per batch")
@@ -409,6 +410,8 @@ def main() -> None:
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--json", action="store_true", help="also print the report")
     args = parser.parse_args()
+    if args.mode:
+        args.modes = [args.mode]
 
     cores = _cores(args.train_cores)
     args.gen_core_set = _cores(args.gen_cores)

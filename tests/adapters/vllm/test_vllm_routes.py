@@ -39,11 +39,9 @@ def _own_routes(model: torch.nn.Module, ids: torch.Tensor) -> np.ndarray:
 
 def test_routes_recorded_in_vllm_are_the_trainers_positions_and_replay_there(tmp_path: Path,
                                                                              cleanup: list[object]) -> None:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    llm = LLM(model=str(save("qwen3-moe", 100, tmp_path / "v0")), skip_tokenizer_init=True, enforce_eager=True,
-              dtype="bfloat16", distributed_executor_backend="uni", max_model_len=128, seed=0,
-              enable_prefix_caching=False, worker_extension_cls="rlsync.adapters.vllm.RlsyncWorkerExtension")
+    llm = _moe_engine(save("qwen3-moe", 100, tmp_path / "v0"))
     cleanup.append(llm)
     record_routes(llm)
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=NEW, ignore_eos=True, detokenize=False, logprobs=0)
@@ -100,3 +98,57 @@ def test_routes_recorded_in_vllm_are_the_trainers_positions_and_replay_there(tmp
     print(f"\nengine and trainer at the same weights route {same.mean():.1%} of token-layers alike; after the trainer "
           f"moved, {differing} of {int(run.sum()) * LAYERS} token-layers route elsewhere; log-prob gap to the engine's "
           f"sampling log-probs {gap_without:.4f} without replay, {gap_with:.4f} with")
+
+
+def test_a_request_that_runs_across_a_sync_keeps_the_routes_of_the_tokens_it_had(tmp_path: Path,
+                                                                                 cleanup: list[object]) -> None:
+    """A partial rollout: version 1 goes live between two engine steps of a request. Its positions run before the
+    sync keep version 0's routes (the trainer at version 0 routes them all alike); later ones were routed by
+    version 1's weights (some differ from version 0's)."""
+    import subprocess
+    import sys
+
+    from _support.vllm_engines import TRAINER
+    from vllm import SamplingParams
+
+    from rlsync.adapters.vllm import apply_next_version, token_versions
+
+    llm = _moe_engine(save("qwen3-moe", 100, tmp_path / "v0"))
+    cleanup.append(llm)
+    record_routes(llm)
+    [address] = llm.collective_rpc("rlsync_start", args=(trainer.tensors(trainer.build("qwen3-moe", 100)),))
+    child = subprocess.Popen([sys.executable, str(TRAINER), "--arch", "qwen3-moe", "--address", address, "--seeds", "101"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
+    core = llm.llm_engine
+    core.add_request("across", {"prompt_token_ids": PROMPTS[0]}, params)
+    for _ in range(6):
+        core.step()
+    try:
+        assert apply_next_version(llm, 120.0) == 1
+        done = None
+        while core.has_unfinished_requests():
+            for output in core.step():
+                if output.finished:
+                    done = output
+        child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert done is not None
+    [record] = take_routes(llm, [done])
+    switch = int((token_versions(done.outputs[0]) == 0).sum())  # tokens sampled by version 0
+    tokens = torch.tensor([list(PROMPTS[0]) + list(done.outputs[0].token_ids)])
+    before = len(PROMPTS[0]) + switch - 1  # positions run before the sync: the prompt, then tokens fed back
+    v0 = np.sort(_own_routes(trainer.build("qwen3-moe", 100), tokens)[0, : len(record)], -1)
+    alike = (v0 == np.sort(record, -1)).all(-1)
+    assert alike[:before].all(), f"positions run before the sync lost their routes: {np.flatnonzero(~alike[:before])}"
+    assert not alike[before:].all(), "positions after the sync still route as version 0: the sync did not land"
+
+
+def _moe_engine(model_dir: Path) -> object:
+    from vllm import LLM
+
+    return LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+               distributed_executor_backend="uni", max_model_len=128, seed=0, enable_prefix_caching=False,
+               worker_extension_cls="rlsync.adapters.vllm.RlsyncWorkerExtension")

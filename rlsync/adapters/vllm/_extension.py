@@ -71,6 +71,8 @@ class RlsyncWorkerExtension:
         self._rlsync = StagedReceiver(kept, boxes=learned, rank=self.rank,  # type: ignore[attr-defined]
                                       options=SyncOptions.from_mapping(options, where="rlsync_start"))
         self._rlsync_version = -1
+        self._rlsync_digest: str | None = None  # of the version this worker serves
+        self._rlsync_landed_digest: str | None = None  # of the version being loaded (until it is live or undone)
         self._rlsync_held: tuple[int, Finish, Callable[[], None]] | None = None  # committed, canary not yet checked
         return self._rlsync.address
 
@@ -83,6 +85,9 @@ class RlsyncWorkerExtension:
         from vllm.config import set_current_vllm_config
 
         version, views, finish = self._rlsync.next(timeout)
+        # read now, while the reader hands this version over: its ``digest`` changes only after ``finish``, on the
+        # reader's thread, which a caller asking right after this version went live could outrun
+        self._rlsync_landed_digest = self._rlsync.reader.landed_digest
         canary = self._rlsync.reader.landed_canary if self._rlsync.reader.options.canary else None
         if canary is not None and not hold:
             _warn_unchecked_once()
@@ -100,7 +105,7 @@ class RlsyncWorkerExtension:
             self._rlsync_held = (version, finish, undo)
             return version
         finish(None)
-        self._rlsync_version = version
+        self._rlsync_version, self._rlsync_digest = version, self._rlsync_landed_digest
         return version
 
     def rlsync_canary(self) -> dict[str, Any] | None:
@@ -127,7 +132,7 @@ class RlsyncWorkerExtension:
             return int(self._rlsync_version)
         self._rlsync.reader.canary_deviation = deviation
         finish(None)
-        self._rlsync_version = int(version)
+        self._rlsync_version, self._rlsync_digest = int(version), self._rlsync_landed_digest
         return int(version)
 
     def _rlsync_reset(self) -> None:
@@ -136,8 +141,9 @@ class RlsyncWorkerExtension:
             getattr(runner, reset, lambda: None)()
 
     def rlsync_digest(self) -> str | None:
-        """With verify: the fingerprint of the version this worker serves (``WeightsReader.digest``), else None."""
-        return self._rlsync.reader.digest
+        """With verify: the fingerprint of the version this worker serves (``WeightsReader.digest`` once the reader
+        has caught up), else None."""
+        return self._rlsync_digest
 
     def rlsync_version(self) -> int:
         """The weight version this worker serves (-1 before the first update)."""

@@ -51,8 +51,7 @@ class GenerationPool:
     ``busy`` (a request in flight), idle ``waiting for the trainer`` (no request: the staleness bound holds new ones
     back until the trainer publishes) or idle in a ``sync`` (new requests held, those in flight paused)."""
 
-    def __init__(self, url: str, partial: bool) -> None:
-        self.url = url
+    def __init__(self, partial: bool) -> None:
         self.partial = partial
         self._cond = threading.Condition()
         self._in_flight = 0
@@ -209,7 +208,7 @@ def run(mode: str, seed: int, args: argparse.Namespace, server: Server, vserver:
     streaming = mode.startswith("async")
     batch_samples = args.prompts * args.group
     buffer = rlsync.make_buffer("memory", batch_size=batch_samples, max_staleness=staleness, group_size=args.group)
-    pool = GenerationPool(server.url, partial=mode == "async-partial" or (args.partial_rollout and streaming))
+    pool = GenerationPool(partial=mode == "async-partial" or (args.partial_rollout and streaming))
     task = Task(seed, args)
     stop = threading.Event()
     errors: list[BaseException] = []

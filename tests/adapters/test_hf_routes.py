@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _support.moe_routes import own_routes, token_logprobs
 
 import rlsync
 from rlsync.adapters.hf import replay_routes, routes_of
@@ -42,23 +43,15 @@ def _model(arch: str) -> torch.nn.Module:
     return model.eval()
 
 
-def _logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    logits = model(ids).logits[:, :-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-
-
 def _record(model: torch.nn.Module, ids: torch.Tensor) -> np.ndarray:
-    """The experts ``model`` picks for every token of ``ids``: [batch, seq, layers, top_k]."""
-    with torch.no_grad(), replay_routes(model, np.full((*ids.shape, LAYERS, TOP_K), -1)) as log:
-        model(ids)
-    return torch.stack([p.view(*ids.shape, TOP_K) for p in log.picked], 2).numpy()  # type: ignore[union-attr]
+    return own_routes(model, ids, LAYERS, TOP_K)
 
 
 def _step(model: torch.nn.Module) -> None:
     """One AdamW step on a batch of other tokens."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     other = torch.randint(0, 64, (8, SEQ), generator=torch.Generator().manual_seed(2))
-    (-_logprobs(model, other).mean()).backward()
+    (-token_logprobs(model, other).mean()).backward()
     optimizer.step()
     optimizer.zero_grad()
 
@@ -68,10 +61,10 @@ def test_replay_takes_the_recorded_experts_after_the_weights_moved(arch: str) ->
     model = _model(arch)
     ids = torch.randint(0, 64, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        before = _logprobs(model, ids)
+        before = token_logprobs(model, ids)
         recorded = _record(model, ids)
         with replay_routes(model, recorded):  # its own routes: nothing changes
-            assert torch.equal(_logprobs(model, ids), before)
+            assert torch.equal(token_logprobs(model, ids), before)
     _step(model)  # the trainer's weights move a step past the generator's
 
     moved = _record(model, ids)
@@ -81,10 +74,10 @@ def test_replay_takes_the_recorded_experts_after_the_weights_moved(arch: str) ->
     hooks = [m.register_forward_hook(lambda m, args, out: used.append(args[1].clone()))
              for m in model.modules() if type(m).__name__.endswith("Experts")]
     with torch.no_grad():
-        without = _logprobs(model, ids)
+        without = token_logprobs(model, ids)
         used.clear()
         with replay_routes(model, recorded) as log:
-            with_replay = _logprobs(model, ids)
+            with_replay = token_logprobs(model, ids)
     for hook in hooks:
         hook.remove()
     assert len(used) == LAYERS
@@ -101,7 +94,7 @@ def test_replay_takes_the_recorded_experts_after_the_weights_moved(arch: str) ->
 
     model.zero_grad()
     with replay_routes(model, recorded):
-        (-_logprobs(model, ids).mean()).backward()
+        (-token_logprobs(model, ids).mean()).backward()
     router_grads = [p.grad for n, p in model.named_parameters() if "gate" in n and p.ndim == 2 and p.shape[0] == 8]
     assert router_grads and all(g is not None and g.abs().sum() > 0 for g in router_grads)
 

@@ -21,27 +21,17 @@ from rlsync.adapters.vllm import record_routes, take_routes  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore::UserWarning")]
 
-from _support.vllm_engines import PROMPTS, save, trainer  # noqa: E402
+from _support.moe_routes import own_routes, token_logprobs  # noqa: E402
+from _support.vllm_engines import PROMPTS, engine, generate_across_sync, save, trainer  # noqa: E402
 
 LAYERS, TOP_K, NEW = 2, 2, 12
-
-
-def _logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    logits = model(ids).logits[:, :-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-
-
-def _own_routes(model: torch.nn.Module, ids: torch.Tensor) -> np.ndarray:
-    with torch.no_grad(), replay_routes(model, np.full((*ids.shape, LAYERS, TOP_K), -1)) as log:
-        model(ids)
-    return torch.stack([p.view(*ids.shape, TOP_K) for p in log.picked], 2).numpy()  # type: ignore[union-attr]
 
 
 def test_routes_recorded_in_vllm_are_the_trainers_positions_and_replay_there(tmp_path: Path,
                                                                              cleanup: list[object]) -> None:
     from vllm import SamplingParams
 
-    llm = _moe_engine(save("qwen3-moe", 100, tmp_path / "v0"))
+    llm = engine(save("qwen3-moe", 100, tmp_path / "v0"), enable_prefix_caching=False)  # every position routed
     cleanup.append(llm)
     record_routes(llm)
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=NEW, ignore_eos=True, detokenize=False, logprobs=0)
@@ -65,22 +55,22 @@ def test_routes_recorded_in_vllm_are_the_trainers_positions_and_replay_there(tmp
     recorded = routes_of(samples, width)
 
     model = trainer.build("qwen3-moe", 100)  # the engine's weights (bf16)
-    same = (np.sort(_own_routes(model, ids), -1) == np.sort(recorded, -1)).all(-1)[run.numpy()]
+    same = (np.sort(own_routes(model, ids, LAYERS, TOP_K), -1) == np.sort(recorded, -1)).all(-1)[run.numpy()]
     assert same.mean() >= 0.9, f"only {same.mean():.0%} of token-layers route as recorded: the record is misplaced"
 
     with torch.no_grad():
         for p in model.parameters():  # the trainer's weights move past the engine's
             p.add_(torch.randn_like(p) * 0.02)
-    differing = int((~(np.sort(_own_routes(model, ids), -1) == np.sort(recorded, -1)).all(-1))[run.numpy()].sum())
+    differing = int((~(np.sort(own_routes(model, ids, LAYERS, TOP_K), -1) == np.sort(recorded, -1)).all(-1))[run.numpy()].sum())
     assert differing > 0
     used: list[torch.Tensor] = []
     hooks = [m.register_forward_hook(lambda m, args, out: used.append(args[1].clone()))
              for m in model.modules() if type(m).__name__.endswith("Experts")]
     with torch.no_grad():
-        without = _logprobs(model, ids)
+        without = token_logprobs(model, ids)
         used.clear()
         with replay_routes(model, recorded) as log:
-            with_replay = _logprobs(model, ids)
+            with_replay = token_logprobs(model, ids)
     for hook in hooks:
         hook.remove()
     for layer, given in enumerate(used):  # under replay, each position ran the experts the engine ran
@@ -105,50 +95,17 @@ def test_a_request_that_runs_across_a_sync_keeps_the_routes_of_the_tokens_it_had
     """A partial rollout: version 1 goes live between two engine steps of a request. Its positions run before the
     sync keep version 0's routes (the trainer at version 0 routes them all alike); later ones were routed by
     version 1's weights (some differ from version 0's)."""
-    import subprocess
-    import sys
+    from rlsync.adapters.vllm import token_versions
 
-    from _support.vllm_engines import TRAINER
-    from vllm import SamplingParams
-
-    from rlsync.adapters.vllm import apply_next_version, token_versions
-
-    llm = _moe_engine(save("qwen3-moe", 100, tmp_path / "v0"))
+    llm = engine(save("qwen3-moe", 100, tmp_path / "v0"), enable_prefix_caching=False)  # every position routed
     cleanup.append(llm)
     record_routes(llm)
-    [address] = llm.collective_rpc("rlsync_start", args=(trainer.tensors(trainer.build("qwen3-moe", 100)),))
-    child = subprocess.Popen([sys.executable, str(TRAINER), "--arch", "qwen3-moe", "--address", address, "--seeds", "101"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
-    core = llm.llm_engine
-    core.add_request("across", {"prompt_token_ids": PROMPTS[0]}, params)
-    for _ in range(6):
-        core.step()
-    try:
-        assert apply_next_version(llm, 120.0) == 1
-        done = None
-        while core.has_unfinished_requests():
-            for output in core.step():
-                if output.finished:
-                    done = output
-        child.communicate(timeout=60)
-    finally:
-        if child.poll() is None:
-            child.kill()
-    assert done is not None
+    done = generate_across_sync(llm, "qwen3-moe", 101, PROMPTS[0], 24, 6)
     [record] = take_routes(llm, [done])
     switch = int((token_versions(done.outputs[0]) == 0).sum())  # tokens sampled by version 0
     tokens = torch.tensor([list(PROMPTS[0]) + list(done.outputs[0].token_ids)])
     before = len(PROMPTS[0]) + switch - 1  # positions run before the sync: the prompt, then tokens fed back
-    v0 = np.sort(_own_routes(trainer.build("qwen3-moe", 100), tokens)[0, : len(record)], -1)
+    v0 = np.sort(own_routes(trainer.build("qwen3-moe", 100), tokens, LAYERS, TOP_K)[0, : len(record)], -1)
     alike = (v0 == np.sort(record, -1)).all(-1)
     assert alike[:before].all(), f"positions run before the sync lost their routes: {np.flatnonzero(~alike[:before])}"
     assert not alike[before:].all(), "positions after the sync still route as version 0: the sync did not land"
-
-
-def _moe_engine(model_dir: Path) -> object:
-    from vllm import LLM
-
-    return LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-               distributed_executor_backend="uni", max_model_len=128, seed=0, enable_prefix_caching=False,
-               worker_extension_cls="rlsync.adapters.vllm.RlsyncWorkerExtension")

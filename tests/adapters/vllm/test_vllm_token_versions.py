@@ -6,19 +6,17 @@ cache its prefix got from version 0, which is what a partial rollout means.)"""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from rlsync.adapters.vllm import apply_next_version, token_versions  # noqa: E402
+from rlsync.adapters.vllm import token_versions  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore::UserWarning")]
 
-from _support.vllm_engines import PROMPTS, TRAINER, engine, save, trainer  # noqa: E402
+from _support.vllm_engines import PROMPTS, engine, generate_across_sync, save  # noqa: E402
 
 BEFORE, TOTAL = 5, 16  # engine steps before the sync, tokens per completion
 
@@ -29,26 +27,8 @@ def test_a_completion_that_runs_across_a_sync_carries_both_versions_token_by_tok
 
     llm = engine(save("qwen2", 100, tmp_path / "v0"))
     cleanup.append(llm)
-    [address] = llm.collective_rpc("rlsync_start", args=(trainer.tensors(trainer.build("qwen2", 100)),))
-    child = subprocess.Popen([sys.executable, str(TRAINER), "--arch", "qwen2", "--address", address, "--seeds", "101"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    done = generate_across_sync(llm, "qwen2", 101, PROMPTS[0], TOTAL, BEFORE)
     params = SamplingParams(temperature=0.0, max_tokens=TOTAL, ignore_eos=True, detokenize=False)
-    core = llm.llm_engine
-    core.add_request("across", {"prompt_token_ids": PROMPTS[0]}, params)
-    for _ in range(BEFORE):  # a few tokens on the checkpoint's weights (version 0)
-        core.step()
-    try:
-        assert apply_next_version(llm, 120.0) == 1  # between two steps of a request still generating
-        done = None
-        while core.has_unfinished_requests():
-            for output in core.step():
-                if output.finished:
-                    done = output
-        child.communicate(timeout=60)
-    finally:
-        if child.poll() is None:
-            child.kill()
-    assert done is not None
     completion = done.outputs[0]
     versions = token_versions(completion)
     switch = int((versions == 0).sum())

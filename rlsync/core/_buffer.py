@@ -192,6 +192,7 @@ class RolloutBuffer:
         self._ids = itertools.count()
         self._groups: dict[str, list[Sample]] = {}
         self._ready: collections.deque[Sample] = collections.deque()
+        self._gated_at = self.version  # the version the samples in _groups and _ready were last gated under
         self._requeued: collections.deque[str] = collections.deque()
         self._draining = False
         self._closed = False
@@ -278,8 +279,37 @@ class RolloutBuffer:
         return not self.gates and [impl.plugin_name for impl in self.plugins.hook.rlsync_gate_sample.get_hookimpls()] \
             == [BUILTIN_GATES]
 
+    def _regate(self) -> None:
+        """Ask the gates again about the samples gated under an older version and not handed out yet: a group's
+        members can wait in ``_groups`` across publishes (the storage hands samples out oldest version first, so
+        members whose first tokens are of different versions, as partial rollouts make them, are taken apart), and a
+        group that completed in one ``get`` can wait in ``_ready`` for the next. A member gone stale is dropped; the
+        rest of its group goes back to wait for ``group_size`` fresh members (and goes stale in turn if none come)."""
+        if self._gated_at == self.version:
+            return
+        self._gated_at = self.version
+        stale = [s for s in itertools.chain(self._ready, *self._groups.values()) if self._decide(s) is Decision.DROP]
+        if not stale:
+            return
+        self._drop(stale)
+        gone = {id(s) for s in stale}
+        broken = {s.group for s in stale} if self.group_size > 1 else set()
+        for name in list(self._groups):
+            self._groups[name] = [s for s in self._groups[name] if id(s) not in gone]
+            if not self._groups[name]:
+                del self._groups[name]
+        ready, self._ready = self._ready, collections.deque()
+        for s in ready:
+            if id(s) in gone:
+                continue
+            if s.group in broken:
+                self._groups.setdefault(s.group, []).append(s)
+            else:
+                self._ready.append(s)
+
     def _fill(self, want: int) -> None:
         """Move samples from storage to ``_ready`` through the gates and the group assembly."""
+        self._regate()
         while len(self._ready) < want:
             taken = self.storage.take(max(want - len(self._ready), self.group_size))
             if not taken:

@@ -142,6 +142,26 @@ def test_groups_are_delivered_whole_and_freshest() -> None:
     assert [s.prompt_id for s in freshest_per_group(many, 2)] == ["s3", "s3"]
 
 
+def test_a_group_taken_apart_by_version_is_gated_again_when_it_is_handed_out() -> None:
+    """Partial rollouts give one group members whose first tokens are of different versions; the storage hands them
+    out oldest version first, so a group can complete in one get and wait for the next, across a publish: it must
+    be gated again under the version it trains at. (Seen in the async example: one token two versions behind at
+    max_staleness=1.)"""
+    buf = RolloutBuffer(batch_size=2, max_staleness=1, on_stale="drop", group_size=2)
+    buf.publish(1)
+    buf.put([sample("a", [0, 1], group="A"), sample("a", [1], group="A")])
+    buf.put([sample("b", [0], group="B"), sample("b", [0, 1], group="B")])
+    first = buf.get(timeout=1)
+    assert first is not None and {s.group for s in first.samples} == {"B"}
+    buf.publish(2)
+    assert buf.get(timeout=0.2) is None  # A's first member is now two versions old: dropped, A cannot complete
+    assert buf.telemetry.dropped == 1
+    buf.put(sample("a", [2], group="A"))  # a fresh member completes it
+    second = buf.get(timeout=1)
+    assert second is not None and [list(s.versions) for s in second.samples] == [[1], [2]]
+    assert all(second.trainer_version - s.oldest_version <= 1 for s in second.samples)
+
+
 def test_importance_weights_match_a_hand_computation() -> None:
     trainer = np.array([-1.0, -0.5, -2.0], np.float32)
     behaviour = np.array([-1.0, -1.5, -0.1], np.float32)

@@ -426,7 +426,7 @@ def main() -> None:
     build_model(args.out / "model", tokenizer, hidden=args.hidden, layers=args.layers)
     target = tokenizer.convert_tokens_to_ids(TARGET)
     server = Server(args.out / "model", args.out / "tokenizer", args.out / "server.log", cores=args.gen_cores,
-                    extra=["--enable-scale-out", "--max-model-len", str(args.prompt_len + args.long + 8)])
+                    extra=["--max-model-len", str(args.prompt_len + args.long + 8)])
     vserver = VllmServer(server.url, options=SyncOptions(timeout=120))
     runs = []
     try:

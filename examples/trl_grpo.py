@@ -113,7 +113,9 @@ class Server:
              "--host", "127.0.0.1",
              "--port", str(self.port), "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "128", "--seed", "0",
              "--logprobs-mode", "processed_logprobs",  # what TRL's importance-sampling correction expects
-             "--weight-transfer-config", json.dumps({"backend": "rlsync"}), *lora, *(extra or [])],
+             "--weight-transfer-config", json.dumps({"backend": "rlsync"}),
+             "--enable-scale-out",  # /inference/v1/generate: each sampled token's weight version (TRL's async worker)
+             *lora, *(extra or [])],
             env=env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while True:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from rlsync import SyncOptions
+from rlsync import ConfigError, PeerLostError, SyncOptions
 from rlsync.adapters.vllm import PublishStats, VllmServer
 from rlsync.patches.trl import apply_async
 
@@ -28,12 +28,29 @@ class RlsyncWeightTransfer:
 
     def __init__(self, server_url: str = "http://localhost:8000", *, options: SyncOptions | None = None) -> None:
         apply_async()  # before the trainer is built: its constructor needs CUDA otherwise
+        from rlsync.adapters.trl import _rollout  # trl.experimental: imported only for the async trainer
+
+        _rollout.install()  # its rollout worker stamps every sampled token with the version that sampled it
         self.server = VllmServer(server_url, options=options)
         self.last_stats: PublishStats | None = None  # the last sync's version, bytes and seconds (TRL logs them)
 
     def init_weight_transfer(self) -> None:
         self.server.wait_ready()
         self.server.config()  # fails now, naming the server flag, if the server's backend is not rlsync
+        self.check_generate_route()
+
+    def check_generate_route(self) -> None:
+        """The rollout worker asks vLLM's token-in/token-out route (it reports each token's version): fail at train
+        begin, naming the flag, if the server lacks it, not at the worker's first request."""
+        from rlsync.adapters.trl import _rollout
+
+        try:
+            self.server.call(_rollout.GENERATE_ROUTE, {})  # an empty request: 4xx from a server that has the route
+        except ConfigError as exc:  # 404
+            raise ConfigError(f"{_rollout.NO_ROUTE} ({self.server.url})") from exc
+        except PeerLostError as exc:
+            if "answered 4" not in str(exc):
+                raise
 
     def pause(self) -> None:
         self.server.pause()

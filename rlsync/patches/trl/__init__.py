@@ -14,6 +14,10 @@ change nothing else:
   ``torch.cuda.get_device_name``, which stops ``AsyncGRPOTrainer.__init__`` on a machine without CUDA.
 - ``AsyncGRPOTrainer._sync_weight``: after TRL's sync, the metrics of an rlsync ``weight_transfer``
   (``rlsync/sync_seconds``, ``rlsync/bytes``, ``rlsync/version``) join the step's metrics.
+- ``_SampleBuilder`` (``apply_rollout_versions``, in every process that builds rlsync's rollout loop,
+  ``rlsync.adapters.trl._rollout``): beside the tokens, mask and log-probs of a training row it keeps each
+  position's version (-1 where nothing was sampled), and the row (``TrainingSequence``) carries them as
+  ``rlsync_versions``. Nothing of TRL's own changes.
 
 Supported TRL versions: ``SUPPORTED``, checked before anything is patched.
 Any other version raises ``ConfigError`` naming it: a patch that silently missed would bring back a hang.
@@ -67,6 +71,58 @@ def apply_async() -> None:
     async_grpo_trainer.get_peak_flops_per_device = _peak_flops(async_grpo_trainer.get_peak_flops_per_device)
     trainer._sync_weight = _sync_weight_with_metrics(trainer._sync_weight)
     setattr(trainer, _APPLIED, True)
+
+
+def apply_rollout_versions() -> None:
+    """Training rows keep each position's weight version (see the module docstring)."""
+    import trl
+
+    check_version(trl.__version__)
+    from trl.experimental.async_grpo import async_rollout_worker
+
+    builder = async_rollout_worker._SampleBuilder
+    if getattr(builder, _APPLIED, False):
+        return
+    builder._append = _append_versions(builder._append)
+    builder._align_to_prompt = _align_versions(builder._align_to_prompt, async_rollout_worker._common_prefix_len)
+    builder.to_training_sequence = _row_with_versions(builder.to_training_sequence)
+    setattr(builder, _APPLIED, True)
+
+
+def _versions_of(builder: Any) -> list[int]:
+    versions: list[int] = builder.__dict__.setdefault("rlsync_versions", [])
+    return versions
+
+
+def _append_versions(original: Any) -> Any:
+    @functools.wraps(original)
+    def _append(self: Any, ids: list[int], *, mask: Any, logprobs: list[float] | None = None) -> None:
+        original(self, ids, mask=mask, logprobs=logprobs)
+        # rlsync's loop hands each turn's log-probs with the versions beside (VersionedLogprobs); context has none
+        _versions_of(self).extend(getattr(logprobs, "versions", None) or [-1] * len(ids))
+
+    return _append
+
+
+def _align_versions(original: Any, common_prefix_len: Any) -> Any:
+    @functools.wraps(original)
+    def _align_to_prompt(self: Any, prompt_ids: list[int]) -> None:
+        matched = common_prefix_len(self.tokens, prompt_ids)
+        original(self, prompt_ids)
+        versions = _versions_of(self)
+        versions[matched:] = [-1] * (len(self.tokens) - matched)  # TRL turns the drifted tail into context
+
+    return _align_to_prompt
+
+
+def _row_with_versions(original: Any) -> Any:
+    @functools.wraps(original)
+    def to_training_sequence(self: Any, rollout_id: Any) -> Any:
+        row = original(self, rollout_id)
+        row.rlsync_versions = list(_versions_of(self))
+        return row
+
+    return to_training_sequence
 
 
 def rlsync_owns_sync(client: Any) -> bool:

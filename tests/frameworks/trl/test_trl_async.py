@@ -67,3 +67,153 @@ def test_an_unreachable_server_and_an_unsupported_trl_are_named() -> None:
         from rlsync.patches.trl import check_version
 
         check_version("1.17.0")
+
+
+def _rollout_loop(model_dir: Path, url: str, max_tokens: int) -> Any:
+    """rlsync's rollout loop as TRL's worker builds it in its spawned process (the shared values are local here)."""
+    import multiprocessing as mp
+    import queue
+
+    from accelerate.state import PartialState
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from rlsync.adapters.trl._rollout import RlsyncRolloutLoop
+
+    PartialState()  # as TRL's worker process starts: its logging needs one
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir.parent / "tokenizer")
+    tokenizer.response_template = {"type": "object"}  # TRL asks for one; nothing here parses a response
+    ctx = mp.get_context("spawn")
+    return RlsyncRolloutLoop(model_name=str(model_dir), dataset=Dataset.from_dict({"prompt": ["w1"]}),
+                             reward_funcs=[lambda completions, **_: [1.0] * len(completions)], processing_class=tokenizer,
+                             eos_token_ids=[tokenizer.eos_token_id], rollout_buffer=queue.Queue(),
+                             model_version_value=ctx.Value("i", 0), heartbeat_value=ctx.Value("d", 0.0),
+                             failed_event=ctx.Event(), exception_info_queue=queue.Queue(), metrics_queue=queue.Queue(),
+                             num_generations=1, vllm_server_url=url, max_tokens=max_tokens)
+
+
+def test_the_async_workers_completion_that_runs_across_a_sync_is_stamped_with_both_versions(
+        model_dir: Path, server: Any) -> None:
+    """TRL's worker generates through rlsync's loop (vLLM's /inference/v1/generate) while the trainer syncs: the
+    completion's tokens carry the version that sampled each, old then new; the training row TRL builds from the turn
+    and the sample it hands the trainer (pickled, as TRL's queue does) carry them position by position."""
+    import asyncio
+    import pickle
+
+    import aiohttp
+    from transformers import AutoModelForCausalLM
+    from trl.experimental.async_grpo.async_rollout_worker import RolloutGroup, TurnRecord, _chain_to_sequences
+
+    from rlsync.adapters.trl import RlsyncWeightTransfer
+
+    transfer = RlsyncWeightTransfer(server.url)
+    transfer.init_weight_transfer()  # checks the server has the route
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    loop = _rollout_loop(model_dir, server.url, max_tokens=110)
+    prompt = [3, 9, 4, 12]
+
+    def sync(version: int) -> None:  # what TRL's _sync_weight does
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(version)) * 0.05)
+        transfer.pause()
+        transfer.send_weights(policy.named_parameters())
+        transfer.resume()
+
+    async def across_sync(version: int, delay: float) -> tuple[list[int], Any]:
+        async with aiohttp.ClientSession() as session:
+            loop.session = session
+            turn = asyncio.create_task(loop._generate_one_turn(prompt))
+            await asyncio.sleep(delay)  # the request is under way
+            await asyncio.to_thread(sync, version)
+            return await turn
+
+    spanned = None
+    for version, delay in enumerate((0.3, 0.15, 0.6, 0.3, 0.1), start=1):  # a completion may stop before the sync
+        tokens, logprobs = asyncio.run(across_sync(version, delay))
+        assert len(logprobs) == len(logprobs.versions) == len(tokens)
+        assert set(logprobs.versions) <= {version - 1, version} and logprobs.versions == sorted(logprobs.versions)
+        if len(set(logprobs.versions)) == 2:
+            spanned = version, tokens, logprobs
+            break
+    assert spanned is not None, "no completion ran across a sync in five tries"
+    version, tokens, logprobs = spanned
+    assert server.call_json("/weight_info")["weight_version"].split("+")[0] == str(version)
+
+    rows, _ = _chain_to_sequences([TurnRecord(prompt, tokens, logprobs)], "r0", 1024)
+    expected = [-1] * len(prompt) + list(logprobs.versions)
+    assert rows[0].rlsync_versions == expected
+    group = RolloutGroup(prompts=[[{"role": "user", "content": "w1"}]], reward_kwargs={},
+                         completions=[[{"role": "assistant", "content": "x"}]], completions_ids=[tokens],
+                         completions_sequences=[rows], tool_call_counts=[0], tool_failure_counts=[0],
+                         model_version=version - 1, group_id=0, env_rewards=[None], rollout_rewards=[None])
+    samples = asyncio.run(loop._score_group(group))
+    sample = pickle.loads(pickle.dumps(samples[0]))  # TRL's queue between its worker and the trainer pickles
+    assert list(sample.token_versions) == expected and len(sample.token_versions) == len(sample.input_ids)
+    assert list(sample.input_ids) == prompt + tokens and sample.model_version == version - 1
+    assert sample.metrics["rlsync/sample_versions"] == 2.0
+    transfer.destroy()
+
+
+def test_training_rows_keep_each_positions_version_through_tool_turns_and_realigned_tails() -> None:
+    """TRL's row builder (patched by rlsync) across turns: tool output and a re-tokenized tail are context (-1),
+    sampled tokens keep their versions; a row of TRL's own loop (no versions handed) is all -1."""
+    from trl.experimental.async_grpo.async_rollout_worker import TurnRecord, _chain_to_sequences
+
+    from rlsync.adapters.trl._rollout import VersionedLogprobs
+
+    first = TurnRecord([1, 2], [10, 11, 12], VersionedLogprobs([-0.1] * 3, [4, 4, 5]))
+    clean = TurnRecord([1, 2, 10, 11, 12, 20, 21], [30, 31], VersionedLogprobs([-0.2] * 2, [5, 6]))  # tool output 20, 21
+    (row,), _ = _chain_to_sequences([first, clean], "r", 1024)
+    assert row.input_ids == [1, 2, 10, 11, 12, 20, 21, 30, 31]
+    assert row.rlsync_versions == [-1, -1, 4, 4, 5, -1, -1, 5, 6]
+    # the last answer re-tokenized (its last token differs): TRL overwrites the drifted tail as context
+    realign = TurnRecord([1, 2, 10, 11, 13, 20], [40], VersionedLogprobs([-0.3], [7]))
+    (row,), _ = _chain_to_sequences([first, realign], "r", 1024)
+    assert row.input_ids == [1, 2, 10, 11, 13, 20, 40] and row.completion_mask == [0, 0, 1, 1, 0, 0, 1]
+    assert row.rlsync_versions == [-1, -1, 4, 4, -1, -1, 7]
+    (row,), _ = _chain_to_sequences([TurnRecord([1], [2, 3], [-0.5, -0.5])], "r", 1024)
+    assert row.rlsync_versions == [-1, -1, -1]
+
+
+def test_the_rollout_loop_reaches_a_spawned_worker_patched_and_a_server_without_the_route_is_named(tmp_path: Path) -> None:
+    """TRL spawns its rollout worker, which unpickles the loop class by reference: importing it there applies the
+    row-building patch. A server without /inference/v1/generate is refused at train begin, naming the flag (a
+    stdlib HTTP server answering 404 to everything stands in for a vLLM server started without it)."""
+    import http.server
+    import pickle
+    import subprocess
+    import sys
+    import threading
+
+    from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
+
+    from rlsync import ConfigError
+    from rlsync.adapters.trl import RlsyncWeightTransfer
+    from rlsync.adapters.trl._rollout import RlsyncRolloutLoop
+
+    transfer = RlsyncWeightTransfer("http://127.0.0.1:9")
+    assert AsyncRolloutWorker._loop_cls is RlsyncRolloutLoop
+    child = ("import pickle, sys; loop = pickle.loads(sys.stdin.buffer.read()); "
+             "from trl.experimental.async_grpo import async_rollout_worker as w; "
+             "print(loop.__name__, getattr(w._SampleBuilder, '_rlsync_patched', False))")
+    done = subprocess.run([sys.executable, "-c", child], input=pickle.dumps(RlsyncRolloutLoop), capture_output=True,
+                          timeout=300)
+    assert done.stdout.decode().split() == ["RlsyncRolloutLoop", "True"], done.stderr.decode()[-3000:]
+
+    class NoRoute(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.send_error(404)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), NoRoute)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        transfer = RlsyncWeightTransfer(f"http://127.0.0.1:{httpd.server_address[1]}")
+        with pytest.raises(ConfigError, match="--enable-scale-out"):
+            transfer.check_generate_route()
+    finally:
+        httpd.shutdown()

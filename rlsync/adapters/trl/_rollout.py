@@ -1,0 +1,115 @@
+"""Per-token weight versions in TRL's async GRPO trainer (``trl.experimental.async_grpo``).
+
+TRL's rollout worker asks vLLM's ``/v1/completions``, which says nothing of the weights that sampled a completion, and
+stamps each sample with the one ``model_version`` it read when the prompt's group started. A request that runs across
+a sync (TRL pauses generation, syncs and resumes it) is sampled by two versions. ``RlsyncRolloutLoop`` asks vLLM's
+token-in/token-out route instead (``/inference/v1/generate``, on a server started with ``--enable-scale-out``), whose
+``weight_versions`` spans say which version sampled which tokens, and every sample it hands the trainer is an
+``RlsyncRolloutSample``: TRL's ``RolloutSample`` plus ``token_versions``, one per position of ``input_ids`` (-1 for
+the prompt and tool output, the version for every sampled token). Its metrics gain ``rlsync/sample_versions`` (how
+many versions sampled the row: 2 when it ran across a sync), which TRL logs with the rest.
+
+TRL's own staleness gate keeps working as it did: ``model_version`` is still the version read when the group started,
+never newer than its oldest token. Versions are the server's (rlsync's labels): on a fresh server they count syncs as
+TRL's ``model_version`` does.
+
+``RlsyncWeightTransfer`` installs the loop (``install()``: ``AsyncRolloutWorker._loop_cls``, where it is TRL's own
+loop; a subclass such as TRL's OpenEnv harness is left alone). TRL spawns the worker, and the spawned process imports
+this module to build the loop, which applies the row-building patch (``rlsync.patches.trl``) there too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from typing import Any
+
+import aiohttp
+import numpy as np
+from trl.experimental.async_grpo.async_rollout_worker import RolloutSample, _AsyncRolloutLoop
+
+from rlsync import ConfigError
+from rlsync.adapters.vllm import token_versions
+from rlsync.patches import trl as _patches
+
+_patches.apply_rollout_versions()  # in every process that builds the loop: TRL's worker is a spawned one
+
+GENERATE_ROUTE = "/inference/v1/generate"
+NO_ROUTE = (f"the vLLM server has no {GENERATE_ROUTE} (vLLM's token-in/token-out route, which reports the weight "
+            "version of every sampled token): start it with --enable-scale-out")
+
+
+def install() -> None:
+    """Make TRL's async rollout worker run ``RlsyncRolloutLoop`` (idempotent)."""
+    from trl.experimental.async_grpo import async_rollout_worker
+
+    worker = async_rollout_worker.AsyncRolloutWorker
+    if worker._loop_cls is _AsyncRolloutLoop:
+        worker._loop_cls = RlsyncRolloutLoop
+
+
+class VersionedLogprobs(list[float]):
+    """A turn's sampled log-probs, as TRL's worker keeps them, with the version that sampled each token beside."""
+
+    def __init__(self, logprobs: list[float], versions: list[int]) -> None:
+        super().__init__(logprobs)
+        self.versions = versions
+
+
+class RlsyncRolloutSample(RolloutSample):  # type: ignore[misc]
+    """TRL's ``RolloutSample`` and, per position of ``input_ids``, the weight version that sampled it (-1: not
+    sampled: prompt, tool output)."""
+
+    __slots__ = ("token_versions",)
+
+    def __init__(self, *args: Any, token_versions: np.ndarray, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.token_versions = token_versions
+
+
+class RlsyncRolloutLoop(_AsyncRolloutLoop):  # type: ignore[misc]
+    """TRL's rollout loop, asking the route that reports versions (see the module docstring)."""
+
+    async def _generate_one_turn(self, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
+        params: dict[str, Any] = {
+            "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "repetition_penalty": self.repetition_penalty, "n": 1, "logprobs": 0,
+            "seed": random.getrandbits(63),  # as TRL does: engines seeded alike would otherwise sample alike
+        }
+        if self.min_p is not None:
+            params["min_p"] = self.min_p
+        payload = {"token_ids": list(prompt_ids), "sampling_params": params, "model": self._request_model}
+        output = await self._retry(lambda: self._generate(payload), max_attempts=30, label=f"vllm {GENERATE_ROUTE}")
+        choice = output["choices"][0]
+        tokens = list(choice["token_ids"])
+        spans = [argparse.Namespace(**span) for span in choice.get("weight_versions") or ()]
+        versions = token_versions(argparse.Namespace(token_ids=tokens, weight_versions=spans))
+        logprobs = [float(entry["logprob"]) for entry in choice["logprobs"]["content"]]
+        return tokens, VersionedLogprobs(logprobs, [int(v) for v in versions])
+
+    async def _generate(self, payload: dict[str, Any]) -> Any:
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout)
+        async with self.session.post(self.vllm_server_url + GENERATE_ROUTE, json=payload, timeout=timeout) as response:
+            if response.status == 404:  # not retried: no server started without the route grows one
+                raise ConfigError(f"{NO_ROUTE} ({self.vllm_server_url})")
+            response.raise_for_status()
+            return await response.json()
+
+    async def _score_group(self, group: Any) -> list[RolloutSample]:
+        samples = await super()._score_group(group)
+        rows = [row for rows in group.completions_sequences for row in rows]  # TRL's order: conversation, then row
+        if len(rows) != len(samples):
+            raise RuntimeError(f"TRL scored {len(samples)} rows of {len(rows)}: rlsync's TRL patch no longer matches "
+                               "this TRL")
+        return [_with_versions(sample, row) for sample, row in zip(samples, rows)]
+
+
+def _with_versions(sample: RolloutSample, row: Any) -> RlsyncRolloutSample:
+    versions = np.asarray(row.rlsync_versions, dtype=np.int64)
+    if len(versions) != len(sample.input_ids):
+        raise RuntimeError(f"{len(versions)} versions for a row of {len(sample.input_ids)} tokens: rlsync's TRL patch "
+                           "no longer matches this TRL")
+    sampled = versions[versions >= 0]
+    metrics = {**sample.metrics, "rlsync/sample_versions": float(len(np.unique(sampled)))}
+    fields = {name: getattr(sample, name) for name in RolloutSample.__dataclass_fields__}
+    return RlsyncRolloutSample(**{**fields, "metrics": metrics}, token_versions=versions)

@@ -68,7 +68,21 @@ class RlsyncRolloutSample(RolloutSample):  # type: ignore[misc]
 
 
 class RlsyncRolloutLoop(_AsyncRolloutLoop):  # type: ignore[misc]
-    """TRL's rollout loop, asking the route that reports versions (see the module docstring)."""
+    """TRL's rollout loop, asking the route that reports versions (see the module docstring). ``rlsync_adapter``
+    (set by ``RlsyncWeightTransfer`` when it syncs a PEFT adapter alone): requests name the adapter version
+    ``NAME@V`` of the trainer's ``model_version`` V, and every token of such a request is V's (a request's adapter
+    never changes under it: each version is an adapter of its own)."""
+
+    def __init__(self, *args: Any, rlsync_adapter: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rlsync_adapter = rlsync_adapter
+
+    @property
+    def _request_model(self) -> str:
+        version = self.model_version
+        if self.rlsync_adapter is None or version == 0:  # version 0: the base model, before the first sync
+            return str(super()._request_model)
+        return f"{self.rlsync_adapter}@{version}"
 
     async def _generate_one_turn(self, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
         params: dict[str, Any] = {
@@ -78,12 +92,17 @@ class RlsyncRolloutLoop(_AsyncRolloutLoop):  # type: ignore[misc]
         }
         if self.min_p is not None:
             params["min_p"] = self.min_p
-        payload = {"token_ids": list(prompt_ids), "sampling_params": params, "model": self._request_model}
+        model = self._request_model
+        payload = {"token_ids": list(prompt_ids), "sampling_params": params, "model": model}
         output = await self._retry(lambda: self._generate(payload), max_attempts=30, label=f"vllm {GENERATE_ROUTE}")
         choice = output["choices"][0]
         tokens = list(choice["token_ids"])
-        spans = [argparse.Namespace(**span) for span in choice.get("weight_versions") or ()]
-        versions = token_versions(argparse.Namespace(token_ids=tokens, weight_versions=spans))
+        if self.rlsync_adapter is not None and model.startswith(self.rlsync_adapter + "@"):
+            # the engine's spans carry its newest label, not the adapter this request named
+            versions = np.full(len(tokens), int(model.rsplit("@", 1)[1]), dtype=np.int64)
+        else:
+            spans = [argparse.Namespace(**span) for span in choice.get("weight_versions") or ()]
+            versions = token_versions(argparse.Namespace(token_ids=tokens, weight_versions=spans))
         logprobs = [float(entry["logprob"]) for entry in choice["logprobs"]["content"]]
         return tokens, VersionedLogprobs(logprobs, [int(v) for v in versions])
 

@@ -6,16 +6,28 @@ TRL calls, on its main process: ``init_weight_transfer()`` once at train begin, 
 ``--weight-transfer-config '{"backend": "rlsync"}'``: this object drives its weight-transfer routes
 (``rlsync.adapters.vllm.VllmServer``), and the version it makes live is the trainer's ``model_version``
 after the sync (syncs are counted from the server's live version: 1, 2, ... on a fresh server, as TRL counts).
+
+LoRA: TRL turns its own adapter-only route off when a ``weight_transfer`` is given and hands it the merged weights.
+With a PEFT model (not sharded by FSDP) and a server started with ``--enable-lora --max-lora-rank R`` (and
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``), this object sends the adapter's tensors alone instead
+(``VllmServer.publish_lora``): version V is served as adapter ``policy@V``, the rollout worker names it from
+``model_version`` V on (``RlsyncRolloutLoop``), and the newest ``max_staleness + 1`` versions stay served. TRL shows
+the trainer through a patch (``rlsync_bind``, before each sync); a log line says which route was taken.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 from rlsync import ConfigError, PeerLostError, SyncOptions
 from rlsync.adapters.vllm import PublishStats, VllmServer
 from rlsync.patches.trl import apply_async
+from rlsync.wire import lora_state
+
+ADAPTER = "policy"  # served as policy@V
+_log = logging.getLogger("rlsync")
 
 
 class RlsyncWeightTransfer:
@@ -33,6 +45,41 @@ class RlsyncWeightTransfer:
         _rollout.install()  # its rollout worker stamps every sampled token with the version that sampled it
         self.server = VllmServer(server_url, options=options)
         self.last_stats: PublishStats | None = None  # the last sync's version, bytes and seconds (TRL logs them)
+        self._trainer: Any = None
+        self._adapter_only: bool | None = None  # decided at the first sync
+
+    def rlsync_bind(self, trainer: Any) -> None:
+        """Called before each of TRL's syncs (``rlsync.patches.trl``): the trainer whose weights are sent. At the first,
+        decide the route; for adapter-only, the rollout worker (not started yet: TRL starts it after the first sync)
+        is told to name the adapter versions."""
+        self._trainer = trainer
+        if self._adapter_only is not None:
+            return
+        self._adapter_only = self._route_is_adapter_only(trainer)
+        worker = getattr(trainer, "rollout_worker", None)
+        if self._adapter_only and worker is not None:
+            if getattr(worker, "_process", None) is not None:
+                raise ConfigError("the rollout worker started before the first sync: rlsync cannot point it at the "
+                                  "adapter versions")
+            worker._loop_kwargs["rlsync_adapter"] = ADAPTER
+
+    def _route_is_adapter_only(self, trainer: Any) -> bool:
+        from accelerate.utils import is_peft_model
+        from torch.distributed.tensor import DTensor
+
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        if not is_peft_model(model):
+            return False
+        serves_lora = bool(self.server.config().get("lora_config"))
+        sharded = any(isinstance(p, DTensor) for p in model.parameters())
+        if serves_lora and not sharded:
+            _log.info("rlsync: adapter-only sync (PEFT model, LoRA server): each version is served as adapter %s@V "
+                      "and the rollout worker generates with the newest", ADAPTER)
+            return True
+        _log.warning("rlsync: merged-weight sync of a PEFT model: %s", "FSDP shards the adapter (adapter-only sync does "
+                     "not gather it)" if serves_lora else f"the vLLM server at {self.server.url} serves no LoRA; start "
+                     "it with --enable-lora --max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 to send the adapter alone")
+        return False
 
     def init_weight_transfer(self) -> None:
         self.server.wait_ready()
@@ -56,6 +103,15 @@ class RlsyncWeightTransfer:
         self.server.pause()
 
     def send_weights(self, iterator: Iterator[tuple[str, Any]]) -> None:
+        if self._adapter_only:
+            # TRL merged the adapter into the base weights for this send (and unmerges after); its A/B matrices are
+            # as trained. The merged iterator is left unread: without FSDP it gathers nothing.
+            trainer = self._trainer
+            tensors, config = lora_state(trainer.accelerator.unwrap_model(trainer.model))
+            self.last_stats = self.server.publish_lora(
+                {n: t.detach().clone() for n, t in tensors.items()}, config, trainer.model_version + 1, name=ADAPTER,
+                keep=trainer.args.max_staleness + 1)  # a sample max_staleness versions old may still be generating
+            return  # a new adapter name is a new prefix-cache namespace in vLLM: nothing to reset
         # TRL's iterator yields live parameters (views, fp32 unless the model is bf16): publish casts them to the
         # server's dtype and holds them only until the version is live, which happens before this returns.
         self.last_stats = self.server.publish(iterator)

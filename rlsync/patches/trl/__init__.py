@@ -12,8 +12,10 @@ change nothing else:
 - ``trl.experimental.async_grpo.async_grpo_trainer.get_peak_flops_per_device``: on a CPU device it answers
   ``None`` (TRL's own answer for a device of unknown peak FLOPs: MFU is not reported) instead of calling
   ``torch.cuda.get_device_name``, which stops ``AsyncGRPOTrainer.__init__`` on a machine without CUDA.
-- ``AsyncGRPOTrainer._sync_weight``: after TRL's sync, the metrics of an rlsync ``weight_transfer``
-  (``rlsync/sync_seconds``, ``rlsync/bytes``, ``rlsync/version``) join the step's metrics.
+- ``AsyncGRPOTrainer._sync_weight``: before TRL's sync, an rlsync ``weight_transfer`` is shown the trainer
+  (``rlsync_bind(trainer)``: TRL hands a weight transfer only an iterator of merged weights, and the adapter-only
+  route needs the PEFT model); after it, its metrics (``rlsync/sync_seconds``, ``rlsync/bytes``, ``rlsync/version``)
+  join the step's metrics.
 - ``_SampleBuilder`` (``apply_rollout_versions``, in every process that builds rlsync's rollout loop,
   ``rlsync.adapters.trl._rollout``): beside the tokens, mask and log-probs of a training row it keeps each
   position's version (-1 where nothing was sampled), and the row (``TrainingSequence``) carries them as
@@ -166,6 +168,9 @@ def _peak_flops(original: Any) -> Any:
 def _sync_weight_with_metrics(original: Any) -> Any:
     @functools.wraps(original)
     def _sync_weight(self: Any) -> None:
+        bind = getattr(self.weight_transfer, "rlsync_bind", None)  # rlsync's weight transfer, on the main process
+        if bind is not None:
+            bind(self)
         original(self)
         stats = getattr(self.weight_transfer, "last_stats", None)
         if stats is not None:

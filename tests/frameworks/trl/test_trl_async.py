@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.filterwarnings("ig
               pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 
-def _trainer(model_dir: Path, server: Any, tmp_path: Path, weight_transfer: Any) -> Any:
+def _trainer(model_dir: Path, server: Any, tmp_path: Path, weight_transfer: Any, peft_config: Any = None) -> Any:
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
@@ -24,7 +24,8 @@ def _trainer(model_dir: Path, server: Any, tmp_path: Path, weight_transfer: Any)
                            bf16=False, use_cpu=True)
     return AsyncGRPOTrainer(model=str(model_dir), reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
                             train_dataset=Dataset.from_dict({"prompt": ["w1 w2", "w3"]}),
-                            processing_class=AutoTokenizer.from_pretrained(model_dir.parent / "tokenizer"), weight_transfer=weight_transfer)
+                            processing_class=AutoTokenizer.from_pretrained(model_dir.parent / "tokenizer"), weight_transfer=weight_transfer,
+                            peft_config=peft_config)
 
 
 def test_async_trainer_sync_weight_lands_in_the_server(model_dir: Path, server: Any, tmp_path: Path) -> None:
@@ -69,7 +70,66 @@ def test_an_unreachable_server_and_an_unsupported_trl_are_named() -> None:
         check_version("1.17.0")
 
 
-def _rollout_loop(model_dir: Path, url: str, max_tokens: int) -> Any:
+def test_async_trainer_with_peft_sends_the_adapter_alone_and_the_worker_names_each_version(
+        model_dir: Path, tokenizer_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A PEFT model and a server serving LoRA: TRL's _sync_weight moves the adapter's bytes only, version V is served
+    as policy@V and answers as the same server serving the trainer's adapter from PEFT's save_pretrained (vLLM's own
+    loader); the rollout worker is told to name the versions, and its requests' tokens carry the version named."""
+    import asyncio
+    import logging
+
+    import aiohttp
+    from peft import LoraConfig
+    from trl_helpers import example
+
+    from rlsync.adapters.trl import RlsyncWeightTransfer
+
+    server = example.Server(model_dir, tokenizer_dir, tmp_path / "lora-server.log", lora_rank=8)
+    try:
+        trainer = _trainer(model_dir, server, tmp_path, RlsyncWeightTransfer(server.url),
+                           peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+        trainer.weight_transfer.init_weight_transfer()
+        seen = []
+        with caplog.at_level(logging.INFO, logger="rlsync"):
+            for version in (1, 2, 3):
+                with torch.no_grad():  # a training step's worth of change in the adapter
+                    generator = torch.Generator().manual_seed(version)
+                    for n, p in trainer.model.named_parameters():
+                        if "lora_" in n:
+                            p.add_(torch.randn(p.shape, generator=generator) * 0.3)
+                trainer._sync_weight()
+                stats = trainer.weight_transfer.last_stats
+                assert trainer.model_version == version and stats.adapter == f"policy@{version}"
+                where = tmp_path / f"adapter-{version}"
+                trainer.model.save_pretrained(where)
+                server.post("/v1/load_lora_adapter", {"lora_name": f"disk-{version}", "lora_path": str(where)})
+                seen.append((server.greedy(PROMPTS, model=stats.adapter), server.greedy(PROMPTS, model=f"disk-{version}")))
+        assert "adapter-only sync" in caplog.text
+        for synced, fresh in seen:
+            assert synced == fresh
+        assert len({str(synced) for synced, _ in seen}) == 3  # every version changed what the server says
+        adapter_bytes = sum(p.numel() * 2 for n, p in trainer.model.named_parameters() if "lora_" in n)  # bf16 wire
+        assert trainer._metrics["train"]["rlsync/bytes"] == [float(adapter_bytes)] * 3
+        assert adapter_bytes < sum(p.numel() * 2 for p in trainer.model.parameters()) / 10
+
+        assert trainer.rollout_worker._loop_kwargs["rlsync_adapter"] == "policy"
+        loop = _rollout_loop(model_dir, server.url, max_tokens=8, rlsync_adapter="policy")
+        loop._model_version_value.value = 3
+
+        async def one_turn() -> Any:
+            async with aiohttp.ClientSession() as session:
+                loop.session = session
+                return await loop._generate_one_turn(PROMPTS[0])
+
+        assert loop._request_model == "policy@3"
+        tokens, logprobs = asyncio.run(one_turn())
+        assert logprobs.versions == [3] * len(tokens) and len(tokens) > 0
+        trainer.weight_transfer.destroy()
+    finally:
+        server.stop()
+
+
+def _rollout_loop(model_dir: Path, url: str, max_tokens: int, **extra: Any) -> Any:
     """rlsync's rollout loop as TRL's worker builds it in its spawned process (the shared values are local here)."""
     import multiprocessing as mp
     import queue
@@ -90,7 +150,7 @@ def _rollout_loop(model_dir: Path, url: str, max_tokens: int) -> Any:
                              eos_token_ids=[tokenizer.eos_token_id], rollout_buffer=queue.Queue(),
                              model_version_value=ctx.Value("i", 0), heartbeat_value=ctx.Value("d", 0.0),
                              failed_event=ctx.Event(), exception_info_queue=queue.Queue(), metrics_queue=queue.Queue(),
-                             num_generations=1, vllm_server_url=url, max_tokens=max_tokens)
+                             num_generations=1, vllm_server_url=url, max_tokens=max_tokens, **extra)
 
 
 def test_the_async_workers_completion_that_runs_across_a_sync_is_stamped_with_both_versions(

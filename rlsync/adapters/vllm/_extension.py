@@ -32,7 +32,7 @@ import msgspec
 from rlsync import DEFAULT_TIMEOUT, CanaryError, ConfigError, Finish, StagedReceiver, SyncOptions
 from rlsync.adapters.vllm._commit import EngineCommit
 from rlsync.adapters.vllm._probe import learn_parts, learn_placements, probe_worker
-from rlsync.adapters.vllm._routes import worker_recorder
+from rlsync.adapters.vllm._routes import encode_routes, worker_recorder
 from rlsync.layouts import RankBoxes
 
 
@@ -160,6 +160,12 @@ class RlsyncWorkerExtension:
     def rlsync_take_routes(self, request_ids: Sequence[str]) -> dict[str, Any]:
         """The recorded routes of these finished requests, taken (``rlsync.adapters.vllm.take_routes``)."""
         return worker_recorder(self).take(request_ids)
+
+    def rlsync_take_routes_of(self, sequences_json: str) -> dict[str, Any]:
+        """The recorded routes of the requests that ran these token sequences (a JSON list of token lists: a server's
+        ``/collective_rpc`` passes strings only), taken; JSON-safe (``rlsync.adapters.vllm.VllmServer.take_routes``)."""
+        return {"routes": [None if r is None else encode_routes(r)
+                           for r in worker_recorder(self).take_matching(json.loads(sequences_json))]}
 
     def rlsync_lora_start(self, tensors: Sequence[Sequence[Any]], peft_config: dict[str, Any], keep: int = 1,
                           options: Mapping[str, Any] | None = None) -> str:

@@ -9,10 +9,14 @@ in the input batch's order, starting at the request's count of computed tokens. 
 is computed again overwrites the same positions, and one that runs on across a sync (a partial rollout) keeps the
 routes of the tokens it already has. Positions a prefix-cache hit skipped were never routed in this request; taking
 such a record raises (start the engine with ``enable_prefix_caching=False``).
+
+A request is taken by its id (the offline ``LLM``, whose outputs carry it) or by its tokens (a server's clients never
+see the engine's ids: ``VllmServer.take_routes``): the recorder keeps the token each routed position ran on.
 """
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -35,6 +39,7 @@ class RouteRecorder:
         self.layers = len(moes)
         self._step: dict[int, Any] = {}
         self.routes: dict[str, np.ndarray] = {}  # internal request id -> [max_model_len, layers, top_k], -1: not run
+        self.tokens: dict[str, np.ndarray] = {}  # internal request id -> the token each routed position ran on
         for index, moe in enumerate(moes):
             moe.router.set_capture_fn(partial(self._capture, index))
         run = self.runner.execute_model
@@ -65,8 +70,11 @@ class RouteRecorder:
             record = self.routes.get(req)
             if record is None:
                 record = self.routes[req] = np.full((self.runner.max_model_len, *step.shape[1:]), -1, np.int16)
+                self.tokens[req] = np.full(self.runner.max_model_len, -1, np.int64)
             start = starts[req]
             record[start : start + count] = step[at : at + count]
+            row = self.runner.input_batch.req_id_to_index[req]
+            self.tokens[req][start : start + count] = self.runner.input_batch.token_ids_cpu[row, start : start + count]
             at += count
 
     def take(self, request_ids: Sequence[str]) -> dict[str, np.ndarray]:
@@ -77,9 +85,53 @@ class RouteRecorder:
             external = internal.rsplit("-", 1)[0]  # vLLM's engine adds a suffix to the request's own id
             if external in request_ids or internal in request_ids:
                 record = self.routes.pop(internal)
+                self.tokens.pop(internal, None)
                 ran = np.flatnonzero((record >= 0).all((1, 2)))
                 out[external] = record[: ran.max() + 1] if ran.size else record[:0]
         return out
+
+    def take_matching(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray | None]:
+        """For each finished sequence (prompt and completion tokens), the routes of its positions that ran
+        (``[len - 1, layers, top_k]``) of a request that ran exactly those tokens, taken; None where none did (or a
+        position of it was never routed: a prefix-cache hit). Sequences alike (a prompt sampled alike twice) take one
+        request each."""
+        out: list[np.ndarray | None] = []
+        for sequence in sequences:
+            ran = np.asarray(sequence[:-1], dtype=np.int64)
+            found = None
+            for req, tokens in self.tokens.items():
+                if len(ran) < len(tokens) and tokens[len(ran)] == -1 and (tokens[: len(ran)] == ran).all():
+                    found = req
+                    break
+            if found is None:
+                out.append(None)
+                continue
+            record = self.routes.pop(found)[: len(ran)]
+            del self.tokens[found]
+            out.append(record if (record >= 0).all() else None)
+        return out
+
+
+def compact(record: np.ndarray) -> np.ndarray:
+    """Recorded expert ids in the smallest unsigned dtype that holds them (what ``rlsync.Sample`` carries)."""
+    return record.astype(np.uint8 if record.max(initial=0) < 256 else np.uint16)
+
+
+def encode_routes(record: np.ndarray) -> dict[str, Any]:
+    """A route record as JSON-safe data (a server's ``/collective_rpc`` answers JSON)."""
+    record = compact(record)
+    return {"shape": list(record.shape), "dtype": str(record.dtype), "data": base64.b64encode(record.tobytes()).decode()}
+
+
+def decode_routes(encoded: dict[str, Any]) -> np.ndarray:
+    dtype = np.dtype(encoded["dtype"])
+    if dtype not in (np.uint8, np.uint16):
+        raise ConfigError(f"route record of dtype {dtype}: expected uint8 or uint16")
+    shape = tuple(int(x) for x in encoded["shape"])
+    data = base64.b64decode(encoded["data"])
+    if len(shape) != 3 or int(np.prod(shape)) * dtype.itemsize != len(data):
+        raise ConfigError(f"route record of shape {shape} holds {len(data)} bytes")
+    return np.frombuffer(data, dtype).reshape(shape)
 
 
 def worker_recorder(worker: Any) -> RouteRecorder:
@@ -111,5 +163,5 @@ def take_routes(llm: Any, outputs: Sequence[Any]) -> list[np.ndarray]:
             raise ConfigError(f"request {output.request_id!r}: no routes recorded for positions {missing} of {want}: "
                               f"call record_routes(llm) before generating, and start the engine with "
                               f"enable_prefix_caching=False (a prefix-cache hit runs no router for those positions)")
-        out.append(record[:want].astype(np.uint8 if record.max() < 256 else np.uint16))
+        out.append(compact(record[:want]))
     return out

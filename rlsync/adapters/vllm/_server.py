@@ -190,6 +190,41 @@ class VllmServer:
                           "new requests may reuse prefixes computed with the previous weights", RlsyncWarning, stacklevel=2)
         return done
 
+    # --- MoE routes ---------------------------------------------------------------------------------------
+    def record_routes(self) -> int:
+        """From now on the server's workers record the experts every MoE layer routes each token to (the rollout's
+        half of routing replay; ``take_routes`` hands them over). Needs the server started with
+        ``--worker-extension-cls rlsync.adapters.vllm.RlsyncWorkerExtension --no-enable-prefix-caching`` (a prefix-cache
+        hit runs no router) and ``VLLM_SERVER_DEV_MODE=1`` (its ``/collective_rpc`` route). Returns the MoE layers."""
+        return int(self._rpc("rlsync_record_routes")[0])
+
+    def take_routes(self, sequences: Sequence[Sequence[int]]) -> list[Any]:
+        """For each finished sequence the server generated (prompt and completion token ids, as its answer gave them),
+        the experts of every position it ran: ``[len - 1, layers, top_k]``, the prompt's first (``rlsync.Sample(routes=
+        ...)`` as it is), taken from the workers. Raises naming the sequence where none was recorded."""
+        from rlsync.adapters.vllm._routes import decode_routes
+
+        answer = self._rpc("rlsync_take_routes_of", json.dumps([list(map(int, s)) for s in sequences]))[0]
+        out = []
+        for i, encoded in enumerate(answer["routes"]):
+            if encoded is None:
+                raise ConfigError(f"no routes recorded for sequence {i} ({len(sequences[i])} tokens): call record_routes() "
+                                  "before generating, and start the server with --no-enable-prefix-caching (a "
+                                  "prefix-cache hit runs no router for those positions)")
+            out.append(decode_routes(encoded))
+        return out
+
+    def _rpc(self, method: str, *args: str) -> list[Any]:
+        """A method of rlsync's worker extension on every worker (the dev-mode ``/collective_rpc`` route)."""
+        try:
+            answer = self.call("/collective_rpc", {"method": method, "args": list(args)})
+        except PeerLostError as exc:
+            if "has no attribute" in str(exc) or "not found" in str(exc).lower():
+                raise ConfigError(f"the vLLM server at {self.url} runs no rlsync worker extension: start it with "
+                                  "--worker-extension-cls rlsync.adapters.vllm.RlsyncWorkerExtension") from exc
+            raise
+        return list(answer["results"])
+
     # --- weights ------------------------------------------------------------------------------------------
     def publish(self, named_tensors: Iterable[tuple[str, Any]], version: int | None = None, *,
                 canary: Canary | None = None) -> PublishStats:

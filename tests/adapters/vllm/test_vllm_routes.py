@@ -109,3 +109,39 @@ def test_a_request_that_runs_across_a_sync_keeps_the_routes_of_the_tokens_it_had
     alike = (v0 == np.sort(record, -1)).all(-1)
     assert alike[:before].all(), f"positions run before the sync lost their routes: {np.flatnonzero(~alike[:before])}"
     assert not alike[before:].all(), "positions after the sync still route as version 0: the sync did not land"
+
+
+def test_a_servers_routes_are_taken_by_the_tokens_its_clients_saw(tmp_path: Path) -> None:
+    """A stock vLLM server with rlsync's worker extension (what an HTTP client such as TRL's talks to): its clients
+    never see the engine's request ids, so routes are taken by the sequences the answers carried. Two samples of one
+    prompt (n=2, as GRPO asks) each get the routes of their own positions, which the trainer at the server's weights
+    routes as recorded; a sequence the server never ran, or one taken already, is refused naming the fix."""
+    from _support.vllm_server import post, running
+
+    from rlsync import ConfigError
+    from rlsync.adapters.vllm import VllmServer
+
+    model = save("qwen3-moe", 100, tmp_path / "v0")
+    flags = ["--worker-extension-cls", "rlsync.adapters.vllm.RlsyncWorkerExtension", "--no-enable-prefix-caching"]
+    with running(model, tmp_path / "server.log", flags) as base:
+        server = VllmServer(base)
+        assert server.record_routes() == LAYERS
+        sequences = []
+        for prompt in PROMPTS:
+            answer = post(base, "/v1/completions", {"model": str(model), "prompt": list(prompt), "n": 2, "max_tokens": NEW,
+                                                    "temperature": 1.0, "seed": 5, "ignore_eos": True, "return_token_ids": True})
+            sequences += [list(prompt) + list(choice["token_ids"]) for choice in answer["choices"]]
+        routes = server.take_routes(sequences[::-1])[::-1]  # in another order than the server ran them
+        with pytest.raises(ConfigError, match="no routes recorded for sequence 0"):
+            server.take_routes(sequences[:1])  # taken already
+        with pytest.raises(ConfigError, match="--no-enable-prefix-caching"):
+            server.take_routes([[7, 7, 7, 7]])
+    assert [r.shape for r in routes] == [(len(s) - 1, LAYERS, TOP_K) for s in sequences]
+    assert sequences[0] != sequences[1]  # two samples of one prompt, told apart by their tokens
+    model_at_v0 = trainer.build("qwen3-moe", 100)
+    own = [own_routes(model_at_v0, torch.tensor([s]), LAYERS, TOP_K)[0, : len(s) - 1] for s in sequences]
+    for i, record in enumerate(routes):
+        alike = (np.sort(own[i], -1) == np.sort(record, -1)).all(-1)
+        assert alike.mean() >= 0.9, f"only {alike.mean():.0%} of token-layers route as recorded"
+        sibling = own[i ^ 1]  # the other sample of the same prompt: its generated positions ran other tokens
+        assert alike.mean() > (np.sort(sibling, -1) == np.sort(record, -1)).all(-1).mean(), f"sequence {i} got its sibling's routes"

@@ -99,6 +99,48 @@ def test_replay_takes_the_recorded_experts_after_the_weights_moved(arch: str) ->
     assert router_grads and all(g is not None and g.abs().sum() > 0 for g in router_grads)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe"])
+def test_a_gradient_checkpointed_backward_under_replay_recomputes_the_replayed_experts(arch: str) -> None:
+    """With gradient checkpointing a layer's forward runs again in the backward: while the replay is still open
+    there, the gradients are those of the replayed forward (equal to the same backward without checkpointing); once
+    it is closed before the backward, the recompute routes itself (torch refuses the backward, or its gradients
+    differ): what TRL's routing replay keeps the replay open for."""
+    model = _model(arch)
+    ids = torch.randint(0, 64, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    recorded = _record(model, ids)
+    _step(model)
+    assert (np.sort(_record(model, ids), -1) != np.sort(recorded, -1)).any(), "no token routes elsewhere: nothing shown"
+
+    def grads(checkpointing: bool, close_before_backward: bool) -> list[torch.Tensor]:
+        model.train()
+        renamed = hasattr(model, "activation_checkpointing_enable")  # transformers 5.2x's name for it
+        if checkpointing and renamed:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        elif checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.activation_checkpointing_disable() if renamed else model.gradient_checkpointing_disable()
+        model.zero_grad()
+        replay = replay_routes(model, recorded)
+        replay.__enter__()
+        loss = -token_logprobs(model, ids).mean()
+        if close_before_backward:
+            replay.__exit__(None, None, None)
+        loss.backward()
+        if not close_before_backward:
+            replay.__exit__(None, None, None)
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    plain = grads(checkpointing=False, close_before_backward=False)
+    kept_open = grads(checkpointing=True, close_before_backward=False)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, kept_open))
+    try:
+        closed = grads(checkpointing=True, close_before_backward=True)
+    except torch.utils.checkpoint.CheckpointError:  # torch saw the recompute run other experts (other tensors saved)
+        return
+    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, closed))
+
+
 def test_routes_of_samples_place_each_record_at_its_positions_and_survive_the_wire() -> None:
     rng = np.random.default_rng(0)
     full = rlsync.Sample("a", np.arange(7), 3, np.zeros(4, np.float32), np.zeros(4, np.int64),

@@ -3,6 +3,6 @@
 take the experts the generator took (``rlsync.adapters.hf._routes``)."""
 
 from rlsync.adapters.hf._receiver import ModuleReceiver, module_layout
-from rlsync.adapters.hf._routes import RouteLog, replay_routes, routes_of
+from rlsync.adapters.hf._routes import RouteLog, replay_routes, routers, routes_of
 
-__all__ = ["ModuleReceiver", "RouteLog", "module_layout", "replay_routes", "routes_of"]
+__all__ = ["ModuleReceiver", "RouteLog", "module_layout", "replay_routes", "routers", "routes_of"]

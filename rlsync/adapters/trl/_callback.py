@@ -22,6 +22,11 @@ deviates is undone and the step raises ``rlsync.CanaryError`` naming the largest
 Logged per step: ``rlsync/sync_seconds``, ``rlsync/bytes``, ``rlsync/version``, ``rlsync/canary_deviation``,
 ``rlsync/staleness_mean``, ``rlsync/dropped_stale``.
 
+MoE models: with a server that records routes (``--worker-extension-cls rlsync.adapters.vllm.RlsyncWorkerExtension
+--no-enable-prefix-caching``), every policy forward routes each generated sequence's tokens to the experts that
+sampled them (routing replay, ``rlsync.adapters.trl._routes``); ``routes=False`` turns it off, ``routes=True``
+requires it. Logged: ``rlsync/routes_replayed``, ``rlsync/routes_differing``.
+
 LoRA: with a PEFT model and a server started with ``--enable-lora`` (and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``),
 only the adapter's A/B matrices (and ``modules_to_save``) cross, never the base model (``VllmServer.publish_lora``):
 each version is served as adapter ``policy@V`` and TRL's client generates with the newest; the previous
@@ -39,6 +44,7 @@ import torch
 from transformers import TrainerCallback
 
 from rlsync import Canary, ConfigError, Decision, MaxStaleness, Sample, SyncOptions, VersionError
+from rlsync.adapters.trl._routes import RouteReplay
 from rlsync.adapters.vllm import VllmServer
 from rlsync.patches.trl import rlsync_owns_sync
 from rlsync.wire import lora_state
@@ -55,9 +61,11 @@ class RlsyncSyncCallback(TrainerCallback):
     host, or ``tcp``), ``timeout`` (seconds one sync may take), ``wire="delta"`` (send only the values that
     changed since the last sync: a few percent of them at RL learning rates; ``rlsync/bytes`` logs what moved),
     ``verify=True`` (the engine checks a CRC per tensor of every version and refuses one whose bytes differ).
+    ``routes``: routing replay for MoE models (None: wherever the server records routes; True: required; False: off).
     """
 
-    def __init__(self, trainer: Any, *, max_staleness: int | None = None, options: SyncOptions | None = None) -> None:
+    def __init__(self, trainer: Any, *, max_staleness: int | None = None, options: SyncOptions | None = None,
+                 routes: bool | None = None) -> None:
         generation = getattr(trainer, "vllm_generation", None)
         if generation is None or getattr(generation, "mode", None) != "server":
             raise ConfigError("RlsyncSyncCallback needs a GRPOTrainer generating with a vLLM server: "
@@ -77,6 +85,7 @@ class RlsyncSyncCallback(TrainerCallback):
         self._adapter_only: bool | None = None  # decided at the first sync, the same on every rank
         self._adapters_kept = (max_staleness or 1) + 1  # adapter versions served: a sample may be max_staleness versions old
         generation.sync_weights = self._sync
+        self.routes = RouteReplay(trainer, self.server, routes)  # MoE: routing replay (see the module docstring)
         self._generate = trainer._generate_and_score_completions
         trainer._generate_and_score_completions = self._generate_and_stamp
         self._compute_loss = trainer.compute_loss

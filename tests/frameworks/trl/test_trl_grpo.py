@@ -196,3 +196,43 @@ def test_a_peft_run_sends_the_adapter_alone_and_generates_with_each_new_version(
     logged = [entry for entry in trainer.state.log_history if "rlsync/bytes" in entry]
     assert len(logged) == 3 and all(entry["rlsync/bytes"] == adapter_bytes < model_bytes / 10 for entry in logged), logged
     assert all(0 < entry["rlsync/canary_deviation"] < 0.05 for entry in logged), logged
+
+
+def test_an_moe_policy_replays_the_servers_routes_in_every_forward(tokenizer_dir: Path, tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A tiny Qwen3-MoE trained by GRPOTrainer against a server that records routes: every row of every policy
+    forward in the loss finds the routes vLLM recorded for its tokens (TRL shuffles and splits the batch; rows are
+    found by their tokens), and the trainer replays them."""
+    import logging
+
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from rlsync.adapters.trl import RlsyncSyncCallback
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen3_moe", vocab_size=32, hidden_size=128, intermediate_size=256,
+                                  moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                                  mlp_only_layers=[], num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                  head_dim=64, max_position_embeddings=128, tie_word_embeddings=False,
+                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    flags = ["--worker-extension-cls", "rlsync.adapters.vllm.RlsyncWorkerExtension", "--no-enable-prefix-caching"]
+    server = example.Server(model_dir, tokenizer_dir, tmp_path / "moe-server.log", extra=flags)
+    try:
+        trainer = _trainer(model_dir, server, tmp_path, steps=2)
+        trainer.add_callback(RlsyncSyncCallback(trainer))
+        with caplog.at_level(logging.INFO, logger="rlsync"):
+            trainer.train()
+    finally:
+        server.stop()
+    assert "routing replay on" in caplog.text
+    logged = [entry for entry in trainer.state.log_history if "rlsync/routes_replayed" in entry]
+    assert len(logged) == 2 and all(entry["rlsync/routes_replayed"] == 1.0 for entry in logged), logged
+    assert all(0.0 <= entry["rlsync/routes_differing"] < 0.5 for entry in logged), logged
+    print("\nrouted elsewhere by the trainer (replayed as recorded):", [entry["rlsync/routes_differing"] for entry in logged])

@@ -36,7 +36,6 @@ does not gather) TRL's merged weights are sent, as TRL does; a log line says whi
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
@@ -45,12 +44,12 @@ from transformers import TrainerCallback
 
 from rlsync import Canary, ConfigError, Decision, MaxStaleness, Sample, SyncOptions, VersionError
 from rlsync.adapters.trl._routes import RouteReplay
+from rlsync.adapters.trl._weight_transfer import choose_lora_route
 from rlsync.adapters.vllm import VllmServer
 from rlsync.patches.trl import rlsync_owns_sync
 from rlsync.wire import lora_state
 
 VERSIONS = "rlsync_versions"  # per generated token: the policy version that produced it
-_log = logging.getLogger("rlsync")
 
 
 class RlsyncSyncCallback(TrainerCallback):
@@ -106,17 +105,8 @@ class RlsyncSyncCallback(TrainerCallback):
         if self._adapter_only is None:
             peft = is_peft_model(self.generation.model)
             choice = [False]
-            if self.server is not None:
-                serves_lora = bool(self.server.config().get("lora_config")) if peft else False
-                choice = [peft and serves_lora and not self.generation._dist.is_fsdp]
-                if choice[0]:
-                    _log.info("rlsync: adapter-only sync (PEFT model, LoRA server): each version is served as adapter "
-                              "policy@V and TRL's client generates with the newest")
-                elif peft:
-                    _log.warning("rlsync: merged-weight sync of a PEFT model: %s", "FSDP shards the adapter (adapter-only sync "
-                                 "does not gather it)" if serves_lora else f"the vLLM server at {self.server.url} serves no "
-                                 "LoRA; start it with --enable-lora --max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 "
-                                 "to send the adapter alone")
+            if self.server is not None and peft:
+                choice = [choose_lora_route(self.server, self.generation._dist.is_fsdp, "TRL's client generates")]
             if self.trainer.accelerator.num_processes > 1:
                 broadcast_object_list(choice, from_process=0)
             self._adapter_only = bool(choice[0])

@@ -70,16 +70,8 @@ class RlsyncWeightTransfer:
         model = trainer.accelerator.unwrap_model(trainer.model)
         if not is_peft_model(model):
             return False
-        serves_lora = bool(self.server.config().get("lora_config"))
         sharded = any(isinstance(p, DTensor) for p in model.parameters())
-        if serves_lora and not sharded:
-            _log.info("rlsync: adapter-only sync (PEFT model, LoRA server): each version is served as adapter %s@V "
-                      "and the rollout worker generates with the newest", ADAPTER)
-            return True
-        _log.warning("rlsync: merged-weight sync of a PEFT model: %s", "FSDP shards the adapter (adapter-only sync does "
-                     "not gather it)" if serves_lora else f"the vLLM server at {self.server.url} serves no LoRA; start "
-                     "it with --enable-lora --max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 to send the adapter alone")
-        return False
+        return choose_lora_route(self.server, sharded, "the rollout worker generates")
 
     def init_weight_transfer(self) -> None:
         self.server.wait_ready()
@@ -122,3 +114,17 @@ class RlsyncWeightTransfer:
 
     def destroy(self) -> None:
         self.server.close()
+
+
+def choose_lora_route(server: VllmServer, sharded: bool, who: str) -> bool:
+    """For a PEFT model: adapter-only when the server serves LoRA and FSDP does not shard the adapter (this route
+    does not gather it), else merged; the log says which, and for a server without LoRA the flags that change it."""
+    serves_lora = bool(server.config().get("lora_config"))
+    if serves_lora and not sharded:
+        _log.info("rlsync: adapter-only sync (PEFT model, LoRA server): each version is served as adapter %s@V and %s "
+                  "with the newest", ADAPTER, who)
+        return True
+    _log.warning("rlsync: merged-weight sync of a PEFT model: %s", "FSDP shards the adapter (adapter-only sync does not "
+                 "gather it)" if serves_lora else f"the vLLM server at {server.url} serves no LoRA; start it with "
+                 "--enable-lora --max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 to send the adapter alone")
+    return False

@@ -17,13 +17,22 @@ see the engine's ids: ``VllmServer.take_routes``): the recorder keeps the token 
 from __future__ import annotations
 
 import base64
+import logging
+import os
 from collections.abc import Sequence
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import numpy as np
 
 from rlsync import ConfigError
+
+
+@cache
+def _warn_dropped_once(bound: int) -> None:
+    logging.getLogger("rlsync").warning(
+        "rlsync: more than %d finished requests' routes were never taken; the oldest are dropped (take them with "
+        "take_routes, or raise RLSYNC_MAX_ROUTE_RECORDS)", bound)
 
 
 class RouteRecorder:
@@ -38,8 +47,12 @@ class RouteRecorder:
             raise ConfigError(f"{type(self.runner.model).__name__} has no MoE layer: there are no routes to record")
         self.layers = len(moes)
         self._step: dict[int, Any] = {}
-        self.routes: dict[str, np.ndarray] = {}  # internal request id -> [max_model_len, layers, top_k], -1: not run
-        self.tokens: dict[str, np.ndarray] = {}  # internal request id -> the token each routed position ran on
+        # per internal request id: [positions, layers, top_k] (-1: not run), grown as the request runs (a whole
+        # max_model_len record per request up front is tens of MB at real sizes), and the token each position ran on
+        self.routes: dict[str, np.ndarray] = {}
+        self.tokens: dict[str, np.ndarray] = {}
+        self._finished: dict[str, None] = {}  # finished and not taken yet, oldest first
+        self.keep_finished = int(os.environ.get("RLSYNC_MAX_ROUTE_RECORDS", "4096"))
         for index, moe in enumerate(moes):
             moe.router.set_capture_fn(partial(self._capture, index))
         run = self.runner.execute_model
@@ -67,15 +80,40 @@ class RouteRecorder:
             count = scheduled.num_scheduled_tokens.get(req, 0)
             if not count:
                 continue
-            record = self.routes.get(req)
-            if record is None:
-                record = self.routes[req] = np.full((self.runner.max_model_len, *step.shape[1:]), -1, np.int16)
-                self.tokens[req] = np.full(self.runner.max_model_len, -1, np.int64)
             start = starts[req]
+            record = self._grow(req, start + count, step.shape[1:])
             record[start : start + count] = step[at : at + count]
             row = self.runner.input_batch.req_id_to_index[req]
             self.tokens[req][start : start + count] = self.runner.input_batch.token_ids_cpu[row, start : start + count]
             at += count
+        self._forget_beyond_bound(scheduled.finished_req_ids)
+
+    def _grow(self, req: str, end: int, shape: tuple[int, ...]) -> np.ndarray:
+        """The request's record, at least ``end`` positions long (doubling, at most max_model_len)."""
+        record = self.routes.get(req)
+        if record is not None and len(record) >= end:
+            return record
+        size = min(max(end, 2 * (0 if record is None else len(record)), 64), max(end, self.runner.max_model_len))
+        grown = np.full((size, *shape), -1, np.int16)
+        tokens = np.full(size + 1, -1, np.int64)  # one past the last position: "nothing ran there" for take_matching
+        if record is not None:
+            grown[: len(record)] = record
+            tokens[: len(record)] = self.tokens[req][: len(record)]
+        self.routes[req], self.tokens[req] = grown, tokens
+        return grown
+
+    def _forget_beyond_bound(self, finished: Any) -> None:
+        """Finished records wait to be taken; past ``RLSYNC_MAX_ROUTE_RECORDS`` of them the oldest are dropped (a
+        client that never takes them would otherwise grow the worker without bound), said once."""
+        for req in finished or ():
+            if req in self.routes:
+                self._finished[req] = None
+        while len(self._finished) > self.keep_finished:
+            oldest = next(iter(self._finished))
+            del self._finished[oldest]
+            self.routes.pop(oldest, None)
+            self.tokens.pop(oldest, None)
+            _warn_dropped_once(self.keep_finished)
 
     def take(self, request_ids: Sequence[str]) -> dict[str, np.ndarray]:
         """The routes of the finished requests ``request_ids`` (the ids vLLM's outputs carry), every position run:
@@ -86,6 +124,7 @@ class RouteRecorder:
             if external in request_ids or internal in request_ids:
                 record = self.routes.pop(internal)
                 self.tokens.pop(internal, None)
+                self._finished.pop(internal, None)
                 ran = np.flatnonzero((record >= 0).all((1, 2)))
                 out[external] = record[: ran.max() + 1] if ran.size else record[:0]
         return out
@@ -108,6 +147,7 @@ class RouteRecorder:
                 continue
             record = self.routes.pop(found)[: len(ran)]
             del self.tokens[found]
+            self._finished.pop(found, None)
             out.append(record if (record >= 0).all() else None)
         return out
 

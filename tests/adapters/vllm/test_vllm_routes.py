@@ -145,3 +145,30 @@ def test_a_servers_routes_are_taken_by_the_tokens_its_clients_saw(tmp_path: Path
         assert alike.mean() >= 0.9, f"only {alike.mean():.0%} of token-layers route as recorded"
         sibling = own[i ^ 1]  # the other sample of the same prompt: its generated positions ran other tokens
         assert alike.mean() > (np.sort(sibling, -1) == np.sort(record, -1)).all(-1).mean(), f"sequence {i} got its sibling's routes"
+
+
+def test_routes_never_taken_are_bounded_oldest_first(tmp_path: Path, cleanup: list[object],
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A client that never takes its routes does not grow the worker without bound: past RLSYNC_MAX_ROUTE_RECORDS
+    finished records the oldest are dropped (said once); the newer ones are still taken whole."""
+    import logging
+
+    from vllm import SamplingParams
+
+    from rlsync import ConfigError
+
+    monkeypatch.setenv("RLSYNC_MAX_ROUTE_RECORDS", "2")
+    llm = engine(save("qwen3-moe", 100, tmp_path / "v0"), enable_prefix_caching=False)
+    cleanup.append(llm)
+    record_routes(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, detokenize=False)
+    with caplog.at_level(logging.WARNING, logger="rlsync"):
+        # one request at a time: each one's finish reaches the worker with the next one's first step
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(4)]
+        outputs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
+    assert "never taken" in caplog.text
+    with pytest.raises(ConfigError, match="no routes recorded"):
+        take_routes(llm, outputs[:1])  # the oldest finished: dropped
+    taken = take_routes(llm, outputs[-2:])
+    assert [len(r) for r in taken] == [len(o.prompt_token_ids) + NEW - 1 for o in outputs[-2:]]

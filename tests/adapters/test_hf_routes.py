@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _support.moe_routes import own_routes, token_logprobs
+from _support.moe_routes import own_routes, token_logprobs, with_and_without_replay
 
 import rlsync
 from rlsync.adapters.hf import replay_routes, routes_of
@@ -70,16 +70,7 @@ def test_replay_takes_the_recorded_experts_after_the_weights_moved(arch: str) ->
     moved = _record(model, ids)
     differing = int((np.sort(moved, -1) != np.sort(recorded, -1)).any(-1).sum())
     assert differing > 0, "the step moved no token to other experts: the test shows nothing"
-    used: list[torch.Tensor] = []  # the experts each MoE layer's experts module was given
-    hooks = [m.register_forward_hook(lambda m, args, out: used.append(args[1].clone()))
-             for m in model.modules() if type(m).__name__.endswith("Experts")]
-    with torch.no_grad():
-        without = token_logprobs(model, ids)
-        used.clear()
-        with replay_routes(model, recorded) as log:
-            with_replay = token_logprobs(model, ids)
-    for hook in hooks:
-        hook.remove()
+    without, with_replay, log, used = with_and_without_replay(model, ids, recorded)
     assert len(used) == LAYERS
     for layer, given in enumerate(used):  # the forward ran the recorded experts, token by token
         assert torch.equal(given.view(BATCH, SEQ, TOP_K), torch.from_numpy(recorded[:, :, layer]))

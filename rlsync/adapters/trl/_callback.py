@@ -166,7 +166,8 @@ class RlsyncSyncCallback(TrainerCallback):
         if versions is not None:
             trainer_version = self._version_of(self.trainer.state.global_step)
             mask = inputs["completion_mask"]
-            keep = [self._keep(versions[i], mask[i], trainer_version) for i in range(len(versions))]
+            keep = [True] * len(versions) if self.gate is None else [  # on the host in one copy, not one per sample
+                self._keep(v, m, trainer_version) for v, m in zip(versions.cpu(), mask.cpu())]
             kept = torch.tensor(keep, dtype=mask.dtype, device=mask.device)
             inputs = {**inputs, "completion_mask": mask * kept[:, None]}  # a dropped sample adds nothing to the loss
             oldest = versions.min(dim=1).values.float()
@@ -177,8 +178,8 @@ class RlsyncSyncCallback(TrainerCallback):
         return self._compute_loss(model, inputs, *args, **kwargs)
 
     def _keep(self, versions: torch.Tensor, mask: torch.Tensor, trainer_version: int) -> bool:
-        if self.gate is None:
-            return True
-        generated = versions[mask.bool()].cpu().numpy() if mask.any() else versions.cpu().numpy()
+        """The gate's verdict on one sample (``versions`` and ``mask`` on the host)."""
+        assert self.gate is not None
+        generated = (versions[mask.bool()] if mask.any() else versions).numpy()
         sample = Sample("", np.zeros(len(generated), np.int64), 0, np.zeros(len(generated), np.float32), generated)
         return self.gate(sample, trainer_version) is Decision.TRAIN

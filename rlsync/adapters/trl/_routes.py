@@ -111,10 +111,10 @@ class RouteReplay:
         """``[batch, seq, layers, top_k]`` for a forward's rows (-1 where a row has no record), and how many had one."""
         out = np.full((*ids.shape, self.layers, self.top_k), -1, dtype=np.int64)
         found = 0
-        rows = ids.detach().cpu().numpy()
-        kept = np.ones_like(rows, dtype=bool) if mask is None else mask.detach().cpu().numpy().astype(bool)
+        # the rows' tokens to the host in one copy (the records are found by them), masked columns as -1
+        rows = (ids if mask is None else ids.masked_fill(mask == 0, -1)).detach().cpu().numpy()
         for i in range(len(rows)):
-            columns = np.flatnonzero(kept[i])
+            columns = np.flatnonzero(rows[i] >= 0)
             record = self.routes.get(tuple(int(t) for t in rows[i, columns]))
             if record is not None:
                 out[i, columns[: len(record)]] = record

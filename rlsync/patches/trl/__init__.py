@@ -28,6 +28,7 @@ Any other version raises ``ConfigError`` naming it: a patch that silently missed
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from rlsync import ConfigError
@@ -47,48 +48,43 @@ def check_version(version: str) -> None:
 
 def apply() -> None:
     """The ``GRPOTrainer`` side (``VLLMClient``); ``apply_async`` patches the async trainer."""
-    import trl
-
-    check_version(trl.__version__)
+    _check_installed()
     from trl.generation import vllm_client
 
-    client = vllm_client.VLLMClient
-    if getattr(client, _APPLIED, False):
-        return
-    client.init_communicator = _init_communicator(client.init_communicator)
-    client.update_named_params = _update_named_params(client.update_named_params)
-    setattr(client, _APPLIED, True)
+    _wrap_once(vllm_client.VLLMClient, init_communicator=_init_communicator, update_named_params=_update_named_params)
 
 
 def apply_async() -> None:
     """The async trainer's side (``trl.experimental``: imported only here, when a user builds its weight transfer)."""
-    import trl
-
-    check_version(trl.__version__)
+    _check_installed()
     from trl.experimental.async_grpo import async_grpo_trainer
 
-    trainer = async_grpo_trainer.AsyncGRPOTrainer
-    if getattr(trainer, _APPLIED, False):
-        return
-    async_grpo_trainer.get_peak_flops_per_device = _peak_flops(async_grpo_trainer.get_peak_flops_per_device)
-    trainer._sync_weight = _sync_weight_with_metrics(trainer._sync_weight)
-    setattr(trainer, _APPLIED, True)
+    _wrap_once(async_grpo_trainer, get_peak_flops_per_device=_peak_flops)
+    _wrap_once(async_grpo_trainer.AsyncGRPOTrainer, _sync_weight=_sync_weight_with_metrics)
 
 
 def apply_rollout_versions() -> None:
     """Training rows keep each position's weight version (see the module docstring)."""
+    _check_installed()
+    from trl.experimental.async_grpo import async_rollout_worker
+
+    _wrap_once(async_rollout_worker._SampleBuilder, _append=_append_versions, to_training_sequence=_row_with_versions,
+               _align_to_prompt=lambda original: _align_versions(original, async_rollout_worker._common_prefix_len))
+
+
+def _check_installed() -> None:
     import trl
 
     check_version(trl.__version__)
-    from trl.experimental.async_grpo import async_rollout_worker
 
-    builder = async_rollout_worker._SampleBuilder
-    if getattr(builder, _APPLIED, False):
+
+def _wrap_once(target: Any, **wrappers: Callable[[Any], Any]) -> None:
+    """Replace each named attribute of ``target`` (a class or a module) by ``wrapper(original)``, once per target."""
+    if getattr(target, _APPLIED, False):
         return
-    builder._append = _append_versions(builder._append)
-    builder._align_to_prompt = _align_versions(builder._align_to_prompt, async_rollout_worker._common_prefix_len)
-    builder.to_training_sequence = _row_with_versions(builder.to_training_sequence)
-    setattr(builder, _APPLIED, True)
+    for name, wrap in wrappers.items():
+        setattr(target, name, wrap(getattr(target, name)))
+    setattr(target, _APPLIED, True)
 
 
 def _versions_of(builder: Any) -> list[int]:

@@ -16,12 +16,12 @@ import torch
 pytest.importorskip("vllm")
 
 import rlsync  # noqa: E402
-from rlsync.adapters.hf import replay_routes, routes_of  # noqa: E402
+from rlsync.adapters.hf import routes_of  # noqa: E402
 from rlsync.adapters.vllm import record_routes, take_routes  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore::UserWarning")]
 
-from _support.moe_routes import own_routes, token_logprobs  # noqa: E402
+from _support.moe_routes import own_routes, with_and_without_replay  # noqa: E402
 from _support.vllm_engines import PROMPTS, engine, generate_across_sync, save, trainer  # noqa: E402
 
 LAYERS, TOP_K, NEW = 2, 2, 12
@@ -63,16 +63,7 @@ def test_routes_recorded_in_vllm_are_the_trainers_positions_and_replay_there(tmp
             p.add_(torch.randn_like(p) * 0.02)
     differing = int((~(np.sort(own_routes(model, ids, LAYERS, TOP_K), -1) == np.sort(recorded, -1)).all(-1))[run.numpy()].sum())
     assert differing > 0
-    used: list[torch.Tensor] = []
-    hooks = [m.register_forward_hook(lambda m, args, out: used.append(args[1].clone()))
-             for m in model.modules() if type(m).__name__.endswith("Experts")]
-    with torch.no_grad():
-        without = token_logprobs(model, ids)
-        used.clear()
-        with replay_routes(model, recorded) as log:
-            with_replay = token_logprobs(model, ids)
-    for hook in hooks:
-        hook.remove()
+    without, with_replay, log, used = with_and_without_replay(model, ids, recorded)
     for layer, given in enumerate(used):  # under replay, each position ran the experts the engine ran
         given = given.view(len(samples), width, TOP_K)[run]
         assert torch.equal(given.sort(-1).values, torch.from_numpy(recorded[:, :, layer]).sort(-1).values[run])

@@ -4,7 +4,9 @@
 
 runs OpenRLHF's own entry point with its weight sync replaced by rlsync's (through ``rlsync.patches.openrlhf``):
 every trainer rank sends its share of the weights into every vLLM engine, each byte once, each engine worker
-receiving only its tensor-parallel part, a version loaded all at once. Importing this package patches nothing.
+receiving only its tensor-parallel part, a version loaded all at once; a LoRA actor (``--ds.lora.rank``) sends its
+adapter alone into engines built to serve it (``--lora-sync merged``: the whole model). Importing this package
+patches nothing.
 """
 
 from rlsync.adapters.openrlhf._hooks import setup_worker

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import os
 
-from rlsync.patches.openrlhf import OPTIONS_ENV, apply_engine_side, apply_trainer_side, options
+from rlsync.patches.openrlhf import OPTIONS_ENV, apply_engine_actor, apply_engine_side, apply_trainer_side, options
 
 
 def patch_trainer() -> None:
-    from rlsync.adapters.openrlhf import _trainer, _versions
+    """The trainer side, and OpenRLHF's engine actor (a Ray actor too: ``RolloutRayActor``)."""
+    from rlsync.adapters.openrlhf import _engine_actor, _trainer, _versions
 
+    apply_engine_actor(wrap_init=_engine_actor.wrap_init, wrap_update_weight=_engine_actor.wrap_update_weight)
     apply_trainer_side(init_vllm_sync_group=_trainer.init_vllm_sync_group, broadcast_to_vllm=_trainer.broadcast_to_vllm,
                        tag_samples=_versions.tag_samples,
                        gate_samples=lambda step: _versions.gate_samples(step, (options() or {}).get("max_staleness")))

@@ -38,6 +38,9 @@ def parser() -> argparse.ArgumentParser:
                    help="delta: send only the values that changed since the last sync (a few percent at RL learning rates)")
     p.add_argument("--no-canary", dest="canary", action="store_false",
                    help="do not check each version's canary (the trainer's log-probs of a fixed batch) before it serves")
+    p.add_argument("--lora-sync", choices=("adapter", "merged"), default="adapter",
+                   help="with OpenRLHF's --ds.lora.rank: adapter (the engines serve the LoRA adapter, only its A/B "
+                        "matrices cross each version) or merged (base + adapter, the whole model each version)")
     p.add_argument("--max-staleness", type=int, default=None,
                    help="async mode: drop samples generated more than N weight versions ago (rlsync's MaxStaleness)")
     return p
@@ -50,6 +53,13 @@ def split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         raise ConfigError("put OpenRLHF's arguments after `--`: rlsync launch openrlhf [--max-staleness N] -- --pretrain ...")
     at = argv.index("--")
     return argv[:at], argv[at + 1:]
+
+
+def lora_rank(theirs: Sequence[str]) -> int:
+    """OpenRLHF's ``--ds.lora.rank`` among its arguments (0: no LoRA); its own parser checks the rest."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--ds.lora.rank", dest="rank", type=int, default=0)
+    return int(p.parse_known_args(list(theirs))[0].rank)
 
 
 def ray_env(opts: dict[str, object]) -> dict[str, str]:
@@ -71,6 +81,8 @@ def start_ray(opts: dict[str, object]) -> None:
     os.environ.update(env)  # this process and what it spawns; Ray workers get it from the runtime env too
     ray.init(runtime_env={"env_vars": env, "worker_process_setup_hook": "rlsync.adapters.openrlhf.setup_worker"})
     clock()  # the run's version clock, owned by this process: it lives as long as the run
+    # this process too: Ray pickles the actor classes it starts here (OpenRLHF's engine actor by value), patched
+    patch_trainer()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -81,8 +93,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.weight_sync == "rlsync":
         opts = {"rlsync": __version__, "openrlhf": version, "transport": args.transport, "host": args.host,
                 "timeout": args.timeout, "max_staleness": args.max_staleness,
-                "wire": args.wire, "canary": args.canary}
+                "wire": args.wire, "canary": args.canary, "lora_rank": lora_rank(theirs), "lora_sync": args.lora_sync}
         start_ray(opts)
-        patch_trainer()  # the driver too: the trainer classes it hands to Ray are patched before they are sent
     sys.argv = [ENTRY, *theirs]
     runpy.run_module(ENTRY, run_name="__main__", alter_sys=True)

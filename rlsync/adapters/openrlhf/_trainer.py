@@ -32,11 +32,13 @@ from typing import Any
 import torch
 
 from rlsync import Canary, ConfigError, SyncOptions, TensorMeta, WeightsWriter, __version__
+from rlsync.adapters.openrlhf._engine_actor import adapter_sync, kept_versions
 from rlsync.adapters.openrlhf._versions import clock
 from rlsync.adapters.openrlhf._worker import APPLY, HANDSHAKE, SETTLE
 from rlsync.adapters.vllm import canary_sampling_params, prompt_logprobs_of
 from rlsync.layouts import flat_partitions
 from rlsync.patches.openrlhf import installed_version, options
+from rlsync.wire import lora_state
 
 DEFAULTS: dict[str, Any] = {"transport": "shm", "host": "127.0.0.1", "timeout": 600.0, "canary": True}
 
@@ -47,10 +49,13 @@ def _options() -> dict[str, Any]:
 
 def _params(trainer: Any) -> list[tuple[str, Any, Any]]:
     """``(name in the engine's checkpoint, parameter, LoRA layer or None)`` of what OpenRLHF syncs, in its order (a
-    VLM's frozen vision tower is left out, as OpenRLHF does). A LoRA actor (``--ds.lora.rank``) syncs merged: each
-    adapted weight goes as base + its LoRA layer's delta (OpenRLHF's engines serve no adapters), under the base
-    model's names; the adapter's own tensors are not sent."""
+    VLM's frozen vision tower is left out, as OpenRLHF does). A LoRA actor (``--ds.lora.rank``) syncs its adapter
+    alone (``_adapter_params``) when the launcher's ``--lora-sync`` is ``adapter`` (its default); with ``merged``,
+    each adapted weight goes as base + its LoRA layer's delta, under the base model's names, and the adapter's own
+    tensors are not sent."""
     model = trainer.actor.model.module
+    if _adapter_only(model):
+        return _adapter_params(model)
     is_vlm = getattr(trainer.actor, "is_vlm", False)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad or not is_vlm or "lora_" in n]
     if not hasattr(model, "peft_config"):
@@ -69,6 +74,37 @@ def _params(trainer: Any) -> list[tuple[str, Any, Any]]:
     return synced
 
 
+def _adapter_only(model: Any) -> bool:
+    """A LoRA actor in a run that syncs adapters (``adapter_sync``: the engines were built to serve them)."""
+    if not hasattr(model, "peft_config"):
+        if adapter_sync(options()):
+            raise ConfigError("rlsync launch openrlhf saw --ds.lora.rank, but the actor has no PEFT adapter: give "
+                              "OpenRLHF and the launcher the same arguments")
+        return False
+    _say_lora_route(adapter_sync(options()))
+    return adapter_sync(options())
+
+
+@cache
+def _say_lora_route(adapter: bool) -> None:
+    logging.getLogger("rlsync").warning(
+        "rlsync: the LoRA actor syncs %s", "its adapter alone (A/B matrices) into engines serving it as an adapter"
+        if adapter else "merged (base + adapter, the whole model each version): --lora-sync merged")
+
+
+def _adapter_params(model: Any) -> list[tuple[str, Any, Any]]:
+    """The adapter's parameters under the names of its PEFT state dict (``rlsync.wire.lora_state``), what the engines'
+    adapter receivers expect. Under ZeRO-3 each is partitioned like any parameter: every rank sends its partition."""
+    tensors, _ = lora_state(model)
+    params = [(n.replace(".default.", "."), p, None) for n, p in model.named_parameters() if "lora_" in n]
+    if {n for n, _, _ in params} != set(tensors):
+        extra = sorted(set(tensors) - {n for n, _, _ in params})[:3]
+        raise ConfigError(f"the adapter holds tensors other than LoRA A/B matrices ({extra}, modules_to_save?), which "
+                          "rlsync's adapter-only sync into OpenRLHF's engines does not carry: rlsync launch openrlhf "
+                          "--lora-sync merged")
+    return params
+
+
 def _meta(name: str, param: Any) -> TensorMeta:
     shape = tuple(getattr(param, "ds_shape", param.shape))  # ZeRO-3 keeps the full shape in ds_shape
     return TensorMeta(name, str(param.dtype).removeprefix("torch."), tuple(int(x) for x in shape))
@@ -82,6 +118,9 @@ def init_vllm_sync_group(self: Any, backend: str) -> None:
     hello = {"rlsync": __version__, "openrlhf": installed_version(), "transport": opts["transport"],
              "host": opts["host"], "timeout": float(opts["timeout"]), "canary": bool(opts["canary"]),
              "tensors": [[m.name, m.dtype, list(m.shape)] for m in (_meta(n, p) for n, p, _ in _params(self))]}
+    model = self.actor.model.module
+    if _adapter_only(model):  # the engines register every version as an adapter of this configuration
+        hello.update(lora=lora_state(model)[1], keep=kept_versions(opts))
     address = HANDSHAKE + json.dumps(hello)
     refs = [engine.init_process_group.remote(address, 0, 0, 0, "rlsync", backend, False) for engine in self.vllm_engines]
     try:
@@ -203,7 +242,8 @@ def broadcast_to_vllm(self: Any) -> None:
         ray.get(clock().set.remote(version, deviation))  # what the samples generated from now on are stamped with
         sent = sum(w.last_bytes for w in self._rlsync_writers)
         checked = "" if deviation is None else f"; canary deviation {deviation:.4f}"
-        print(f"rlsync: version {version} live on {len(self.vllm_engines)} vLLM engine(s); rank 0 sent {sent / 1e6:.1f} MB "
+        what = "adapter version" if _adapter_only(self.actor.model.module) else "version"
+        print(f"rlsync: {what} {version} live on {len(self.vllm_engines)} vLLM engine(s); rank 0 sent {sent / 1e6:.1f} MB "
               f"of {world} ranks' shares in {time.perf_counter() - started:.2f} s{checked}", flush=True)
     self._rlsync_version = version
     dist.barrier()

@@ -177,13 +177,19 @@ def apply_next_lora(llm: Any, name: str = "policy", timeout: float = DEFAULT_TIM
     """Driver side: every worker registers the next adapter version that has fully landed; returns the
     ``LoRARequest`` that serves it (``llm.generate(..., lora_request=...)``). Call it between ``generate``
     calls; raises if none arrives within ``timeout`` (the registered versions keep serving)."""
-    from vllm.lora.request import LoRARequest
-
     versions = llm.collective_rpc("rlsync_lora_apply", args=(timeout, True))
     if len(set(versions)) != 1:
         raise VersionError(f"vLLM workers registered different adapter versions {versions}: restart the update")
     version = int(versions[0])
-    request = LoRARequest(f"{name}@{version}", LORA_ID_BASE + version, LORA_PATH.format(name=name, version=version))
+    request = lora_request(version, name)
     # registered, not yet settled: checked with its own adapter
     check_held_canary(llm, "rlsync_lora_canary", "rlsync_lora_settle", where="the vLLM engine's adapter", lora_request=request)
     return request
+
+
+def lora_request(version: int, name: str = "policy") -> Any:
+    """vLLM's ``LoRARequest`` of a synced adapter ``version`` (registered by ``rlsync_lora_apply``): what a request that
+    must be answered by that version passes to ``generate``."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(f"{name}@{version}", LORA_ID_BASE + version, LORA_PATH.format(name=name, version=version))

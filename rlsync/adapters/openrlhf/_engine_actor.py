@@ -19,10 +19,8 @@ from typing import Any
 
 from rlsync import ConfigError, VersionError
 from rlsync.adapters.openrlhf._worker import APPLY, SETTLE
+from rlsync.adapters.vllm import lora_request
 from rlsync.patches.openrlhf import options
-
-#: vLLM 0.32's allowed ``max_lora_rank`` values (``vllm.config.lora.MaxLoRARanks``), when it cannot be read
-MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def adapter_sync(opts: dict[str, Any] | None) -> bool:
@@ -43,12 +41,9 @@ def lora_engine_args(opts: dict[str, Any] | None) -> dict[str, Any]:
         return {}
     assert opts is not None
     rank = int(opts["lora_rank"])
-    try:
-        from vllm.config.lora import MaxLoRARanks
+    from vllm.config.lora import MaxLoRARanks  # the ranks vLLM allows (this runs in the engine actor, beside vLLM)
 
-        allowed = sorted(int(r) for r in typing.get_args(MaxLoRARanks))
-    except ImportError:
-        allowed = list(MAX_LORA_RANKS)
+    allowed = sorted(int(r) for r in typing.get_args(MaxLoRARanks))
     fits = [r for r in allowed if r >= rank]
     if not fits:
         raise ConfigError(f"--ds.lora.rank {rank}: vLLM serves LoRA adapters up to rank {allowed[-1]}; lower the rank or "
@@ -88,8 +83,6 @@ def wrap_update_weight(original: Any) -> Any:
     async def update_weight(self: Any, name: str, dtype: Any, shape: Any, empty_cache: bool = False) -> Any:
         answers = await original(self, name, dtype, shape, empty_cache)
         if name in (APPLY, SETTLE) and adapter_sync(options()):
-            from rlsync.adapters.vllm import lora_request
-
             versions = set(answers)
             if len(versions) != 1:
                 raise VersionError(f"vLLM workers of one engine answered different adapter versions {sorted(versions)}")

@@ -76,13 +76,14 @@ def _params(trainer: Any) -> list[tuple[str, Any, Any]]:
 
 def _adapter_only(model: Any) -> bool:
     """A LoRA actor in a run that syncs adapters (``adapter_sync``: the engines were built to serve them)."""
+    adapter = adapter_sync(options())
     if not hasattr(model, "peft_config"):
-        if adapter_sync(options()):
+        if adapter:
             raise ConfigError("rlsync launch openrlhf saw --ds.lora.rank, but the actor has no PEFT adapter: give "
                               "OpenRLHF and the launcher the same arguments")
         return False
-    _say_lora_route(adapter_sync(options()))
-    return adapter_sync(options())
+    _say_lora_route(adapter)
+    return adapter
 
 
 @cache
@@ -97,15 +98,21 @@ def _say_lora_route(adapter: bool) -> None:
 
 def _adapter_params(model: Any) -> list[tuple[str, Any, Any]]:
     """The adapter's parameters under the names of its PEFT state dict (``rlsync.wire.lora_state``), what the engines'
-    adapter receivers expect. Under ZeRO-3 each is partitioned like any parameter: every rank sends its partition."""
-    tensors, _ = lora_state(model)
-    params = [(n.replace(".default.", "."), p, None) for n, p in model.named_parameters() if "lora_" in n]
-    if {n for n, _, _ in params} != set(tensors):
-        extra = sorted(set(tensors) - {n for n, _, _ in params})[:3]
+    adapter receivers expect (checked once, ``_adapter_config``). Under ZeRO-3 each is partitioned like any
+    parameter: every rank sends its partition."""
+    return [(n.replace(".default.", "."), p, None) for n, p in model.named_parameters() if "lora_" in n]
+
+
+def _adapter_config(model: Any) -> dict[str, Any]:
+    """The adapter's PEFT configuration, once its tensors are known to be LoRA A/B matrices alone."""
+    tensors, config = lora_state(model)
+    names = {n for n, _, _ in _adapter_params(model)}
+    if names != set(tensors):
+        extra = sorted(set(tensors) - names)[:3]
         raise ConfigError(f"the adapter holds tensors other than LoRA A/B matrices ({extra}, modules_to_save?), which "
                           "rlsync's adapter-only sync into OpenRLHF's engines does not carry: rlsync launch openrlhf "
                           "--lora-sync merged")
-    return params
+    return config
 
 
 def _meta(name: str, param: Any) -> TensorMeta:
@@ -118,12 +125,13 @@ def init_vllm_sync_group(self: Any, backend: str) -> None:
     import ray
 
     opts = _options()
+    model = self.actor.model.module
+    # the engines register every version as an adapter of this configuration
+    adapter = {"lora": _adapter_config(model), "keep": kept_versions(opts)} if _adapter_only(model) else {}
     hello = {"rlsync": __version__, "openrlhf": installed_version(), "transport": opts["transport"],
              "host": opts["host"], "timeout": float(opts["timeout"]), "canary": bool(opts["canary"]),
-             "tensors": [[m.name, m.dtype, list(m.shape)] for m in (_meta(n, p) for n, p, _ in _params(self))]}
-    model = self.actor.model.module
-    if _adapter_only(model):  # the engines register every version as an adapter of this configuration
-        hello.update(lora=lora_state(model)[1], keep=kept_versions(opts))
+             "tensors": [[m.name, m.dtype, list(m.shape)] for m in (_meta(n, p) for n, p, _ in _params(self))],
+             **adapter}
     address = HANDSHAKE + json.dumps(hello)
     refs = [engine.init_process_group.remote(address, 0, 0, 0, "rlsync", backend, False) for engine in self.vllm_engines]
     try:

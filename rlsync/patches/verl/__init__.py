@@ -28,16 +28,16 @@ SUPPORTED = ("0.9",)  # verl major.minor versions whose code these patches were 
 
 
 def apply(*, actor_update_weights: Callable[[Any], Any], rollout_update_weights: Callable[[Any], Any],
-          manager_update_weights: Callable[[Any], Any]) -> bool:
-    """Wrap both workers' and the manager's ``update_weights`` (once); False, and a log line, when this verl is not a
-    supported one."""
+          manager_update_weights: Callable[[Any], Any]) -> None:
+    """Wrap both workers' and the manager's ``update_weights`` (once); a log line instead when this verl is not a
+    supported one, or its trainer worker does not import here."""
     version = metadata.version("verl")
     if not minor_supported(version, SUPPORTED):
         logging.getLogger("rlsync").warning(
             "rlsync: verl %s is not one rlsync's LoRA patches were written for (%s): an unmerged LoRA adapter is not "
             "synced (set actor_rollout_ref.model.lora.merge=True) and no canary is checked", version,
             ", ".join(v + ".x" for v in SUPPORTED))
-        return False
+        return
     from verl.checkpoint_engine.base import CheckpointEngineManager, CheckpointEngineWorker
 
     try:
@@ -45,11 +45,10 @@ def apply(*, actor_update_weights: Callable[[Any], Any], rollout_update_weights:
     except ImportError as exc:  # verl swallows a plugin's import error: say it here, and keep the backend registered
         logging.getLogger("rlsync").warning("rlsync: verl's trainer worker does not import here (%s): its LoRA adapter "
                                             "and canary patches are not applied in this process", exc)
-        return False
+        return
 
     for cls, wrap in ((ActorRolloutRefWorker, actor_update_weights), (CheckpointEngineWorker, rollout_update_weights),
                       (CheckpointEngineManager, manager_update_weights)):
         if not getattr(cls.update_weights, "_rlsync_patched", False):
             cls.update_weights = wrap(cls.update_weights)
             cls.update_weights._rlsync_patched = True
-    return True

@@ -18,6 +18,7 @@ import typing
 from typing import Any
 
 from rlsync import ConfigError, VersionError
+from rlsync.adapters.openrlhf._routes import start_recording
 from rlsync.adapters.openrlhf._worker import APPLY, SETTLE
 from rlsync.adapters.vllm import lora_request
 from rlsync.patches.openrlhf import options
@@ -54,12 +55,14 @@ def lora_engine_args(opts: dict[str, Any] | None) -> dict[str, Any]:
 
 def wrap_init(original: Any) -> Any:
     """``RolloutRayActor.__init__``: with adapter sync, LoRA on in the engine and every request names the newest
-    adapter version (none until the first arrives: the base model, which is the policy PEFT starts from)."""
+    adapter version (none until the first arrives: the base model, which is the policy PEFT starts from); MoE routes
+    recorded where the run replays them."""
 
     @functools.wraps(original)
     async def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         extra = lora_engine_args(options())
         await original(self, *args, **{**kwargs, **extra})
+        await start_recording(self)  # MoE routes, for routing replay in the trainer (rlsync.adapters.openrlhf._routes)
         self._rlsync_lora = None  # the LoRARequest new requests name
         if not extra:
             return

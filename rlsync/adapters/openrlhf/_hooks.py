@@ -12,12 +12,15 @@ from rlsync.patches.openrlhf import OPTIONS_ENV, apply_engine_actor, apply_engin
 
 def patch_trainer() -> None:
     """The trainer side, and OpenRLHF's engine actor (a Ray actor too: ``RolloutRayActor``)."""
-    from rlsync.adapters.openrlhf import _engine_actor, _trainer, _versions
+    from rlsync.adapters.openrlhf import _engine_actor, _routes, _trainer, _versions
 
-    apply_engine_actor(wrap_init=_engine_actor.wrap_init, wrap_update_weight=_engine_actor.wrap_update_weight)
+    apply_engine_actor(wrap_init=_engine_actor.wrap_init, wrap_update_weight=_engine_actor.wrap_update_weight,
+                       wrap_generate=_routes.wrap_generate, wrap_generate_responses=_routes.wrap_generate_responses)
     apply_trainer_side(init_vllm_sync_group=_trainer.init_vllm_sync_group, broadcast_to_vllm=_trainer.broadcast_to_vllm,
                        tag_samples=_versions.tag_samples,
-                       gate_samples=lambda step: _versions.gate_samples(step, (options() or {}).get("max_staleness")))
+                       gate_samples=lambda step: _versions.gate_samples(step, (options() or {}).get("max_staleness")),
+                       trainer_init=_routes.wrap_init, training_step=_routes.wrap_training_step,
+                       process_response=_routes.wrap_process_response, routes_step=_routes.wrap_train_step)
 
 
 def setup_worker() -> None:

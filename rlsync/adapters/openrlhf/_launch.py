@@ -41,6 +41,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-sync", choices=("adapter", "merged"), default="adapter",
                    help="with OpenRLHF's --ds.lora.rank: adapter (the engines serve the LoRA adapter, only its A/B "
                         "matrices cross each version) or merged (base + adapter, the whole model each version)")
+    p.add_argument("--routing-replay", choices=("auto", "on", "off"), default="auto",
+                   help="MoE policies: the trainer's forwards send each token to the experts that sampled it (recorded "
+                        "by the engines); auto: wherever the model is MoE")
     p.add_argument("--max-staleness", type=int, default=None,
                    help="async mode: drop samples generated more than N weight versions ago (rlsync's MaxStaleness)")
     return p
@@ -93,7 +96,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.weight_sync == "rlsync":
         opts = {"rlsync": __version__, "openrlhf": version, "transport": args.transport, "host": args.host,
                 "timeout": args.timeout, "max_staleness": args.max_staleness,
-                "wire": args.wire, "canary": args.canary, "lora_rank": lora_rank(theirs), "lora_sync": args.lora_sync}
+                "wire": args.wire, "canary": args.canary, "lora_rank": lora_rank(theirs), "lora_sync": args.lora_sync,
+                "routing_replay": args.routing_replay}
         start_ray(opts)
     sys.argv = [ENTRY, *theirs]
     runpy.run_module(ENTRY, run_name="__main__", alter_sys=True)

@@ -5,15 +5,16 @@ driver's call per version; ``apply_next_lora(llm)`` the same for LoRA adapter ve
 sync, ``rlsync_lora_start``; ``lora_request(v)`` names version v in a request). ``VllmServer`` is the trainer's side of a stock vLLM server started with
 ``--weight-transfer-config '{"backend": "rlsync"}'`` (its HTTP routes, no vLLM import). A driver that reaches its
 engine another way (an engine actor) checks the canary with ``canary_sampling_params`` and ``prompt_logprobs_of``. ``record_routes(llm)`` / ``take_routes(llm, outputs)``: the
-experts each MoE layer routed every token to, for routing replay in the trainer."""
+experts each MoE layer routed every token to, for routing replay in the trainer (a driver that calls the workers'
+``rlsync_take_routes`` itself stores them with ``compact_routes``)."""
 
 from rlsync.adapters.vllm._driver import apply_next_version, canary_sampling_params, prompt_logprobs_of, token_versions
 from rlsync.adapters.vllm._extension import RlsyncWorkerExtension
 from rlsync.adapters.vllm._lora import LORA_ID_BASE, apply_next_lora, lora_request
-from rlsync.adapters.vllm._routes import record_routes, take_routes
+from rlsync.adapters.vllm._routes import compact_routes, record_routes, take_routes
 from rlsync.adapters.vllm._server import PublishStats, VllmServer, reserve_ports
 from rlsync.layouts import engine_layout
 
 __all__ = ["LORA_ID_BASE", "PublishStats", "RlsyncWorkerExtension", "VllmServer", "apply_next_lora", "apply_next_version",
-           "canary_sampling_params", "engine_layout", "lora_request", "prompt_logprobs_of", "record_routes", "reserve_ports",
+           "canary_sampling_params", "compact_routes", "engine_layout", "lora_request", "prompt_logprobs_of", "record_routes", "reserve_ports",
            "take_routes", "token_versions"]

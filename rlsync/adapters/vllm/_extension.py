@@ -32,7 +32,7 @@ import msgspec
 from rlsync import DEFAULT_TIMEOUT, CanaryError, ConfigError, Finish, StagedReceiver, SyncOptions
 from rlsync.adapters.vllm._commit import EngineCommit
 from rlsync.adapters.vllm._probe import learn_parts, learn_placements, probe_worker
-from rlsync.adapters.vllm._routes import encode_routes, worker_recorder
+from rlsync.adapters.vllm._routes import encode_routes, moe_runners, worker_recorder
 from rlsync.layouts import RankBoxes
 
 
@@ -151,6 +151,10 @@ class RlsyncWorkerExtension:
 
     def rlsync_stop(self) -> None:
         self._rlsync.close()
+
+    def rlsync_moe_layers(self) -> int:
+        """How many MoE layers this worker's model has (0: it has no routes to record)."""
+        return len(moe_runners(self.model_runner.get_model()))  # type: ignore[attr-defined]
 
     def rlsync_record_routes(self) -> int:
         """Record every MoE layer's experts for each token from now on (``rlsync.adapters.vllm.record_routes``);

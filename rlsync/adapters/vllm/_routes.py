@@ -35,14 +35,19 @@ def _warn_dropped_once(bound: int) -> None:
         "take_routes, or raise RLSYNC_MAX_ROUTE_RECORDS)", bound)
 
 
+def moe_runners(model: Any) -> list[Any]:
+    """vLLM's MoE layers of ``model`` (their runners: each has the router rlsync binds), in layer order."""
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    return sorted((m for m in model.modules() if isinstance(m, MoERunner)), key=lambda m: m.layer_id)
+
+
 class RouteRecorder:
     """Installed once per worker (``rlsync_record_routes``); keeps each request's routes until they are taken."""
 
     def __init__(self, worker: Any) -> None:
-        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
-
         self.runner = worker.model_runner
-        moes = sorted((m for m in self.runner.model.modules() if isinstance(m, MoERunner)), key=lambda m: m.layer_id)
+        moes = moe_runners(self.runner.model)
         if not moes:
             raise ConfigError(f"{type(self.runner.model).__name__} has no MoE layer: there are no routes to record")
         self.layers = len(moes)
@@ -152,14 +157,14 @@ class RouteRecorder:
         return out
 
 
-def compact(record: np.ndarray) -> np.ndarray:
+def compact_routes(record: np.ndarray) -> np.ndarray:
     """Recorded expert ids in the smallest unsigned dtype that holds them (what ``rlsync.Sample`` carries)."""
     return record.astype(np.uint8 if record.max(initial=0) < 256 else np.uint16)
 
 
 def encode_routes(record: np.ndarray) -> dict[str, Any]:
     """A route record as JSON-safe data (a server's ``/collective_rpc`` answers JSON)."""
-    record = compact(record)
+    record = compact_routes(record)
     return {"shape": list(record.shape), "dtype": str(record.dtype), "data": base64.b64encode(record.tobytes()).decode()}
 
 
@@ -203,5 +208,5 @@ def take_routes(llm: Any, outputs: Sequence[Any]) -> list[np.ndarray]:
             raise ConfigError(f"request {output.request_id!r}: no routes recorded for positions {missing} of {want}: "
                               f"call record_routes(llm) before generating, and start the engine with "
                               f"enable_prefix_caching=False (a prefix-cache hit runs no router for those positions)")
-        out.append(compact(record[:want]))
+        out.append(compact_routes(record[:want]))
     return out

@@ -4,10 +4,12 @@ OpenRLHF has no plugin point for weight sync. The launcher puts the options in t
 ``RLSYNC_OPENRLHF`` (JSON) of every process it starts, and:
 
 - the trainer side (``apply_trainer_side``): ``ActorPPOTrainer._init_vllm_sync_group`` and
-  ``ActorPPOTrainer.broadcast_to_vllm`` become the given functions; ``SamplesGenerator.generate_samples`` and
-  ``BasePPOTrainer.train_step`` are wrapped by the given decorators;
-- OpenRLHF's engine actor (``apply_engine_actor``, in the driver that starts the engines): ``RolloutRayActor.__init__`` and
-  ``RolloutRayActor.update_weight`` are wrapped by the given decorators;
+  ``ActorPPOTrainer.broadcast_to_vllm`` become the given functions; ``ActorPPOTrainer.__init__`` and
+  ``training_step``, ``SamplesGenerator.generate_samples`` and ``_process_response_into_experience``, and
+  ``BasePPOTrainer.train_step`` (twice: the staleness gate outside, the routes inside) are wrapped by the given
+  decorators;
+- OpenRLHF's engine actor (``apply_engine_actor``, in the driver that starts the engines): ``RolloutRayActor``'s
+  ``__init__``, ``update_weight``, ``generate`` and ``generate_responses`` are wrapped by the given decorators;
 - the vLLM side (``apply_engine_side``): ``openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap``, the
   ``worker_extension_cls`` OpenRLHF passes to vLLM, becomes the given class.
 
@@ -54,9 +56,13 @@ def options() -> dict[str, Any] | None:
     return None if not raw else dict(json.loads(raw))
 
 
+Wrap = Callable[[Any], Any]  # takes OpenRLHF's method, returns its replacement
+
+
 def apply_trainer_side(*, init_vllm_sync_group: Callable[..., Any], broadcast_to_vllm: Callable[..., Any],
-                       tag_samples: Callable[[Any], Any], gate_samples: Callable[[Any], Any]) -> None:
-    """Replace OpenRLHF's trainer-side weight sync and wrap its sample generation and train step (once)."""
+                       tag_samples: Wrap, gate_samples: Wrap, trainer_init: Wrap, training_step: Wrap,
+                       process_response: Wrap, routes_step: Wrap) -> None:
+    """Replace OpenRLHF's trainer-side weight sync and wrap its trainer, sample generation and train step (once)."""
     check_version(installed_version())
     from openrlhf.trainer import ppo_trainer
     from openrlhf.trainer.ppo_utils import samples_generator
@@ -67,10 +73,13 @@ def apply_trainer_side(*, init_vllm_sync_group: Callable[..., Any], broadcast_to
         return
     trainer._init_vllm_sync_group = init_vllm_sync_group
     trainer.broadcast_to_vllm = broadcast_to_vllm
+    trainer.__init__ = trainer_init(trainer.__init__)
+    trainer.training_step = training_step(trainer.training_step)
     generator = samples_generator.SamplesGenerator
     generator.generate_samples = tag_samples(generator.generate_samples)
+    generator._process_response_into_experience = process_response(generator._process_response_into_experience)
     base = ppo_trainer.BasePPOTrainer
-    base.train_step = gate_samples(base.train_step)
+    base.train_step = gate_samples(routes_step(base.train_step))
     trainer._rlsync_patched = True
 
 
@@ -82,8 +91,9 @@ def apply_engine_side(worker_wrap: type) -> None:
     vllm_worker_wrap.WorkerWrap = worker_wrap
 
 
-def apply_engine_actor(*, wrap_init: Callable[[Any], Any], wrap_update_weight: Callable[[Any], Any]) -> None:
-    """Wrap the ``__init__`` and ``update_weight`` of OpenRLHF's engine actor (once). ``RolloutRayActor`` names Ray's
+def apply_engine_actor(*, wrap_init: Wrap, wrap_update_weight: Wrap, wrap_generate: Wrap,
+                       wrap_generate_responses: Wrap) -> None:
+    """Wrap the ``__init__``, ``update_weight``, ``generate`` and ``generate_responses`` of OpenRLHF's engine actor (once). ``RolloutRayActor`` names Ray's
     actor wrapper, so Ray pickles the class itself by value where an engine is started: this must run in that process
     (OpenRLHF's driver) before the first engine is created."""
     check_version(installed_version())
@@ -96,4 +106,6 @@ def apply_engine_actor(*, wrap_init: Callable[[Any], Any], wrap_update_weight: C
         return
     cls.__init__ = wrap_init(cls.__init__)
     cls.update_weight = wrap_update_weight(cls.update_weight)
+    cls.generate = wrap_generate(cls.generate)
+    cls.generate_responses = wrap_generate_responses(cls.generate_responses)
     cls._rlsync_patched = True

@@ -29,9 +29,9 @@ PROMPTS = [[5, 17, 42, 99, 3], [200, 1, 77]]
 NEW_TOKENS = 8
 
 
-def nudged(seed: int) -> torch.nn.Module:
+def nudged(seed: int, arch: str = "qwen2") -> torch.nn.Module:
     """The model of ``seed`` after a small step: every 50th value of each tensor moved (2 % of them changed)."""
-    model = models.build("qwen2", seed)
+    model = models.build(arch, seed)
     with torch.no_grad():
         for p in model.parameters():
             p.view(-1)[::50] += 0.25
@@ -106,7 +106,9 @@ class TrainerRank:
     def patched(self) -> dict[str, str]:
         from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
-        return {name: getattr(ActorPPOTrainer, name).__module__ for name in ("_init_vllm_sync_group", "broadcast_to_vllm")}
+        replaced = {name: getattr(ActorPPOTrainer, name).__module__ for name in ("_init_vllm_sync_group", "broadcast_to_vllm")}
+        wrapped = {name: hasattr(getattr(ActorPPOTrainer, name), "__wrapped__") for name in ("__init__", "training_step")}
+        return {**replaced, **wrapped}
 
     def load(self, seed: int, nudge: bool = False, with_lora: bool = False) -> None:
         model = lora(seed) if with_lora else nudged(seed) if nudge else models.build("qwen2", seed)
@@ -179,3 +181,24 @@ def fresh_lora_greedy(model_dir: str, adapters: list[str]) -> list[list[list[int
     llm.llm_engine.engine_core.shutdown()
     del llm
     return got
+
+
+def word_tokenizer() -> Any:
+    """A real transformers tokenizer (``tokenizers``' WordLevel, built here: no download) whose words ``w0`` ..
+    ``w255`` are the tiny models' token ids."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w0")
+
+
+def experts_given(model: torch.nn.Module) -> tuple[list[torch.Tensor], Any]:
+    """Per MoE layer (in order), the expert ids each forward of ``model`` hands its experts module (``[tokens, top_k]``:
+    transformers 5 MoE blocks call ``experts(hidden, top_k_index, top_k_weights)``), and a callable that unhooks."""
+    given: list[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda m, args, out: given.append(args[1].detach().clone()))
+             for m in model.modules() if type(m).__name__.endswith("Experts")]
+    return given, lambda: [h.remove() for h in hooks]

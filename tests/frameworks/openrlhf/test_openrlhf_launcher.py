@@ -50,7 +50,8 @@ def test_the_launchers_hook_patches_openrlhfs_trainer_in_every_ray_worker(launch
 
     ranks = _ranks([], zero_stage=2)
     assert ray.get([r.patched.remote() for r in ranks]) == [
-        {"_init_vllm_sync_group": "rlsync.adapters.openrlhf._trainer", "broadcast_to_vllm": "rlsync.adapters.openrlhf._trainer"}] * 2
+        {"_init_vllm_sync_group": "rlsync.adapters.openrlhf._trainer", "broadcast_to_vllm": "rlsync.adapters.openrlhf._trainer",
+         "__init__": True, "training_step": True}] * 2  # the last two wrapped for routing replay
     for r in ranks:
         ray.kill(r)
 
@@ -285,3 +286,81 @@ def test_the_launcher_hands_the_users_arguments_to_openrlhfs_own_parser(tmp_path
     refused = subprocess.run([sys.executable, "-m", "rlsync.adapters.openrlhf", "--", "--no.such_flag", "1"],
                              capture_output=True, text=True, timeout=300, env=env)
     assert refused.returncode == 2 and "unrecognized arguments: --no.such_flag" in refused.stderr
+
+
+@pytest.mark.timeout(600)
+def test_moe_routes_recorded_by_openrlhfs_engine_actor_are_replayed_in_every_policy_forward(
+        launched_ray: dict[str, object], tmp_path: Path) -> None:
+    """``--routing-replay`` (auto, the fixture's): OpenRLHF's real engine actor samples 6 responses of a tiny
+    Qwen3-MoE, each gets its routes; OpenRLHF's own ``_process_response_into_experience`` and
+    ``concat_experiences`` make the batch; during the train step the store holds the routes; the policy (OpenRLHF's
+    ``Actor`` over the model moved a step, padded rows and ``--ds.packing_samples``) hands every MoE layer's experts
+    exactly the recorded experts for every routed position of every row, where its own routers would have picked
+    others for some; the store is empty after the step."""
+    import numpy as np
+    import ray
+    import torch
+    from _support.moe_routes import own_routes
+    from openrlhf.models.actor import Actor
+    from openrlhf.trainer.ppo_utils.experience import Experience
+    from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
+    from vllm import SamplingParams
+
+    from rlsync.adapters.openrlhf import _routes
+
+    model_dir = tmp_path / "moe"
+    parts.models.build("qwen3-moe", 100).save_pretrained(model_dir)
+    engine = _engine(model_dir)
+    parts.nudged(100, "qwen3-moe").save_pretrained(tmp_path / "moved")  # the policy, a step after what sampled
+    responses = []
+    for prompt, seed in (("w5 w17 w42 w99 w3", 0), ("w200 w1 w77", None)):  # 3 samples alike, then 3 that differ
+        params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, detokenize=False, seed=seed)
+        responses += ray.get(engine.generate_responses.remote(prompt=prompt, label="", sampling_params=params, max_length=64,
+                                                              hf_tokenizer=parts.word_tokenizer(), num_samples=3))
+    layers, top_k = 2, 2
+    sampler = parts.models.build("qwen3-moe", 100)
+    for r in responses:  # every position but the last (sampled, never run), every layer: the routes of its own tokens
+        record = r["rlsync_routes"]
+        assert record.shape == (len(r["observation_tokens"]) - 1, layers, top_k), record.shape
+        ids = torch.tensor([r["observation_tokens"][:-1]])
+        own = own_routes(sampler, ids, layers, top_k)[0]  # the sampling weights in transformers (fp32; vLLM ran bf16)
+        assert (np.sort(own, -1) == np.sort(record, -1)).all(-1).mean() > 0.9
+    assert parts.greedy_of_engine(engine)  # a request outside a rollout (the canary's way) has its routes dropped
+    samples = [SamplesGenerator._process_response_into_experience(None, r, max_len=64) for r in responses]
+    batch = Experience.concat_experiences(samples, 0)
+    seen: dict[bool, tuple[list[torch.Tensor], dict[str, Any]]] = {}
+
+    def train_step(self: Any, kept: list[Any], step: int) -> tuple[dict[str, float], int]:
+        distinct = {tuple(r["observation_tokens"]) for r in responses}  # the 3 alike share one record
+        assert ray.get(_routes.store().size.remote()) == len(distinct) == 4 and len(kept) == 6
+        for packing in (False, True):
+            policy = Actor(str(tmp_path / "moved"), attn_implementation="sdpa", packing_samples=packing)  # as OpenRLHF builds it
+            trainer = SimpleNamespace(actor=policy, strategy=SimpleNamespace(ring_attn_group=None))
+            _routes.install(trainer)  # as the patched ActorPPOTrainer.__init__ does on every rank
+            given, unhook = parts.experts_given(policy)
+
+            def training_step(trainer: Any) -> dict[str, Any]:  # OpenRLHF's: the policy's forward, then backward
+                given.clear()
+                logps = trainer.actor(batch.sequences, batch.action_mask, attention_mask=batch.attention_mask)
+                logps.sum().backward()
+                return {"metrics": {}, "weights": {}}
+
+            status = _routes.wrap_training_step(training_step)(trainer)
+            unhook()
+            seen[packing] = (list(given[:layers]), status["metrics"])
+        return {}, step + 1
+
+    _routes.wrap_train_step(train_step)(None, samples, 0)
+    assert ray.get(_routes.store().size.remote()) == 0
+    mask = batch.attention_mask.bool()
+    for packing, (given, metrics) in seen.items():
+        assert float(metrics["rlsync/routes_replayed"]) == 1.0
+        assert 0 < float(metrics["rlsync/routes_differing"]) < 1, packing  # the moved weights route some elsewhere
+        for layer in range(layers):
+            used = given[layer]
+            rows = ([used[int(mask[:i].sum()):int(mask[:i + 1].sum())] for i in range(len(mask))] if packing
+                    else used.view(*mask.shape, top_k))
+            for row, response in zip(rows, responses):
+                record = response["rlsync_routes"][:, layer].astype(np.int64)
+                assert torch.equal(row[: len(record)], torch.from_numpy(record)), (packing, layer)
+    ray.kill(engine)

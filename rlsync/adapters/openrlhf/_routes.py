@@ -117,8 +117,9 @@ async def start_recording(actor: Any) -> None:
     and the model is MoE. ``actor._rlsync_requests`` (tokens -> request ids, the requests of responses in the making)
     is None where nothing is recorded."""
     actor._rlsync_requests = None
-    want = wanted(options())
-    if want is False:
+    opts = options()
+    want = wanted(opts)
+    if opts is None or want is False:  # not a launched run (the vLLM side is OpenRLHF's own), or replay off
         return
     layers = set(await actor.llm.collective_rpc("rlsync_moe_layers"))
     if layers == {0}:
@@ -304,8 +305,9 @@ class RouteReplay:
 
 def install(trainer: Any) -> None:
     """After ``ActorPPOTrainer.__init__`` on every rank: replay on the policy where the run wants it."""
-    want = wanted(options())
-    if want is False:
+    opts = options()
+    want = wanted(opts)
+    if opts is None or want is False:
         return
     if not routers(trainer.actor):
         if want:

@@ -12,19 +12,26 @@ replica after each sync, ``rlsync/canary_deviation`` in the step's metrics).
 LoRA: merged (``lora.merge=True``) syncs the merged model; unmerged, the adapter alone crosses and verl's server
 adapter serves it as its LoRA adapter (``rlsync.patches.verl`` hands it to the backend).
 
+MoE: verl's rollout routing replay (``actor.router_replay.mode=R3`` with ``rollout.enable_rollout_routing_replay``)
+works with an FSDP actor too (``rlsync.adapters.verl._routes``), whatever the checkpoint backend.
+
 Importing this module imports verl (it registers into verl's registry, and patches verl's workers' ``update_weights``
 for this backend); importing ``rlsync`` does not.
 """
 
 from __future__ import annotations
 
-from rlsync.adapters.verl import _workers
+from rlsync.adapters.verl import _routes, _workers
 from rlsync.adapters.verl._engine import RlsyncCheckpointEngine
-from rlsync.patches.verl import apply
+from rlsync.patches.verl import apply, apply_routing_replay
 
 # verl's workers hand this backend an unmerged LoRA adapter and its configuration, and its manager checks the trainer's
 # canary on every replica (rlsync.patches.verl, rlsync.adapters.verl._workers)
 apply(actor_update_weights=_workers.actor_update_weights, rollout_update_weights=_workers.rollout_update_weights,
       manager_update_weights=_workers.manager_update_weights)
+# verl's rollout routing replay (R3: router_replay.mode=R3 with enable_rollout_routing_replay) in its FSDP engine, which
+# verl itself implements for Megatron and VeOmni only (rlsync.adapters.verl._routes)
+apply_routing_replay(worker_init=_routes.wrap_worker_init, forward_step=_routes.wrap_forward_step,
+                     forward_backward_batch=_routes.wrap_forward_backward_batch)
 
 __all__ = ["RlsyncCheckpointEngine"]

@@ -10,7 +10,11 @@ only:
 - ``CheckpointEngineWorker.update_weights`` (``verl.checkpoint_engine.base``) is wrapped by the given decorator;
 - ``CheckpointEngineManager.update_weights`` (the driver's) is wrapped by the given decorator: the canary's check.
 
-Both are wrapped in place (``functools.wraps`` keeps verl's ``@register`` dispatch attributes), before Ray pickles the
+Independently of the backend, for verl's rollout routing replay (R3) with an FSDP actor (``apply_routing_replay``):
+``ActorRolloutRefWorker.__init__``, ``FSDPEngineWithLMHead.forward_step`` and ``FSDPEngine.forward_backward_batch``
+(``verl.workers.engine.fsdp.transformer_impl``) are wrapped by the given decorators.
+
+All are wrapped in place (``functools.wraps`` keeps verl's ``@register`` dispatch attributes), before Ray pickles the
 worker classes. Supported verl versions: ``SUPPORTED``; with another, nothing is patched (said once in the log) and
 rlsync refuses an unmerged LoRA by name, as before.
 """
@@ -52,3 +56,27 @@ def apply(*, actor_update_weights: Callable[[Any], Any], rollout_update_weights:
         if not getattr(cls.update_weights, "_rlsync_patched", False):
             cls.update_weights = wrap(cls.update_weights)
             cls.update_weights._rlsync_patched = True
+
+
+def apply_routing_replay(*, worker_init: Callable[[Any], Any], forward_step: Callable[[Any], Any],
+                         forward_backward_batch: Callable[[Any], Any]) -> None:
+    """Wrap the trainer worker's ``__init__`` and the FSDP engine's ``forward_step`` and ``forward_backward_batch``
+    (once); a log line instead when this verl is not a supported one, or they do not import here."""
+    version = metadata.version("verl")
+    if not minor_supported(version, SUPPORTED):
+        return  # apply() said so
+    try:
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngine, FSDPEngineWithLMHead
+        from verl.workers.engine_workers import ActorRolloutRefWorker
+    except ImportError as exc:
+        logging.getLogger("rlsync").warning("rlsync: verl's FSDP engine does not import here (%s): routing replay (R3) "
+                                            "with an FSDP actor is not available in this process", exc)
+        return
+    for cls, name, wrap in ((ActorRolloutRefWorker, "__init__", worker_init),
+                            (FSDPEngineWithLMHead, "forward_step", forward_step),
+                            (FSDPEngine, "forward_backward_batch", forward_backward_batch)):
+        method = cls.__dict__[name]
+        if not getattr(method, "_rlsync_routes", False):
+            wrapped = wrap(method)
+            wrapped._rlsync_routes = True
+            setattr(cls, name, wrapped)

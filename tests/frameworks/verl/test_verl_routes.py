@@ -147,3 +147,21 @@ def test_router_replay_r3_marks_an_fsdp_actors_batches_and_other_modes_are_refus
     assert not worker(config("megatron", "R3")).enable_routing_replay  # verl's own, untouched
     with pytest.raises(ConfigError, match="router_replay.mode=R2 with an FSDP actor"):
         worker(config("fsdp", "R2"))
+
+
+def test_a_marked_batch_without_routes_or_under_ulysses_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from verl.workers.engine.fsdp import transformer_impl
+
+    from rlsync import ConfigError
+
+    monkeypatch.setattr(transformer_impl, "get_device_id", lambda: "cpu")
+    engine = _engine(models.build("qwen3-moe", 100))
+    sequences, prompt_len = [[5, 17, 42, 99, 3, 8]], [3]
+    routes = [np.zeros((6, LAYERS, TOP_K), dtype=np.int64)]
+    batch = _batch(sequences, prompt_len, routes, packed=True)
+    del batch["routed_experts"]
+    with pytest.raises(ConfigError, match="enable_rollout_routing_replay=True"):
+        engine.forward_step(batch, None, forward_only=True)
+    engine.use_ulysses_sp = True
+    with pytest.raises(ConfigError, match="ulysses_sequence_parallel_size=1"):
+        engine.forward_step(_batch(sequences, prompt_len, routes, packed=True), None, forward_only=True)

@@ -7,6 +7,7 @@ their virtualenv when ``-R`` is given, which is the fast path for local iteratio
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 
@@ -70,14 +71,14 @@ def vllm(session: nox.Session) -> None:
             session.error(f"rlsync doctor did not detect the broken vLLM environment:\n{report}")
     session.run("pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
     report = session.run("python", "-m", "rlsync.cli", "doctor", silent=True, env={"COLUMNS": "300"})  # exit 0: vLLM imports
-    listed = session.run("pytest", "tests/adapters/vllm", "--collect-only", "-q", "-p", "no:cacheprovider", silent=True)
-    tests = [line for line in str(listed).splitlines() if "::" in line]
-    if not tests:
-        session.error("no vLLM test was collected")
-    # One process per test: vLLM's in-process engine keeps global parallel state that a second
-    # engine created after the first one's teardown trips over.
-    for test in tests:
-        session.run("pytest", test, "-p", "no:cacheprovider", *session.posargs)
+    files = sorted(glob.glob("tests/adapters/vllm/test_*.py"))
+    if not files:
+        session.error("no vLLM test file found")
+    # One process per file: the tests of a file share it (their conftest clears what an in-process engine leaves in
+    # vLLM's globals after each test); across files, imports are the only cost of a fresh process, and a failure in
+    # one file cannot leave state that fails the next.
+    for test_file in files:
+        session.run("pytest", test_file, "-p", "no:cacheprovider", *session.posargs)
     if not session.posargs:  # strict typing against the real vLLM and transformers, not Any stand-ins
         session.run("mypy", "rlsync")
 

@@ -26,3 +26,15 @@ def cleanup() -> Iterator[list[object]]:
             llm.collective_rpc("rlsync_stop")  # type: ignore[attr-defined]
         except Exception:  # noqa: BLE001 - an engine that failed its test may have no receiver
             pass
+
+
+@pytest.fixture(autouse=True)
+def vllm_global_state() -> Iterator[None]:
+    """Tests share one process: what an in-process engine leaves in vLLM's globals (its parallel state, the
+    distributed environment, the env cache) is cleared after each test, as vLLM's own test suite does."""
+    yield
+    try:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    except ImportError:
+        return
+    cleanup_dist_env_and_memory()

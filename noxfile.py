@@ -78,7 +78,8 @@ def vllm(session: nox.Session) -> None:
     # vLLM's globals after each test); across files, imports are the only cost of a fresh process, and a failure in
     # one file cannot leave state that fails the next.
     for test_file in files:
-        session.run("pytest", test_file, "-p", "no:cacheprovider", *session.posargs)
+        session.run("pytest", test_file, "-p", "no:cacheprovider", *session.posargs,
+                    success_codes=[0, 5] if session.posargs else [0])  # 5: a -k that selects nothing in this file
     if not session.posargs:  # strict typing against the real vLLM and transformers, not Any stand-ins
         session.run("mypy", "rlsync")
 

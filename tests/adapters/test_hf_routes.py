@@ -13,7 +13,7 @@ import torch
 from _support.moe_routes import own_routes, token_logprobs, with_and_without_replay
 
 import rlsync
-from rlsync.adapters.hf import replay_routes, routes_of
+from rlsync.adapters.hf import HeldReplay, replay_routes, routes_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -95,7 +95,7 @@ def test_a_gradient_checkpointed_backward_under_replay_recomputes_the_replayed_e
     """With gradient checkpointing a layer's forward runs again in the backward: while the replay is still open
     there, the gradients are those of the replayed forward (equal to the same backward without checkpointing); once
     it is closed before the backward, the recompute routes itself (torch refuses the backward, or its gradients
-    differ): what TRL's routing replay keeps the replay open for."""
+    differ): what ``HeldReplay`` keeps the replay open for (TRL's, OpenRLHF's and verl's routing replay)."""
     model = _model(arch)
     ids = torch.randint(0, 64, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     recorded = _record(model, ids)
@@ -112,14 +112,15 @@ def test_a_gradient_checkpointed_backward_under_replay_recomputes_the_replayed_e
         else:
             model.activation_checkpointing_disable() if renamed else model.gradient_checkpointing_disable()
         model.zero_grad()
-        replay = replay_routes(model, recorded)
-        replay.__enter__()
+        held = HeldReplay()  # what the framework adapters hold from a forward through its backward
+        log = held.open(model, recorded)
         loss = -token_logprobs(model, ids).mean()
         if close_before_backward:
-            replay.__exit__(None, None, None)
+            assert held.close() is log and not held.is_open
         loss.backward()
         if not close_before_backward:
-            replay.__exit__(None, None, None)
+            assert held.is_open and held.close() is log and held.close() is None
+        assert log.replayed == BATCH * SEQ * LAYERS * (2 if checkpointing and not close_before_backward else 1)
         return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
     plain = grads(checkpointing=False, close_before_backward=False)

@@ -14,7 +14,7 @@ probabilities of the experts it is made to use. Tokens without a record (an entr
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import numpy as np
@@ -107,6 +107,35 @@ def replay_routes(model: torch.nn.Module, routes: torch.Tensor | np.ndarray) -> 
             handle.remove()
         while modes:  # a forward that failed inside a router
             modes.pop().__exit__(None, None, None)  # type: ignore[no-untyped-call]
+
+
+class HeldReplay:
+    """One ``replay_routes`` block held open across calls: a training loop opens it in a forward and closes it once
+    that forward's backward is done (at the next forward, or when its step returns), because a gradient-checkpointed
+    layer runs its forward again in the backward and must route as the forward did. What framework adapters hook."""
+
+    def __init__(self) -> None:
+        self._active: tuple[AbstractContextManager[RouteLog], RouteLog] | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return self._active is not None
+
+    def open(self, model: torch.nn.Module, routes: torch.Tensor | np.ndarray) -> RouteLog:
+        """Close the one held (if any), then open ``replay_routes(model, routes)``; its log fills as forwards run."""
+        self.close()
+        replay = replay_routes(model, routes)
+        self._active = replay, replay.__enter__()
+        return self._active[1]
+
+    def close(self) -> RouteLog | None:
+        """End the held replay; its log (None: none was open)."""
+        if self._active is None:
+            return None
+        replay, log = self._active
+        self._active = None
+        replay.__exit__(None, None, None)
+        return log
 
 
 def routes_of(samples: Sequence[Sample], width: int) -> np.ndarray:

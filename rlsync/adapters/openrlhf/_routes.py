@@ -31,14 +31,14 @@ import functools
 import inspect
 import logging
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
 
 from rlsync import ConfigError
-from rlsync.adapters.hf import RouteLog, replay_routes, routers
+from rlsync.adapters.hf import HeldReplay, routers
 from rlsync.adapters.vllm import compact_routes
 from rlsync.patches.openrlhf import options
 
@@ -240,7 +240,7 @@ class RouteReplay:
         found = routers(actor)
         self.layers, self.top_k = len(found), int(getattr(found[0], "top_k", 0))
         self.signature = inspect.signature(actor.forward)
-        self._active: tuple[AbstractContextManager[RouteLog], RouteLog] | None = None
+        self._held = HeldReplay()
         self.reset()
         actor.register_forward_pre_hook(self.before_forward, with_kwargs=True)
         actor.register_forward_hook(self.after_forward)
@@ -275,21 +275,17 @@ class RouteReplay:
             return
         if getattr(module, "packing_samples", False):  # Actor.forward unpads the batch into one row, row by row
             routes = routes[mask.bool().cpu().numpy()][None]
-        replay = replay_routes(module, routes)
-        self._active = replay, replay.__enter__()
+        self._held.open(module, routes)
 
     def after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():  # no backward follows (the experience maker's log-probs)
             self.close()
 
     def close(self) -> None:
-        if self._active is None:
-            return
-        replay, log = self._active
-        self._active = None
-        replay.__exit__(None, None, None)
-        self.differing += log.differing
-        self.replayed += log.replayed
+        log = self._held.close()
+        if log is not None:
+            self.differing += log.differing
+            self.replayed += log.replayed
 
     def reset(self) -> None:
         self.rows = self.replayed_rows = self.differing = self.replayed = 0

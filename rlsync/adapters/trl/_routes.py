@@ -14,14 +14,13 @@ reference model. Logged: ``rlsync/routes_replayed`` (rows of a forward that had 
 from __future__ import annotations
 
 import logging
-from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 import torch
 
 from rlsync import ConfigError
-from rlsync.adapters.hf import RouteLog, replay_routes, routers
+from rlsync.adapters.hf import HeldReplay, routers
 from rlsync.adapters.vllm import VllmServer
 
 _log = logging.getLogger("rlsync")
@@ -45,7 +44,7 @@ class RouteReplay:
         # the replay of the last policy forward: open until its backward is done (a gradient-checkpointed layer runs
         # its forward again in the backward, and must route as the forward did), closed by the next forward or when
         # TRL's training step returns
-        self._active: tuple[AbstractContextManager[RouteLog], RouteLog] | None = None
+        self._held = HeldReplay()
         if self.on is None:
             generation = trainer.vllm_generation
             self._generate = generation.generate
@@ -129,8 +128,7 @@ class RouteReplay:
         routes, found = self.batch_routes(ids, kwargs.get("attention_mask"))
         if not found:
             return
-        replay = replay_routes(module, routes)
-        self._active = replay, replay.__enter__()
+        self._held.open(module, routes)
         self.trainer._metrics["train"]["rlsync/routes_replayed"].append(found / len(ids))
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -140,10 +138,6 @@ class RouteReplay:
             self.close()
 
     def close(self) -> None:
-        if self._active is None:
-            return
-        replay, log = self._active
-        self._active = None
-        replay.__exit__(None, None, None)
-        if log.replayed:  # (a checkpointed recompute counts its tokens again: the share is the same)
+        log = self._held.close()
+        if log is not None and log.replayed:  # (a checkpointed recompute counts its tokens again: the share is the same)
             self.trainer._metrics["train"]["rlsync/routes_differing"].append(log.differing / log.replayed)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from rlsync import ConfigError
-from rlsync.adapters.hf import replay_routes
+from rlsync.adapters.hf import HeldReplay
 
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
 
@@ -71,11 +71,12 @@ def _routes(engine: Any, micro_batch: Any, routed: Any) -> torch.Tensor:
     return out
 
 
-def close(engine: Any) -> None:
-    active = getattr(engine, "_rlsync_replay", None)
-    if active is not None:
-        engine._rlsync_replay = None
-        active.__exit__(None, None, None)
+def held(engine: Any) -> HeldReplay:
+    """The engine's replay held from a micro-batch's forward through its backward."""
+    if getattr(engine, "_rlsync_replay", None) is None:
+        engine._rlsync_replay = HeldReplay()
+    replay: HeldReplay = engine._rlsync_replay
+    return replay
 
 
 def wrap_forward_step(original: Any) -> Any:
@@ -85,7 +86,7 @@ def wrap_forward_step(original: Any) -> Any:
     def forward_step(self: Any, micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
         from verl.utils import tensordict_utils as tu
 
-        close(self)  # the previous micro-batch's backward is done
+        held(self).close()  # the previous micro-batch's backward is done
         if not tu.get_non_tensor_data(data=micro_batch, key="enable_routing_replay", default=False):
             return original(self, micro_batch, loss_function, forward_only)
         routed = micro_batch.get("routed_experts", None)
@@ -96,9 +97,7 @@ def wrap_forward_step(original: Any) -> Any:
             raise ConfigError("rlsync's routing replay in verl's FSDP engine does not support Ulysses sequence "
                               "parallelism (the packed row is split across ranks): set ulysses_sequence_parallel_size=1 "
                               "or actor_rollout_ref.actor.router_replay.mode=disabled")
-        replay = replay_routes(self.module, _routes(self, micro_batch, routed))
-        log = replay.__enter__()
-        self._rlsync_replay = replay
+        log = held(self).open(self.module, _routes(self, micro_batch, routed))
         loss, output = original(self, micro_batch, loss_function, forward_only)
         output["metrics"]["rlsync/routes_differing"] = log.differing / max(log.replayed, 1)
         return loss, output
@@ -114,6 +113,6 @@ def wrap_forward_backward_batch(original: Any) -> Any:
         try:
             return original(self, *args, **kwargs)
         finally:
-            close(self)
+            held(self).close()
 
     return forward_backward_batch

@@ -103,10 +103,10 @@ def test_an_fsdp_actor_replays_the_rollouts_routes_in_verls_own_forward_step(pac
     # the actor's update: verl's forward_step, then the backward verl runs after it, while the replay is still open
     loss_value, output = engine.forward_step(_batch(sequences, prompt_len, routes, packed), loss, forward_only=False)
     loss_value.backward()
-    assert engine._rlsync_replay is not None  # open through the backward (a checkpointed layer routes again there)
+    assert engine._rlsync_replay.is_open  # open through the backward (a checkpointed layer routes again there)
     assert getattr(FSDPEngine.forward_backward_batch, "_rlsync_routes", False)  # verl's, wrapped by the plugin entry
     wrap_forward_backward_batch(lambda engine: None)(engine)  # that wrapper closes what the last micro-batch opened
-    assert engine._rlsync_replay is None
+    assert not engine._rlsync_replay.is_open
     for layer in range(LAYERS):
         for row, record in zip(tokens_per_row(given[layer]), routes):
             assert torch.equal(row, torch.from_numpy(record[:, layer]).long()), (packed, layer)

@@ -296,7 +296,7 @@ def test_moe_routes_recorded_by_openrlhfs_engine_actor_are_replayed_in_every_pol
     ``concat_experiences`` make the batch; during the train step the store holds the routes; the policy (OpenRLHF's
     ``Actor`` over the model moved a step, padded rows and ``--ds.packing_samples``) hands every MoE layer's experts
     exactly the recorded experts for every routed position of every row, where its own routers would have picked
-    others for some; the store is empty after the step."""
+    others for some; the store is empty after the step. An MoE engine with prefix caching is refused by name."""
     import numpy as np
     import ray
     import torch
@@ -364,3 +364,10 @@ def test_moe_routes_recorded_by_openrlhfs_engine_actor_are_replayed_in_every_pol
                 record = response["rlsync_routes"][:, layer].astype(np.int64)
                 assert torch.equal(row[: len(record)], torch.from_numpy(record)), (packing, layer)
     ray.kill(engine)
+    # an MoE engine with prefix caching would route no cached position: refused when the engine actor starts
+    from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
+
+    cached = RolloutRayActor.options(num_cpus=0, runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}}).remote(
+        **{**parts.engine_kwargs(str(model_dir)), "enable_prefix_caching": True})
+    with pytest.raises(ray.exceptions.RayActorError, match="drop --vllm.enable_prefix_caching"):
+        ray.get(cached.get_num_unfinished_requests.remote(), timeout=300)

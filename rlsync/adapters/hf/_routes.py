@@ -138,6 +138,26 @@ class HeldReplay:
         return log
 
 
+def token_rows(ids: torch.Tensor, mask: torch.Tensor | None = None) -> np.ndarray:
+    """A forward's input ids on the host, masked columns as -1: one copy per forward, because routes are found by
+    the tokens a row holds (the engine's request ids never reach the trainer)."""
+    return (ids if mask is None else ids.masked_fill(mask == 0, -1)).detach().cpu().numpy()
+
+
+def routes_at_rows(rows: np.ndarray, records: Sequence[np.ndarray | None], layers: int,
+                   top_k: int) -> tuple[np.ndarray, int]:
+    """``[batch, seq, layers, top_k]`` routes for ``rows`` (``token_rows``): row ``i``'s record (or None) on its
+    unmasked columns from the first, -1 elsewhere; and how many rows had a record."""
+    out = np.full((*rows.shape, layers, top_k), -1, dtype=np.int64)
+    found = 0
+    for i, record in enumerate(records):
+        if record is not None:
+            columns = np.flatnonzero(rows[i] >= 0)[: len(record)]
+            out[i, columns] = record[: len(columns)]
+            found += 1
+    return out, found
+
+
 def routes_of(samples: Sequence[Sample], width: int) -> np.ndarray:
     """``[len(samples), width, layers, top_k]`` routes for a right-padded batch of ``samples`` (their ``routes``):
     each sample's record at the positions it covers (``rlsync.Sample``: its rows end at the second-to-last token),

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from rlsync import ConfigError
-from rlsync.adapters.hf import HeldReplay, routers
+from rlsync.adapters.hf import HeldReplay, routers, routes_at_rows, token_rows
 from rlsync.adapters.vllm import compact_routes
 from rlsync.patches.openrlhf import options
 
@@ -52,10 +52,8 @@ def wanted(opts: dict[str, Any] | None) -> bool | None:
     return CHOICES[(opts or {}).get("routing_replay", "auto")]
 
 
-def key(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
+def key(tokens: Sequence[int] | np.ndarray) -> bytes:
     """A sequence's routes are found by its tokens (the engine's ids never reach the trainer)."""
-    if isinstance(tokens, torch.Tensor):
-        tokens = tokens.cpu().numpy()
     return np.asarray(tokens, dtype=np.int64).tobytes()
 
 
@@ -196,7 +194,8 @@ def wrap_generate_responses(original: Any) -> Any:
 # --- the driver ----------------------------------------------------------------------------------------------------
 
 def _sample_key(sample: Any) -> bytes:
-    return key(sample.sequences[0][sample.attention_mask[0].bool()])
+    row = token_rows(sample.sequences, sample.attention_mask)[0]  # the driver's samples are on the host already
+    return key(row[row >= 0])
 
 
 def wrap_process_response(original: Any) -> Any:
@@ -245,36 +244,20 @@ class RouteReplay:
         actor.register_forward_pre_hook(self.before_forward, with_kwargs=True)
         actor.register_forward_hook(self.after_forward)
 
-    def batch_routes(self, sequences: torch.Tensor, mask: torch.Tensor) -> tuple[np.ndarray, int]:
-        """``[batch, seq, layers, top_k]`` routes of a padded batch from the store (-1 where none), and how many rows
-        had some."""
+    def before_forward(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         import ray
 
-        mask = mask.bool().cpu()
-        rows = sequences.cpu()
-        records = ray.get(store().get.remote([key(rows[i][mask[i]]) for i in range(len(rows))]))
-        out = np.full((*rows.shape, self.layers, self.top_k), -1, dtype=np.int64)
-        found = 0
-        for i, record in enumerate(records):
-            if record is not None:
-                columns = np.flatnonzero(mask[i].numpy())[: len(record)]
-                out[i, columns] = record[: len(columns)]
-                found += 1
-        return out, found
-
-    def before_forward(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         self.close()  # the previous forward's backward, if any, is done
         given = self.signature.bind(*args, **kwargs).arguments
-        sequences, mask = given["sequences"], given.get("attention_mask")
-        if mask is None:
-            mask = torch.ones_like(sequences)
-        routes, found = self.batch_routes(sequences, mask)
-        self.rows += len(routes)
+        rows = token_rows(given["sequences"], given.get("attention_mask"))
+        records = ray.get(store().get.remote([key(row[row >= 0]) for row in rows]))  # one call per forward
+        routes, found = routes_at_rows(rows, records, self.layers, self.top_k)
+        self.rows += len(rows)
         self.replayed_rows += found
         if not found:
             return
         if getattr(module, "packing_samples", False):  # Actor.forward unpads the batch into one row, row by row
-            routes = routes[mask.bool().cpu().numpy()][None]
+            routes = routes[rows >= 0][None]
         self._held.open(module, routes)
 
     def after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -336,16 +319,15 @@ def wrap_training_step(original: Any) -> Any:
     @functools.wraps(original)
     def training_step(self: Any, *args: Any, **kwargs: Any) -> Any:
         replay: RouteReplay | None = getattr(self, "_rlsync_route_replay", None)
-        if replay is not None:
-            replay.close()  # the experience maker's forwards are not this step's
-            replay.reset()
+        if replay is None:
+            return original(self, *args, **kwargs)
+        replay.close()  # the experience maker's forwards are not this step's
+        replay.reset()
         try:
             status = original(self, *args, **kwargs)
         finally:
-            if replay is not None:
-                replay.close()
-        if replay is not None:
-            replay.report(status)
+            replay.close()
+        replay.report(status)
         return status
 
     return training_step

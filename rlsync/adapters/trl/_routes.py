@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from rlsync import ConfigError
-from rlsync.adapters.hf import HeldReplay, routers
+from rlsync.adapters.hf import HeldReplay, routers, routes_at_rows, token_rows
 from rlsync.adapters.vllm import VllmServer
 
 _log = logging.getLogger("rlsync")
@@ -108,17 +108,9 @@ class RouteReplay:
 
     def batch_routes(self, ids: torch.Tensor, mask: torch.Tensor | None) -> tuple[np.ndarray, int]:
         """``[batch, seq, layers, top_k]`` for a forward's rows (-1 where a row has no record), and how many had one."""
-        out = np.full((*ids.shape, self.layers, self.top_k), -1, dtype=np.int64)
-        found = 0
-        # the rows' tokens to the host in one copy (the records are found by them), masked columns as -1
-        rows = (ids if mask is None else ids.masked_fill(mask == 0, -1)).detach().cpu().numpy()
-        for i in range(len(rows)):
-            columns = np.flatnonzero(rows[i] >= 0)
-            record = self.routes.get(tuple(int(t) for t in rows[i, columns]))
-            if record is not None:
-                out[i, columns[: len(record)]] = record
-                found += 1
-        return out, found
+        rows = token_rows(ids, mask)
+        records = [self.routes.get(tuple(int(t) for t in row[row >= 0])) for row in rows]
+        return routes_at_rows(rows, records, self.layers, self.top_k)
 
     def before_forward(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         self.close()  # the previous forward's backward, if any, is done

@@ -57,12 +57,15 @@ def bench(
     steps: Annotated[int, typer.Option(min=1, help="Optimizer steps (versions) for --wire.")] = 8,
     lr: Annotated[float, typer.Option(help="AdamW learning rate for --wire (RL post-training uses ~1e-6).")] = 1e-6,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+    path_timeout: Annotated[float, typer.Option(min=1, help="With --device: seconds one path may take; a path that "
+                                                            "takes longer is reported as failed and the next runs.")] = 600,
 ) -> None:
     """Measure weight sync (or the rollout buffer) against the baselines, in one run."""
     if device is not None:
         from rlsync.bench import run_device
 
-        run_device(device=device, size=size, transports=transports, repeats=repeats, json_output=json_output)
+        run_device(device=device, size=size, transports=transports, repeats=repeats, json_output=json_output,
+                   path_timeout=path_timeout)
     elif wire is not None:
         if wire != "delta":
             raise typer.BadParameter(f"--wire {wire!r}: the bench compares 'delta' with full versions (fp8 is a tensor "

@@ -26,6 +26,7 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,7 @@ from rlsync.bench._weights import _read, bench_spec, parse_size
 from rlsync.layouts import model_spec
 
 BUCKET = 2 * 2**30  # the colocated recipe's bucket (verl's default update_weights_bucket_megabytes is 2048)
+STEP_SECONDS = 0.5  # between two versions: far shorter than an RL training step, long enough for what follows a commit
 CHANGED = 0.02  # bf16 values an RL AdamW step changes (docs/benchmarks.md, rlsync bench --wire delta)
 #: (transport, landing) pairs tried, in this order; a pair whose transport cannot run on the device is left out
 PATHS = {
@@ -54,7 +56,7 @@ def _torch() -> Any:
 
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
-        _torch().cuda.synchronize()
+        _torch().cuda.synchronize(_torch().device(device))  # the benchmarked device, not the current one
 
 
 def _timed(fn: Callable[[], Any], device: str) -> float:
@@ -113,10 +115,11 @@ def engine(device: str, config: dict[str, Any], transport: str, landing: str) ->
     params = _tensors(config, device, fill=False)
     layout = from_state_dict(params)
 
+    flat = {n: p.reshape(-1).view(torch.uint8) for n, p in params.items()}
+
     def commit(version: int, buffers: dict[str, Any]) -> None:  # the staged version into the parameters, in place
-        with torch.no_grad():
-            for name, p in params.items():
-                p.reshape(-1).view(torch.uint8).copy_(torch.as_tensor(buffers[name]), non_blocking=True)
+        with torch.no_grad():  # one batched copy, as an engine that cares would do it
+            torch._foreach_copy_(list(flat.values()), [torch.as_tensor(buffers[n]) for n in flat], non_blocking=True)
         _sync(device)
 
     on_device = landing == "device" or (landing == "direct" and device != "cpu")  # regions in device memory
@@ -183,6 +186,9 @@ def trainer(device: str, config: dict[str, Any], transport: str, landing: str, v
         times, sent = [], []
         with WeightsWriter(from_state_dict(state), from_state_dict(state), 0, [hello["address"]], options=options) as writer:
             for version in range(1, versions + 1):
+                # a training step's time between versions (off the clock): what an engine does after a commit (in
+                # place: refresh its host copy of the version) is done before the next, as in a real run
+                time.sleep(STEP_SECONDS if version > 1 else 0)
                 _step(state, 1.0 if version <= 2 else changed)  # a delta needs a version in the slot it updates
                 writer.multi_put(state)
                 times.append(_timed(functools.partial(writer.complete, version), device))
@@ -289,17 +295,31 @@ def delta_on_device(device: str, config: dict[str, Any], changed: float, repeats
             "pays_below_gbps": (total - nbytes) / (encode_s + apply_s) / 1e9}
 
 
-def _run(args: list[str]) -> dict[str, Any]:
+PATH_TIMEOUT = 600.0  # seconds one path may take before it counts as failed (--path-timeout)
+
+
+def _run(args: list[str], timeout: float = PATH_TIMEOUT) -> dict[str, Any]:
+    """A worker's one JSON line; a worker that fails, or outlasts ``timeout``, raises (and is killed)."""
     child = _child(*args)
+    timer = threading.Timer(timeout, child.kill)  # _read returns when the killed worker's stdout closes
+    timer.start()
     try:
         return _read(child)
+    except RuntimeError as exc:
+        if not timer.is_alive():
+            raise RuntimeError(f"did not finish within {timeout:g} s (--path-timeout), so it was stopped") from exc
+        raise
     finally:
-        child.wait(timeout=600)
+        timer.cancel()
+        if child.poll() is None:
+            child.kill()
+        child.wait()
 
 
 def measure(device: str, nbytes: int, transports: list[str] | None, repeats: int, changed: float = CHANGED,
-            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run everything and return the ``--json`` object."""
+            progress: Callable[[str], None] | None = None, path_timeout: float = PATH_TIMEOUT) -> dict[str, Any]:
+    """Run everything and return the ``--json`` object. A path that fails (or outlasts ``path_timeout``) is a row
+    with its ``error``, and the others still run: one broken transport does not hide the figures of the rest."""
     from rlsync.core import transports as registered
 
     kind = "cuda" if device.startswith("cuda") else "cpu"
@@ -312,37 +332,52 @@ def measure(device: str, nbytes: int, transports: list[str] | None, repeats: int
     limit = limits(device, config, repeats)
     rows: list[dict[str, Any]] = []
 
-    def add(name: str, kind_: str, got: dict[str, Any], **extra: Any) -> None:
+    failed: list[dict[str, Any]] = []
+
+    def add(name: str, kind_: str, args: list[str], **extra: Any) -> dict[str, Any] | None:
+        try:
+            got = _run(args, path_timeout)
+        except Exception as exc:  # noqa: BLE001 - recorded in the report, and the next path runs
+            failed.append({"name": name, "kind": kind_, "error": str(exc), **extra})
+            return None
         seconds = statistics.median(got["seconds"][2:] or got["seconds"][-1:])
+        extra.update({"memory": got["memory"]} if "memory" in got else {})
+        if "bytes" in got:
+            extra["bytes"] = statistics.median(got["bytes"][2:] or got["bytes"][-1:])
         rows.append({"name": name, "kind": kind_, "seconds": seconds, "gbps": total / seconds / 1e9,
                      "exact": got["exact"], **extra})
+        return got
 
     bucket_transport = "cuda_ipc" if kind == "cuda" else "shm"
     say("bucketed recipe (2 GiB)")
-    add("bucketed-2GiB", "baseline", _run(["bucket-trainer", device, json.dumps(config), bucket_transport, str(versions)]),
+    add("bucketed-2GiB", "baseline", ["bucket-trainer", device, json.dumps(config), bucket_transport, str(versions)],
         transport=bucket_transport)
     runs_here = {t for t in registry.names() if getattr(registry.get(t), "available")()}
     paths = [(t, landing) for t, landing in PATHS[kind] if (transports is None or t in transports) and t in runs_here]
     for transport, landing in paths:
         say(f"{transport}, {landing} landing")
-        got = _run(["trainer", device, json.dumps(config), transport, landing, str(versions), "1.0"])
-        add(f"{transport}/{landing}", "rlsync", got, transport=transport, landing=landing, memory=got["memory"])
+        add(f"{transport}/{landing}", "rlsync", ["trainer", device, json.dumps(config), transport, landing, str(versions), "1.0"],
+            transport=transport, landing=landing)
     delta: dict[str, Any] = {}
     if paths:
         say(f"delta on the {kind}")
-        delta = delta_on_device(device, config, changed, repeats)
+        try:
+            delta = delta_on_device(device, config, changed, repeats)
+        except Exception as exc:  # noqa: BLE001 - recorded, like a failed path
+            failed.append({"name": f"delta find+encode on the {kind}", "kind": "rlsync", "error": str(exc)})
         transport, landing = paths[0]
-        got = _run(["trainer", device, json.dumps(config), transport, landing, str(versions), str(changed)])
-        add(f"{transport}/{landing} delta {changed:.0%}", "rlsync", got, transport=transport, landing=landing,
-            memory=got["memory"], bytes=statistics.median(got["bytes"][2:] or got["bytes"][-1:]))
-    per_tensor, bucket = limit["per_tensor"], rows[0]["seconds"]
+        add(f"{transport}/{landing} delta {changed:.0%}", "rlsync",
+            ["trainer", device, json.dumps(config), transport, landing, str(versions), str(changed)],
+            transport=transport, landing=landing)
+    per_tensor = limit["per_tensor"]
+    bucket = next((r["seconds"] for r in rows if r["kind"] == "baseline"), None)
     for row in rows:
         row["x_per_tensor_copy"] = per_tensor / row["seconds"]
-        row["x_bucketed"] = bucket / row["seconds"]
+        row["x_bucketed"] = None if bucket is None else bucket / row["seconds"]
     return {"device": device, "device_name": _device_name(device), "bytes": total, "tensors": len(model_spec(config).params),
             "limits": {"one_copy_seconds": limit["one_copy"], "one_copy_gbps": total / limit["one_copy"] / 1e9,
                        "per_tensor_seconds": per_tensor, "per_tensor_gbps": total / per_tensor / 1e9},
-            "results": rows, "delta": delta}
+            "results": rows, "failed": failed, "delta": delta}
 
 
 def _device_name(device: str) -> str:
@@ -353,7 +388,8 @@ def _device_name(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
-def run(*, device: str, size: str | None, transports: str | None, repeats: int, json_output: bool) -> None:
+def run(*, device: str, size: str | None, transports: str | None, repeats: int, json_output: bool,
+        path_timeout: float = PATH_TIMEOUT) -> None:
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
@@ -366,7 +402,8 @@ def run(*, device: str, size: str | None, transports: str | None, repeats: int, 
     console = Console(stderr=True)
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("benchmark", total=None)
-        report = measure(device, nbytes, names, repeats, progress=lambda step: bar.update(task, description=step))
+        report = measure(device, nbytes, names, repeats, progress=lambda step: bar.update(task, description=step),
+                         path_timeout=path_timeout)
     if json_output:
         print(json.dumps(report))
         return
@@ -376,9 +413,14 @@ def run(*, device: str, size: str | None, transports: str | None, repeats: int, 
     for col in ("path", "lands in", "seconds to live", "GB/s", "x per-tensor copy", "x bucketed recipe", "exact"):
         table.add_column(col)
     for r in report["results"]:
+        bucketed = "-" if r["x_bucketed"] is None else f"{r['x_bucketed']:.2f}"
         table.add_row(r["name"], r.get("memory", "-"), f"{r['seconds']:.4f}", f"{r['gbps']:.1f}",
-                      f"{r['x_per_tensor_copy']:.2f}", f"{r['x_bucketed']:.2f}", "yes" if r["exact"] else "NO")
+                      f"{r['x_per_tensor_copy']:.2f}", bucketed, "yes" if r["exact"] else "NO")
+    for r in report["failed"]:
+        table.add_row(r["name"], "-", "failed", "-", "-", "-", "-")
     Console().print(table)
+    for r in report["failed"]:
+        Console(stderr=True).print(f"[red]{r['name']} failed:[/red] {r['error']}")
     d = report["delta"]
     if d:
         Console().print(f"delta at {d['changed']:.0%} changed: find + encode {d['find_encode_seconds'] * 1e3:.1f} ms "

@@ -24,6 +24,7 @@ from rlsync.core._control import is_loopback, resolve_secret
 from rlsync.core._delta import ChangeLog
 from rlsync.core._delta import apply as apply_delta
 from rlsync.core._delta import encode as encode_delta
+from rlsync.core._device_order import synchronize_devices
 from rlsync.core._errors import (
     CanaryError,
     ConfigError,
@@ -94,7 +95,7 @@ __all__ = [
     "WeightsWriter", "WireCodec",
     "allocate", "apply_delta", "buffer_backends", "build_plan", "canary_tokens", "causal_lm_logprobs", "chunk_bounds", "contiguous_strides", "copy_transfers",
     "data_parallel", "decode_sample", "default_plugin_manager", "dtype_name", "dtype_size", "encode_delta", "encode_sample",
-    "engine_layout", "engine_tp", "flat_partitions", "flat_range_boxes", "freshest_per_group", "from_state_dict", "fsdp", "gather_shards",
+    "engine_layout", "synchronize_devices", "engine_tp", "flat_partitions", "flat_range_boxes", "freshest_per_group", "from_state_dict", "fsdp", "gather_shards",
     "hookimpl", "hookspec", "importance_weights", "is_loopback", "kept_sizes", "load_model_spec", "make_buffer", "make_layout",
     "make_plugin_manager", "masked_logprobs", "megatron", "model_spec", "own_buffer_shard", "raw_dtype", "reader_layout", "sampling_mask",
     "region_offsets", "replicated", "resolve_secret", "resolve_transport", "same_bytes", "scatter", "tensor_metas", "tied_aliases", "transports", "version_label",

@@ -50,6 +50,7 @@ from rlsync.core._control import (
     bind_router,
 )
 from rlsync.core._delta import INBOX_SHARE
+from rlsync.core._device_order import synchronize_devices
 from rlsync.core._delta import apply as apply_delta
 from rlsync.core._errors import CanaryError, ConfigError, RlsyncError, TransferTimeoutError, WeightMismatchError
 from rlsync.core._host_staging import HostStaging
@@ -524,6 +525,7 @@ class WeightsReader:
         if self._paused_at is None:
             self._mirror.wait()  # the last version is saved before a byte of the next lands
             self._pause(True)
+            synchronize_devices(self._targets.values())  # what the engine queued on its device reads the old bytes first
             self._paused_at = time.monotonic()
             self._pending_version = msg.version
         self._channel.send(Go(msg.version), identity)
@@ -540,6 +542,7 @@ class WeightsReader:
         saved = self._mirror.buffers
         for name in self._order:
             self._targets[name].copy_(saved[name])
+        synchronize_devices(self._targets.values())  # restored before the engine's next forward, on whatever stream it runs
         self._done = {}
         self.discarded.append(-1 if version is None else version)
         self._pending_version = None

@@ -26,9 +26,11 @@ from rlsync.core._canary import Canary
 from rlsync.core._checksum import Checksums, digest
 from rlsync.core._control import Ack, Begin, Channel, Done, Go, Hello, Refuse, Welcome, connect_dealer
 from rlsync.core._delta import ChangeLog
+from rlsync.core._device_order import Ready, producing_stream, ready_events, wait_ready
 from rlsync.core._delta import encode as encode_delta
 from rlsync.core._errors import (
     CanaryError,
+    ConfigError,
     PeerLostError,
     TransferTimeoutError,
     TransportError,
@@ -101,6 +103,11 @@ class WeightsWriter:
             dst, live = ask_layout(self._readers[min(self._readers)], src, secret, timeout)
             self.next_version = live + 1
         self.src, self.dst = src, dst
+        unknown = sorted(r for r in self._readers if not 0 <= r < dst.world_size)
+        if unknown:  # e.g. one address per engine replica given to one writer: the extra ones would never get a byte
+            raise ConfigError(f"WeightsWriter got reader addresses for ranks {unknown}, but the engine's layout has "
+                              f"{dst.world_size} rank(s): give one address per engine rank, and one WeightsWriter per "
+                              f"engine replica")
         plan = build_plan(src, dst)
         self.stats = plan.stats  # the whole plan's: bytes sent by all writer ranks, the busiest sender's share
         self._fingerprints = (plan.src_fingerprint, plan.dst_fingerprint, plan.dst_tensors)
@@ -120,6 +127,8 @@ class WeightsWriter:
         self._checksum = options.verify
         self.timeout = timeout
         self._sources: dict[str, torch.Tensor] = {}  # uint8, on the host or (for a device transport) the device
+        self._streams: set[Any] = set()  # the streams device sources were put from, since the last version
+        self._ready: Ready = []  # while a version is sent: an event on each of those streams
         self._channels: dict[int, Channel] = {}
         self._links: dict[int, Link] = {}
         self._slots: dict[int, int] = {}
@@ -175,8 +184,12 @@ class WeightsWriter:
         if isinstance(tensor, np.ndarray):
             self._sources[name] = as_bytes(name, tensor)
         elif tensor.device.type != "cpu" and self._transport.device_sources:
-            # the transport reads device memory itself (cuda_ipc, nixl): no bounce through the host
+            # the transport reads device memory itself (cuda_ipc, nixl): no bounce through the host; the copy may
+            # run in another thread, whose current stream is not this one: it waits for this event first
             self._sources[name] = as_bytes(name, tensor if tensor.is_contiguous() else tensor.contiguous())
+            stream = producing_stream(tensor)
+            if stream is not None:
+                self._streams.add(stream)
         elif self._staging.needs_staging(tensor):
             # device memory or a strided view: copied (asynchronously from a GPU) into a reused host buffer;
             # each buffer is sent once its own copy is done, so PCIe and the sending overlap
@@ -250,6 +263,8 @@ class WeightsWriter:
         names = sorted(self._sources)
         self._plugins.hook.rlsync_before_export(version=version, names=names)
         started = time.perf_counter()
+        self._ready, self._streams = ready_events(self._streams), set()
+        wait_ready(self._ready)  # this thread's own reads of the sources (the delta's) after the streams that made them
         if self._changes is not None:
             self._staging.wait()  # the delta reads every buffer first
             self._changes.record(version, self._sources)
@@ -332,6 +347,7 @@ class WeightsWriter:
                 if refused is not None:
                     return refused
             checksums = Checksums(self._algorithms[dst_rank]) if self._checksum else None
+            wait_ready(self._ready)  # this thread's stream after the trainer's, on which the device sources were made
             for group, (name, runs) in enumerate(self._runs[dst_rank]):
                 self._staging.wait(name)  # its device-to-host copy, if put() issued one
                 source = self._sources[name]

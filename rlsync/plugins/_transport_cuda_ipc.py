@@ -22,10 +22,20 @@ import torch
 
 from rlsync import Landing, Link, Run, Transport, TransportError
 
-_mapped: dict[bytes, torch.UntypedStorage] = {}  # IPC handle -> the storage mapped into this process
-# IPC handle -> a region this process shares: CUDA cannot open a handle in the process that made it, so a writer in the
+# A storage's IPC share names the caching allocator's whole segment (the handle) plus where in it the storage starts
+# (torch's CUDACachingAllocator::shareIpcHandle): every storage of one segment has the same handle, so a storage is
+# (handle, offset in the segment), as torch's own cache keys it (torch/multiprocessing/reductions.py).
+StorageKey = tuple[bytes, int]
+_mapped: dict[StorageKey, torch.UntypedStorage] = {}  # the storages mapped into this process
+# the storages this process shares: CUDA cannot open a handle in the process that made it, so a writer in the
 # reader's own process (tests, rlsync.testing.check_transport) writes the tensor itself
-_own: dict[bytes, torch.UntypedStorage] = {}
+_own: dict[StorageKey, torch.UntypedStorage] = {}
+
+
+def storage_key(entry: Sequence[Any]) -> StorageKey:
+    """The storage a described region lies in: ``entry`` is ``_share_cuda_()`` less its device (handle, storage
+    size, offset of the storage in the segment, ...), as ``describe()`` lists it."""
+    return bytes(entry[0]), int(entry[2])
 _lock = threading.Lock()
 
 
@@ -84,7 +94,7 @@ class CudaIpcLanding(Landing):
                              "regions": [[*share[1:], r.storage_offset() * r.element_size(), r.numel() * r.element_size()]
                                          for share, r in zip(shares, regions)]}
         with _lock:
-            _own.update({bytes(share[1]): r.untyped_storage() for share, r in zip(shares, regions)})
+            _own.update({storage_key(share[1:]): r.untyped_storage() for share, r in zip(shares, regions)})
 
     @property
     def regions(self) -> Sequence[torch.Tensor]:
@@ -95,50 +105,76 @@ class CudaIpcLanding(Landing):
 
     def close(self) -> None:
         with _lock:
-            for share in self._description["regions"]:
-                _own.pop(bytes(share[0]), None)
+            for entry in self._description["regions"]:
+                _own.pop(storage_key(entry), None)
         self._regions = []
 
 
 def _open_region(index: int, entry: Sequence[Any]) -> torch.Tensor:
     """A described region as a ``uint8`` tensor: its storage mapped once per process, viewed where the region is."""
     share, offset, nbytes = entry[:7], int(entry[7]), int(entry[8])
-    handle = bytes(share[0])
+    key = storage_key(entry)
     with _lock:
-        storage = _own.get(handle)
+        storage = _own.get(key)
         if storage is None:
-            storage = _mapped.get(handle)
+            storage = _mapped.get(key)
         if storage is None:
-            storage = _mapped[handle] = torch.UntypedStorage._new_shared_cuda(index, *share)
+            storage = _mapped[key] = torch.UntypedStorage._new_shared_cuda(index, *share)
     return torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}").set_(storage, offset, (nbytes,), (1,))
 
 
 class CudaIpcLink(Link):
+    """Writes are gathered and issued at ``flush`` as one batched copy (``torch._foreach_copy_``: one launch for
+    the whole version instead of one per tensor, which bounds small tensors by the host, not the GPU)."""
+
+    _MAX_VIEWS = 1 << 16  # region views kept for reuse (a model's runs fit; changing delta runs do not pile up)
+
     def __init__(self, description: dict[str, Any]) -> None:
         self._index = _local_index(str(description["uuid"]))
         self._regions = [_open_region(self._index, share) for share in description["regions"]]
         self._stream = torch.cuda.Stream(self._index)  # type: ignore[no-untyped-call, unused-ignore]
+        self._views: dict[tuple[int, int, int], torch.Tensor] = {}  # (slot, offset, n) -> that part of the region
+        self._targets: list[torch.Tensor] = []  # the copies gathered since the last flush: targets, sources
+        self._sources: list[torch.Tensor] = []
+        self._after: set[Any] = set()  # the streams the sources were written from: the copies wait for them
         self._held: list[torch.Tensor] = []  # sources of copies in flight: alive until flush
+
+    def _target(self, slot: int, offset: int, n: int) -> torch.Tensor:
+        key = (slot, offset, n)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= self._MAX_VIEWS:
+                self._views.clear()
+            view = self._views[key] = self._regions[slot][offset : offset + n]
+        return view
 
     def write(self, source: Any, runs: Sequence[Run]) -> None:
         if isinstance(source, np.ndarray):
             source = torch.from_numpy(source)
-        # the copies wait for the work that produced the source on its device's current stream
-        self._stream.wait_stream(torch.cuda.current_stream(source.device if source.is_cuda else self._index))
-        with torch.cuda.stream(self._stream):
-            for src, slot, dst, n in runs:
-                self._regions[slot][dst : dst + n].copy_(source[src : src + n], non_blocking=True)
+        # the copies wait for the work queued so far on this thread's current stream of the source's device
+        self._after.add(torch.cuda.current_stream(source.device if source.is_cuda else self._index))
+        whole = source.numel()
+        for src, slot, dst, n in runs:
+            self._targets.append(self._target(slot, dst, n))
+            self._sources.append(source if src == 0 and n == whole else source[src : src + n])
         self._held.append(source)
 
     def flush(self) -> None:
+        if self._targets:
+            for stream in self._after:
+                self._stream.wait_stream(stream)
+            with torch.cuda.stream(self._stream):
+                torch._foreach_copy_(self._targets, self._sources, non_blocking=True)
         event = torch.cuda.Event()  # type: ignore[no-untyped-call, unused-ignore]
         event.record(self._stream)
         event.synchronize()
-        self._held.clear()
+        self._targets, self._sources, self._held = [], [], []
+        self._after = set()
 
     def close(self) -> None:
         self.flush()
         self._regions = []  # the mappings stay cached: a reconnecting writer reuses them
+        self._views.clear()
 
 
 class CudaIpcTransport(Transport):

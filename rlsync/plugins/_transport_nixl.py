@@ -113,6 +113,12 @@ class NixlLanding(Landing):
         self._agent.deregister_memory(self._registered)
 
 
+def nixl_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is one NIXL raised: its bindings raise (``nixlRemoteDisconnectError``, ``nixlBackendError``,
+    defined in ``nixl_cu13._bindings`` and the like) where its ``_api`` would otherwise answer "ERR"."""
+    return type(exc).__module__.split(".")[0].startswith("nixl")
+
+
 def _desc(memory: Any) -> tuple[int, int, int]:
     """``(address, nbytes, device id)`` of a numpy array or a tensor."""
     if isinstance(memory, np.ndarray):
@@ -158,14 +164,24 @@ class NixlLink(Link):
             devid = _desc(source)[2]
             local = np.array([(base + s, n, devid) for s, _, _, n in runs], dtype=np.uint64)
             remote = np.array([(self._remote[slot] + d, n, self._remote_devid) for _, slot, d, n in runs], dtype=np.uint64)
-            handle = self._agent.initialize_xfer(
-                "WRITE",
-                self._agent.get_xfer_descs(local, mem_type=mem_type),
-                self._agent.get_xfer_descs(remote, mem_type=self._remote_type),
-                self._peer,
-            )
+            try:
+                handle = self._agent.initialize_xfer(
+                    "WRITE",
+                    self._agent.get_xfer_descs(local, mem_type=mem_type),
+                    self._agent.get_xfer_descs(remote, mem_type=self._remote_type),
+                    self._peer,
+                )
+            except Exception as exc:
+                if nixl_failure(exc):
+                    raise PeerLostError(f"NIXL could not prepare a write to {self._peer}: {exc}") from exc
+                raise
             self._handles[(key, tuple(runs))] = handle
-        state = self._agent.transfer(handle)
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as exc:
+            if nixl_failure(exc):
+                raise PeerLostError(f"NIXL could not post a write to {self._peer} (the reader restarted or died): {exc}") from exc
+            raise
         if state == "ERR":
             raise PeerLostError(f"NIXL could not post a write to {self._peer}: the reader is unreachable")
         self._posted.append(handle)
@@ -174,7 +190,12 @@ class NixlLink(Link):
         deadline = time.monotonic() + float(os.environ.get("RLSYNC_NIXL_TIMEOUT", "120"))
         for handle in self._posted:
             while True:
-                state = self._agent.check_xfer_state(handle)
+                try:
+                    state = self._agent.check_xfer_state(handle)
+                except Exception as exc:
+                    if nixl_failure(exc):
+                        raise PeerLostError(f"a NIXL write to {self._peer} failed (the reader restarted or died): {exc}") from exc
+                    raise
                 if state == "DONE":
                     break
                 if state == "ERR":

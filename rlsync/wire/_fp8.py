@@ -48,7 +48,10 @@ def quantize(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, to
     pr, pc = -rows % block, -cols % block
     w = torch.nn.functional.pad(weight.float(), (0, pc, 0, pr)) if pr or pc else weight.float()
     blocks = w.reshape(*lead, (rows + pr) // block, block, (cols + pc) // block, block)
-    scale = blocks.abs().amax(dim=(-3, -1)) / FP8_MAX
+    amax = blocks.abs().amax(dim=(-3, -1))
+    # a true division on every device: CUDA divides by a Python scalar as a multiplication by its reciprocal, which
+    # differs in the last bit from the CPU's quotient (the GPU check found it)
+    scale = amax / torch.full_like(amax, FP8_MAX)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block: any scale is exact
     q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     q = q.reshape(*lead, rows + pr, cols + pc)[..., :rows, :cols].contiguous()

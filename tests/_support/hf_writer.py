@@ -33,6 +33,8 @@ if __name__ == "__main__":
     parser.add_argument("--die-after-writes", type=int, default=0, help="SIGKILL itself after this many writes")
     parser.add_argument("--device", default="cpu", help="where the trainer's model lives (cuda: the GPU check)")
     parser.add_argument("--transport", default="shm")
+    parser.add_argument("--dtype", default="float32", help="the trainer's weights' dtype (bfloat16: what most GPU runs send)")
+    parser.add_argument("--verify", action="store_true", help="checksums on: the receiver's SyncOptions(verify=True)")
     args = parser.parse_args()
     if args.die_after_writes:  # the writer's links, whatever the transport, die after that many writes
         transport, calls = transports().get(args.transport), [0]
@@ -52,9 +54,9 @@ if __name__ == "__main__":
             return link
 
         transport.open = open_dying  # type: ignore[method-assign]
-    model = tiny_qwen2(args.seed, args.tied).to(args.device)
+    model = tiny_qwen2(args.seed, args.tied).to(args.device, getattr(torch, args.dtype))
     state = model.state_dict()  # what a trainer has: a tied model's lm_head.weight alias included
-    options = SyncOptions(transport=args.transport)
+    options = SyncOptions(transport=args.transport, verify=args.verify)
     with WeightsWriter(from_state_dict(state), None, 0, [args.address], options=options) as writer:  # layout from the receiver
         writer.multi_put(state)
         writer.complete(args.version)

@@ -45,7 +45,7 @@ from rlsync import (
     WeightsReader,
     causal_lm_logprobs,
 )
-from rlsync.core import HostStaging, same_bytes
+from rlsync.core import HostStaging, same_bytes, synchronize_devices
 from rlsync.layouts import from_state_dict
 from rlsync.wire import SCALE_SUFFIX, dequantize, is_quantized, scale_shape
 
@@ -150,6 +150,7 @@ class ModuleReceiver:
                     for name, p in self._params.items():
                         p.copy_(self._previous.buffers[name])
                     raise
+            synchronize_devices(self._params.values())  # copied before the next forward, on whatever stream that runs
 
     def _check_live(self, buffers: dict[str, Any]) -> None:
         """Under ``verify``: each parameter's bytes, where the forward reads them, against the landed bytes (checked

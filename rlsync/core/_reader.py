@@ -45,15 +45,21 @@ from rlsync.core._control import (
     Go,
     Hello,
     LayoutIs,
+    MAX_SESSIONS,
     Refuse,
+    Session,
     Welcome,
     bind_router,
+    new_nonce,
+    new_session_id,
+    session_key,
 )
 from rlsync.core._delta import INBOX_SHARE
 from rlsync.core._device_order import synchronize_devices
 from rlsync.core._delta import apply as apply_delta
 from rlsync.core._errors import CanaryError, ConfigError, RlsyncError, TransferTimeoutError, WeightMismatchError
 from rlsync.core._host_staging import HostStaging
+from rlsync.core._memory import free_memory
 from rlsync.core._layout import Layout, dtype_size, tensor_fingerprints
 from rlsync.core._options import SyncOptions
 from rlsync.core._planner import Plan, build_plan
@@ -64,6 +70,7 @@ from rlsync.core._transport import Landing, Region
 #: ``"direct"`` (two slots in the engine's memory), ``"staged"`` (one slot, handed to ``on_version``) or
 #: ``"in_place"`` (the engine's own tensors, the engine paused while a version lands)
 LandingMode = Literal["direct", "staged", "in_place"]
+MAX_VERSION = 2**53  # versions are step counts: a claim past this is no step (and no float64 holds it exactly)
 _log = logging.getLogger("rlsync")
 
 
@@ -123,7 +130,9 @@ class WeightsReader:
         self._pair_runs: dict[tuple[int, int], PairRuns] = {}
         self._tensors_of: dict[tuple[int, str], str] = {}  # (writer rank, its buffer) -> the tensor it holds
         self._transport = resolve_transport(options.transport, self._plugins)
-        self._transport_options = options.link_options
+        self._channel, self.address = bind_router(options.host, options.port, options.secret)
+        # the data plane proves the control plane's key at connect (the tcp landing's challenge)
+        self._transport_options = {**options.link_options, "secret": self._channel.key.decode()}
         self._landing: Landing | None = None
         if dst is not None:
             self._set_dst(dst)
@@ -142,13 +151,18 @@ class WeightsReader:
         #: ``landed_digest``: the same of the version being handed to ``on_version``
         self.digest: str | None = None
         self.landed_digest: str | None = None
-        self._channel, self.address = bind_router(options.host, options.port, options.secret)
         self._live_slot = 0
         self._target_slot = 1 if landing == "direct" else 0
         self._version = -1
         self._pending_version: int | None = None
         self._done: dict[int, tuple[bytes, Done]] = {}
         self._sessions: dict[int, tuple[str, int]] = {}  # writer rank -> (session, epoch it started in)
+        self._welcomed: dict[int, tuple[int, str]] = {}  # control session id -> (writer rank, its writer session)
+        self._active: dict[int, int] = {}  # writer rank -> the control session its Begin/Done must come in
+        self._nonces: dict[bytes, None] = {}  # writer nonces of the Hellos answered (newest MAX_SESSIONS): no replay
+        #: messages refused because they were not what an honest writer sends (bad frames, out of session, replays)
+        self.rejected = 0
+        self._said: set[str] = set()  # the kinds of rejection logged once already
         self._epoch = 0  # counts writer restarts
         self.discarded: list[int] = []  # unfinished versions given up because a writer restarted
         self._held: dict[int, dict[int, int]] = {}  # writer rank -> {slot: the version its part of that slot holds}
@@ -285,28 +299,79 @@ class WeightsReader:
                 self._undo(f"version {self._pending_version} did not complete within {self.options.timeout} s (a writer died?)")
             try:
                 got = self._channel.recv(timeout_ms=20)
-            except BadFrame as exc:  # a wrong secret or a hostile frame: refused, and the reader goes on
-                self._refuse_writer(exc.identity, f"{exc}")
+            except BadFrame as exc:  # a wrong key or a hostile frame: refused, and the reader goes on
+                self._reject(exc.identity, f"{exc}")
                 continue
             if got is None:
                 continue
-            identity, msg = got
+            identity, msg, session = got
             assert identity is not None  # ROUTER sockets always prefix the sender's identity
-            if isinstance(msg, Hello):
-                self._hello(identity, msg)
-            elif isinstance(msg, Begin):
-                self._begin(identity, msg)
-            elif isinstance(msg, AskLayout):
-                self._layout_asked(identity, msg)
-            elif isinstance(msg, Done):
-                self._finish_part(identity, msg)
+            try:
+                self._handle(identity, msg, session)
+            except Exception as exc:  # noqa: BLE001 - no message stops the service thread: this one is refused
+                _log.exception("reader rank %d: handling a %s failed", self.rank, type(msg).__name__)
+                self._reject(identity, f"reader rank {self.rank} could not handle a {type(msg).__name__}: {exc!r}")
         if self._paused_at is not None:  # closed in the middle of an in-place version: the engine gets its last one back
             self._undo("the reader closed")
+
+    def _handle(self, identity: bytes, msg: object, session: Session | None) -> None:
+        if isinstance(msg, (Hello, AskLayout)) and session is not None:
+            self._reject(identity, f"a {type(msg).__name__} inside a session: it opens one")
+        elif isinstance(msg, Hello):
+            self._hello(identity, msg)
+        elif isinstance(msg, AskLayout):
+            self._layout_asked(identity, msg)
+        elif isinstance(msg, (Begin, Done)):
+            if not self._in_session(identity, msg, session):
+                return
+            if isinstance(msg, Begin):
+                self._begin(identity, msg)
+            else:
+                self._finish_part(identity, msg)
+        else:
+            self._reject(identity, f"a {type(msg).__name__} is not for a reader")
+
+    def _reject(self, identity: bytes | None, reason: str) -> None:
+        """A message no honest writer sends: counted, logged once per kind, answered (the peer may be a
+        misconfigured writer that needs the reason), and the reader goes on."""
+        self.rejected += 1
+        # said to whoever reads ``refusal`` (a misconfigured trainer's key shows here), but no unauthenticated frame
+        # fails a waiting engine (``on_refused``): a stranger that can reach the port must not stop a rollout
+        self.refusal = reason
+        kind = reason.split(":")[0][:80]
+        if kind not in self._said:
+            self._said.add(kind)
+            _log.warning("reader rank %d rejected a control message (further ones like it are counted in "
+                         "WeightsReader.rejected, not logged): %s", self.rank, reason)
+        if identity is not None:
+            try:
+                self._channel.send(Refuse(reason), identity)
+            except Exception:  # noqa: BLE001 - a peer that cannot be answered is left alone
+                pass
+
+    def _in_session(self, identity: bytes, msg: Begin | Done, session: Session | None) -> bool:
+        """Whether ``msg`` comes in the session this reader welcomed for its writer rank; a new session of a rank
+        (a writer that reconnected or restarted) becomes its rank's session here, with its first Begin or Done."""
+        welcomed = None if session is None else self._welcomed.get(session.id)
+        if session is None or welcomed is None or welcomed[0] != msg.writer_rank:
+            self._reject(identity, f"a {type(msg).__name__} for writer rank {msg.writer_rank} outside the session this "
+                                   f"reader opened for that rank (send a Hello first)")
+            return False
+        if self._active.get(msg.writer_rank) != session.id:
+            self._activate(msg.writer_rank, welcomed[1])
+            self._active[msg.writer_rank] = session.id
+        return True
 
     def _replicate(self, src: Layout | None) -> None:
         """A replica reader (``dst=None, replicas=N``) holds a whole copy of the writers' tensors."""
         if self.dst is None and src is not None and self.replicas is not None:
-            self._set_dst(replicated(src.tensors, tuple(range(self.replicas))))
+            dst = replicated(src.tensors, tuple(range(self.replicas)))
+            nbytes = region_offsets(dst, self.rank)[1] * (2 if self.landing_mode == "direct" else 1)
+            room = free_memory(self._transport_options.get("device"))
+            if nbytes > room:  # checked before a byte is allocated: the layout came from a peer
+                raise WeightMismatchError(f"the writers' layout needs {nbytes / 2**30:.1f} GiB of landing memory on reader "
+                                          f"rank {self.rank}, and {room / 2**30:.1f} GiB are free here: refused")
+            self._set_dst(dst)
             self._adopt(src)
 
     def _layout_asked(self, identity: bytes, msg: AskLayout) -> None:
@@ -343,26 +408,46 @@ class WeightsReader:
                                           f"sends no checksums: build the trainer's writer with SyncOptions(verify=True) "
                                           f"(the same verify as the engine's: vLLM's init_info 'verify', verl's verify=true)")
             return
+        if not msg.nonce or msg.nonce in self._nonces:
+            self._reject(identity, "a Hello without a fresh nonce (replayed, or from an older rlsync): refused")
+            return
         if self.refusal is not None:
             _log.info("reader rank %d: writer rank %d welcomed; the earlier refusal no longer stands", self.rank, msg.writer_rank)
         self.refusal = None
-        previous = self._sessions.get(msg.writer_rank)
-        if previous is not None and previous[0] != msg.session and self._paused_at is not None:
-            self._undo(f"writer rank {msg.writer_rank} restarted in the middle of version {self._pending_version}")
-        if previous is not None and previous[0] != msg.session:
-            self._epoch += 1
-            self._discard_partners(msg.writer_rank, previous[1])
-        self._sessions[msg.writer_rank] = (msg.session, self._epoch)
-        self._done.pop(msg.writer_rank, None)  # a writer that reconnects starts its version over
-        self._held.get(msg.writer_rank, {}).pop(self._target_slot, None)  # it may have written part of the slot
+        self._nonces[msg.nonce] = None
+        while len(self._nonces) > MAX_SESSIONS:
+            self._nonces.pop(next(iter(self._nonces)))
         in_place = self.landing_mode == "in_place"
+        session = Session(new_session_id(), b"", peer=identity)
+        nonce = new_nonce()
+        session.key = session_key(self._channel.key, session.id, msg.nonce, nonce)
         welcome = Welcome(self.rank, self._transport.name, self._landing.describe(), self._version, self._target_slot,
-                          checksum=for_memory(self._landing.memory), in_place=in_place)
+                          checksum=for_memory(self._landing.memory), in_place=in_place, session=session.id, nonce=nonce)
         if msg.delta and not in_place:  # in place, the engine's tensors are the only copy: versions come whole
             inbox = self._open_inbox()
             welcome.inbox = inbox.describe()
             welcome.inbox_offset, welcome.inbox_capacity = self._inbox_parts.get(msg.writer_rank, (0, 0))
         self._channel.send(welcome, identity)
+        # the session counts only once it speaks (its first Begin or Done, signed under it): a Hello replayed from
+        # an earlier run, which can say nothing more, changes nothing here
+        self._channel.open_session(session)
+        self._welcomed[session.id] = (msg.writer_rank, msg.session)
+        while len(self._welcomed) > MAX_SESSIONS:
+            self._welcomed.pop(next(iter(self._welcomed)))
+
+    def _activate(self, writer_rank: int, writer_session: str) -> None:
+        """A new control session of ``writer_rank`` spoke: a writer that reconnected starts its version over; one
+        whose writer session changed restarted, so what its earlier session did for an unfinished version is void."""
+        previous = self._sessions.get(writer_rank)
+        if previous is not None and previous[0] != writer_session and self._paused_at is not None:
+            self._undo(f"writer rank {writer_rank} restarted in the middle of version {self._pending_version}")
+        if previous is not None and previous[0] != writer_session:
+            self._epoch += 1
+            self._discard_partners(writer_rank, previous[1])
+        if previous is None or previous[0] != writer_session:
+            self._sessions[writer_rank] = (writer_session, self._epoch)
+        self._done.pop(writer_rank, None)  # a writer that reconnects starts its version over
+        self._held.get(writer_rank, {}).pop(self._target_slot, None)  # it may have written part of the slot
 
     def _refuse_writer(self, identity: bytes | None, reason: str) -> None:
         """Refuse a writer at connect: it hears why, and so does the engine (``refusal``, ``on_refused``) at once
@@ -408,8 +493,9 @@ class WeightsReader:
         if self.plan is None or msg.writer_rank not in self._sessions:
             self._channel.send(Refuse("send a Hello before Done"), identity)
             return
-        if msg.version <= self._version:
-            self._channel.send(Refuse(f"version {msg.version} is not newer than live version {self._version}", "version"), identity)
+        refused = self._refused_version(msg.version)
+        if refused is not None:
+            self._channel.send(Refuse(refused, "version"), identity)
             return
         if msg.slot != self._target_slot:
             self._channel.send(Refuse(f"wrote slot {msg.slot}, expected {self._target_slot}; reconnect", "version"), identity)
@@ -473,6 +559,15 @@ class WeightsReader:
             stats["canary_deviation"] = self.canary_deviation
         self._plugins.hook.rlsync_weights_applied(version=msg.version, stats=stats)
 
+    def _refused_version(self, version: int) -> str | None:
+        """Why a writer may not claim ``version``: it must be newer than the live one (a restarted trainer resumes
+        at its own step, which is), and below ``MAX_VERSION`` (a step count, not any 64-bit number)."""
+        if version <= self._version:
+            return f"version {version} is not newer than live version {self._version}"
+        if version >= MAX_VERSION:
+            return f"version {version} is not a step count (at most {MAX_VERSION - 1}): refused"
+        return None
+
     def _land_delta(self, msg: Done, held: int | None) -> str | None:
         """Write a writer's delta from its inbox part into the target slot; what went wrong, if anything."""
         offset, capacity = self._inbox_parts.get(msg.writer_rank, (0, 0))
@@ -519,8 +614,9 @@ class WeightsReader:
         if self.landing_mode != "in_place" or msg.writer_rank not in self._sessions:
             self._channel.send(Refuse("Begin is for in-place readers, after a Hello"), identity)
             return
-        if msg.version <= self._version:
-            self._channel.send(Refuse(f"version {msg.version} is not newer than live version {self._version}", "version"), identity)
+        refused = self._refused_version(msg.version)
+        if refused is not None:
+            self._channel.send(Refuse(refused, "version"), identity)
             return
         if self._paused_at is None:
             self._mirror.wait()  # the last version is saved before a byte of the next lands

@@ -24,7 +24,20 @@ import torch
 
 from rlsync.core._canary import Canary
 from rlsync.core._checksum import Checksums, digest
-from rlsync.core._control import Ack, Begin, Channel, Done, Go, Hello, Refuse, Welcome, connect_dealer
+from rlsync.core._control import (
+    Ack,
+    Begin,
+    Channel,
+    Done,
+    Go,
+    Hello,
+    Refuse,
+    Session,
+    Welcome,
+    connect_dealer,
+    new_nonce,
+    session_key,
+)
 from rlsync.core._delta import ChangeLog
 from rlsync.core._device_order import Ready, producing_stream, ready_events, wait_ready
 from rlsync.core._delta import encode as encode_delta
@@ -210,9 +223,14 @@ class WeightsWriter:
             return
         channel = connect_dealer(self._readers[dst_rank], self._secret)
         src_fp, dst_fp, dst_tensors = self._fingerprints
+        nonce = new_nonce()
         channel.send(Hello(self.rank, src_fp, dst_fp, dst_tensors, self._session, self.src, delta=self._changes is not None,
-                           checksums=self._checksum))
-        got = channel.recv(timeout_ms=int(self.timeout * 1000))
+                           checksums=self._checksum, nonce=nonce))
+        try:
+            got = channel.recv(timeout_ms=int(self.timeout * 1000))
+        except TransportError:
+            channel.close()
+            raise
         if got is None:
             channel.close()
             raise TransferTimeoutError(f"reader rank {dst_rank} at {self._readers[dst_rank]} did not answer within {self.timeout} s")
@@ -220,11 +238,17 @@ class WeightsWriter:
         if isinstance(msg, Refuse):
             channel.close()
             raise WeightMismatchError(f"reader rank {dst_rank} refused: {msg.reason}")
-        assert isinstance(msg, Welcome)
+        if not isinstance(msg, Welcome) or not msg.session:
+            channel.close()
+            raise TransportError(f"reader rank {dst_rank} answered {type(msg).__name__} without a session to a Hello: "
+                                 f"is {self._readers[dst_rank]} a reader of this rlsync version?")
         if msg.transport != self._transport.name:
             channel.close()
             raise TransportError(f"reader rank {dst_rank} uses transport {msg.transport!r}, this writer {self._transport.name!r}")
-        self._links[dst_rank] = self._transport.open(msg.description, self._options)
+        channel.open_session(Session(msg.session, session_key(channel.key, msg.session, nonce, msg.nonce)))
+        # the data plane proves the same key at connect (the tcp landing's challenge): the reader's, or the secret
+        options = {**self._options, "secret": channel.key.decode()}
+        self._links[dst_rank] = self._transport.open(msg.description, options)
         self._channels[dst_rank] = channel
         self._slots[dst_rank] = msg.next_slot
         self._algorithms[dst_rank] = msg.checksum
@@ -237,7 +261,7 @@ class WeightsWriter:
             self._in_place.pop(dst_rank, None)
         self._held[dst_rank] = {}  # what its slots hold is unknown until a version of ours goes live there
         if self._changes is not None and msg.inbox is not None:
-            self._inboxes[dst_rank] = (self._transport.open(msg.inbox, self._options), msg.inbox_offset, msg.inbox_capacity)
+            self._inboxes[dst_rank] = (self._transport.open(msg.inbox, options), msg.inbox_offset, msg.inbox_capacity)
 
     def _drop(self, dst_rank: int) -> None:
         link, channel = self._links.pop(dst_rank, None), self._channels.pop(dst_rank, None)
@@ -283,11 +307,15 @@ class WeightsWriter:
         deadline = time.monotonic() + self.timeout
         for dst_rank in sent:
             channel = self._channels[dst_rank]
-            remaining = max(0.0, deadline - time.monotonic())
-            got = channel.recv(timeout_ms=int(remaining * 1000))
-            if got is not None and isinstance(got[1], Refuse) and got[1].kind == "delta":  # it cannot take our delta
-                resent = self._post(dst_rank, version, progress, canary, full=True)
-                got = None if resent is not None else channel.recv(timeout_ms=int(max(0.0, deadline - time.monotonic()) * 1000))
+            try:
+                got = channel.recv(timeout_ms=int(max(0.0, deadline - time.monotonic()) * 1000))
+                if got is not None and isinstance(got[1], Refuse) and got[1].kind == "delta":  # it cannot take our delta
+                    resent = self._post(dst_rank, version, progress, canary, full=True)
+                    got = None if resent is not None else channel.recv(timeout_ms=int(max(0.0, deadline - time.monotonic()) * 1000))
+            except TransportError as exc:  # an answer that is not one (BadFrame): this reader failed, the others go on
+                failed[dst_rank] = str(exc)
+                self._drop(dst_rank)
+                continue
             if got is None:
                 failed[dst_rank] = f"did not confirm version {version} within {self.timeout} s (it may have died)"
                 self._drop(dst_rank)

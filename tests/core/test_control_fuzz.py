@@ -1,12 +1,18 @@
 """Hostile input on the control plane: every control message type, fuzzed (hypothesis), sent to a live reader from a
 peer that is not an rlsync writer. Well-formed frames of every type with wrong field types, unknown fields, huge
-numbers (versions, slots, ranks, byte counts a frame merely claims), random bytes and wrong frame counts. The
-reader answers each with a refusal or drops it, its memory does not grow by what the frames claim, and afterwards a
-real writer's version lands and serves. A raw ZeroMQ peer whose frame header claims gigabytes is dropped at the header.
-Then the same with coverage-guided fuzzing (atheris: ``tests/fuzz/control_atheris.py``)."""
+numbers (versions, slots, ranks, byte counts a frame merely claims), random bytes and wrong frame counts, signed with
+the reader's key (an insider: what reaches the decoder and the handlers) and not (an outsider: refused at the
+signature). Then byte-level mutations of valid messages (truncation, bit flips, invalid UTF-8, deep nesting, msgpack
+extension types, oversized containers) and well-formed messages out of session, in a made-up session, and replayed
+from an honest writer's session. The reader answers each with a refusal or drops it, its memory does not grow by
+what the frames claim, it answers a probe after each batch, and afterwards a real writer's version lands and serves.
+A raw ZeroMQ peer whose frame header claims gigabytes is dropped at the header. Then the same with coverage-guided
+fuzzing (atheris: ``tests/fuzz/control_atheris.py``)."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import resource
@@ -58,9 +64,36 @@ def receiver() -> Any:
 def peer(receiver: StagedReceiver) -> Any:
     sock = zmq.Context.instance().socket(zmq.DEALER)  # a process on the reader's host, not an rlsync writer
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(receiver.address)
+    sock.connect(receiver.address.split("#")[0])
     yield sock
     sock.close()
+
+
+ENVELOPE = struct.Struct("!QQ")
+
+
+def signed(key: bytes, payload: bytes, session: int = 0, counter: int = 0) -> list[bytes]:
+    """Frames as a peer holding the reader's key sends them."""
+    envelope = ENVELOPE.pack(session, counter)
+    return [envelope, payload, hmac.new(key, envelope + payload, hashlib.sha256).digest()]
+
+
+def key_of(receiver: StagedReceiver) -> bytes:
+    return receiver.address.partition("#")[2].encode()
+
+
+def probe_answers(receiver: StagedReceiver, peer: Any) -> None:
+    """The reader answers a layout request (after whatever came before it on this peer's connection)."""
+    while peer.poll(200):  # answers to earlier inputs (a fuzzed AskLayout's LayoutIs among them) are not the probe's
+        peer.recv_multipart()
+    peer.send_multipart(signed(key_of(receiver), msgspec.msgpack.encode({"type": "AskLayout"})))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if peer.poll(1000):
+            frames = peer.recv_multipart()
+            if len(frames) == 3 and msgspec.msgpack.decode(frames[1]).get("type") == "LayoutIs":
+                return
+    pytest.fail("the reader did not answer a layout request after the fuzzed input")
 
 
 @pytest.mark.parametrize("kind", TYPES)
@@ -69,18 +102,91 @@ def test_every_message_type_fuzzed_is_refused_or_dropped(kind: str, receiver: St
 
     @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(fields=st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=8), value, max_size=8),
-           shape=st.sampled_from(["message", "message", "bytes", "one-frame", "four-frames"]))
+           shape=st.sampled_from(["signed", "signed", "signed-bytes", "unsigned", "one-frame", "four-frames"]))
     def send(fields: dict[str, Any], shape: str) -> None:
         payload = msgspec.msgpack.encode({"type": kind, **fields})
-        frames = {"message": [payload, b""], "bytes": [bytes(fields.get("session", b"\x00garbage"), "utf-8")
-                                                        if isinstance(fields.get("session"), str) else b"\xc1\xff", b""],
-                  "one-frame": [payload], "four-frames": [payload, b"", b"", b""]}[shape]
+        key = key_of(receiver)
+        frames = {"signed": signed(key, payload), "signed-bytes": signed(key, payload[: len(payload) // 2] + b"\xc1\xff"),
+                  "unsigned": [ENVELOPE.pack(0, 0), payload, b""], "one-frame": [payload],
+                  "four-frames": [payload, b"", b"", b""]}[shape]
         peer.send_multipart(frames)
 
     send()
-    time.sleep(0.5)  # the reader's thread has taken them all
+    probe_answers(receiver, peer)
     assert _peak_rss_mb() - before < 256, "the reader allocated what hostile frames claimed"
     assert receiver.reader._thread.is_alive()  # type: ignore[attr-defined]
+
+
+def _valid_messages(receiver: StagedReceiver) -> list[bytes]:
+    layout = from_state_dict(STATE)
+    hello = {"type": "Hello", "writer_rank": 0, "src_fingerprint": layout.fingerprint(), "dst_fingerprint": "",
+             "dst_tensors": {}, "session": "fuzz", "src": msgspec.to_builtins(layout), "nonce": b"n" * 16}
+    return [msgspec.msgpack.encode(m) for m in (
+        hello, {"type": "AskLayout", "src": msgspec.to_builtins(layout)},
+        {"type": "Done", "writer_rank": 0, "version": 7, "slot": 0, "checksums": {"w": 1}},
+        {"type": "Begin", "writer_rank": 0, "version": 7})]
+
+
+def _mutate(payload: bytes, how: str, at: int, byte: int) -> bytes:
+    at %= max(len(payload), 1)
+    if how == "truncate":
+        return payload[:at]
+    if how == "flip":
+        return payload[:at] + bytes([payload[at] ^ (1 << (byte % 8))]) + payload[at + 1 :] if payload else payload
+    if how == "not-utf8":  # a str of two bytes that are not UTF-8 where the string "type" was
+        return payload.replace(b"\xa4type", b"\xa4type\xa2\xff\xfe", 1)
+    if how == "deep":  # thousands of nested one-element lists in an unknown field
+        return payload[:1] + b"\xa1z" + b"\x91" * 20000 + b"\xc0" + payload[1:] if payload[:1] in (b"\x81", b"\x82", b"\x83", b"\x84", b"\x85") else payload
+    if how == "ext":  # a msgpack extension type inserted
+        return payload[:at] + b"\xd4\x05\x01" + payload[at:]
+    if how == "oversized":  # a container that claims 2^32-1 elements
+        return payload[:at] + b"\xdd\xff\xff\xff\xff" + payload[at:]
+    return bytes([byte]) * at
+
+
+MUTATIONS = ["truncate", "flip", "not-utf8", "deep", "ext", "oversized", "noise"]
+
+
+def test_byte_level_mutations_of_valid_messages_are_refused_and_the_reader_goes_on(receiver: StagedReceiver, peer: Any) -> None:
+    messages = _valid_messages(receiver)
+    before = _peak_rss_mb()
+
+    @settings(max_examples=EXAMPLES * 2, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(which=st.integers(0, len(messages) - 1), how=st.sampled_from(MUTATIONS), at=st.integers(0, 4096),
+           byte=st.integers(0, 255), session=st.sampled_from([0, 1, 2**63 - 1]), insider=st.booleans())
+    def send(which: int, how: str, at: int, byte: int, session: int, insider: bool) -> None:
+        payload = _mutate(messages[which], how, at, byte)
+        frames = signed(key_of(receiver), payload, session, at + 1) if insider else [ENVELOPE.pack(session, 1), payload, b"x" * 32]
+        peer.send_multipart(frames)
+
+    send()
+    probe_answers(receiver, peer)
+    assert _peak_rss_mb() - before < 256 and receiver.reader._thread.is_alive()  # type: ignore[attr-defined]
+
+
+def test_an_honest_sessions_messages_replayed_from_another_peer_are_refused(receiver: StagedReceiver, peer: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer's session recorded on the wire, then sent again, from another connection and from its own order."""
+    sent: list[list[bytes]] = []
+    original = zmq.Socket.send_multipart
+
+    def record(sock: Any, frames: Any, *args: Any, **kwargs: Any) -> Any:
+        if sock.type == zmq.DEALER and sock is not peer:
+            sent.append([bytes(f) for f in frames])
+        return original(sock, frames, *args, **kwargs)
+
+    monkeypatch.setattr(zmq.Socket, "send_multipart", record)
+    test_after_the_fuzzing_a_real_writer_still_lands_a_version(receiver)
+    monkeypatch.undo()
+    assert any(len(frames) == 3 and b"Done" in frames[1] for frames in sent), sent
+    live, rejected = receiver.reader.version, receiver.reader.rejected
+    for frames in sent:
+        peer.send_multipart(frames)
+    deadline = time.monotonic() + 10
+    while receiver.reader.rejected < rejected + len(sent) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert receiver.reader.rejected == rejected + len(sent)  # every replayed frame refused, none taken
+    assert receiver.reader.version == live
 
 
 def test_after_the_fuzzing_a_real_writer_still_lands_a_version(receiver: StagedReceiver) -> None:
@@ -106,7 +212,7 @@ def test_after_the_fuzzing_a_real_writer_still_lands_a_version(receiver: StagedR
 
 def _zmtp_peer(address: str) -> socket.socket:
     """A raw TCP peer that speaks ZeroMQ's wire protocol (ZMTP 3.0, NULL mechanism) up to its first message frame."""
-    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    host, port = address.split("#")[0].removeprefix("tcp://").rsplit(":", 1)
     conn = socket.create_connection((host, int(port)), timeout=5)
     conn.sendall(b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31)
     greeting = b""
@@ -165,4 +271,4 @@ def test_coverage_guided_fuzzing_with_atheris_finds_no_crash_hang_or_unbounded_a
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(counts.read_text())  # inputs per message type, and how many of them decoded (reached a handler)
     assert sum(seen["inputs"].values()) == ATHERIS_RUNS and min(seen["inputs"].values()) >= 200, seen
-    assert all(seen["handled"][kind] >= 20 for kind in TYPES if kind not in ("LayoutIs", "Nonsense")), seen
+    assert all(seen["handled"][kind] >= 5 for kind in TYPES if kind not in ("LayoutIs", "Nonsense")), seen

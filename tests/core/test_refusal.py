@@ -1,6 +1,7 @@
 """A writer refused at connect is refused on both sides at once: the writer raises the reason, and an engine waiting
 for a version (``StagedReceiver.next``) fails within a moment with the same reason instead of waiting out its timeout.
-A wrong secret or a frame that is not a control message is refused the same way, and the reader goes on serving."""
+A wrong secret or a frame that is not a control message is refused (the writer hears why, the engine's ``refusal``
+names it) without failing the engine's wait, and the reader goes on serving."""
 
 from __future__ import annotations
 
@@ -75,13 +76,15 @@ def test_without_a_refusal_the_engine_waits_its_timeout() -> None:
 
 
 def test_a_wrong_secret_and_a_foreign_frame_are_refused_and_the_reader_goes_on() -> None:
+    """The writer with the wrong secret hears why at once; the engine's ``refusal`` says it too, but its wait goes
+    on: an unauthenticated frame (which is all a wrong secret sends) must not fail a waiting engine, or any
+    stranger that reaches the port could stop rollouts. The honest writer's version then lands in that wait."""
     options = SyncOptions(secret="right")
     with StagedReceiver(TENSORS, options=options) as receiver:
         engine = WaitingEngine(receiver)
         with pytest.raises(TransportError, match="secret"):  # it asks the engine's layout: the answer is not signed its way
             WeightsWriter(from_state_dict(STATE), None, 0, [receiver.address], options=SyncOptions(secret="wrong", timeout=5))
-        engine.join()
-        assert isinstance(engine.error, ConfigError) and "secrets differ" in str(engine.error) and engine.waited < 2.0
+        assert "keys differ" in str(receiver.reader.refusal) and engine.error is None and engine.version is None
 
         probe = zmq.Context.instance().socket(zmq.DEALER)  # not an rlsync peer: one frame of garbage
         probe.setsockopt(zmq.LINGER, 0)
@@ -93,7 +96,6 @@ def test_a_wrong_secret_and_a_foreign_frame_are_refused_and_the_reader_goes_on()
         assert "a control message of 2 frames" in str(receiver.reader.refusal)
         probe.close()
 
-        engine = WaitingEngine(receiver)
         writer = WeightsWriter(from_state_dict(STATE), None, 0, [receiver.address], options=options)
         writer.multi_put(STATE)
         writer.complete(1)

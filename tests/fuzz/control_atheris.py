@@ -1,6 +1,7 @@
 """Coverage-guided fuzzing of a live reader's control plane with atheris (libFuzzer for Python): every control
 message type, its fields chosen and filled by the fuzzer (wrong types, huge numbers, unknown fields, nesting), sent
-as one to four frames from a peer that is not an rlsync writer. After every input the peer asks the reader for its
+as one to four frames from a peer that is not an rlsync writer but holds the reader's key (mostly signed, so that the
+input reaches the decoder and the handlers; sometimes unsigned or in a made-up session). After every input the peer asks the reader for its
 layout and must get the answer within 5 s: the reader neither crashed nor hung on what came before. rlsync's own
 modules are instrumented, so inputs that reach new branches of the reader are kept and mutated further.
 
@@ -9,8 +10,11 @@ modules are instrumented, so inputs that reach new branches of the reader are ke
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
+import struct
 import sys
 from typing import Any
 
@@ -40,10 +44,20 @@ REQUIRED = {"Hello": {"writer_rank": int, "src_fingerprint": str, "dst_fingerpri
 receiver = StagedReceiver(TENSORS, options=SyncOptions(timeout=30))
 peer = zmq.Context.instance().socket(zmq.DEALER)
 peer.setsockopt(zmq.LINGER, 0)
-peer.connect(receiver.address)
+peer.connect(receiver.address.split("#")[0])
+KEY = receiver.address.partition("#")[2].encode()
+ENVELOPE = struct.Struct("!QQ")
+
+
+def signed(payload: bytes, session: int = 0, counter: int = 0) -> list[bytes]:
+    envelope = ENVELOPE.pack(session, counter)
+    return [envelope, payload, hmac.new(KEY, envelope + payload, hashlib.sha256).digest()]
+
+
 counts = dict.fromkeys(TYPES, 0)
 handled = dict.fromkeys(TYPES, 0)  # inputs that decoded: the reader's handler for the type ran
-NOT_A_MESSAGE = ("a malformed control message", "a control message of", "a control message with a bad signature")
+NOT_A_MESSAGE = ("a malformed control message", "a control message of", "a control message with a bad signature",
+                 "a control message of an unknown session")
 ASK_LAYOUT = msgspec.msgpack.encode({"type": "AskLayout"})
 
 
@@ -85,18 +99,19 @@ def one_input(raw: bytes) -> None:
         name = data.PickValueInList(FIELDS) if data.ConsumeBool() else data.ConsumeUnicodeNoSurrogates(8)
         fields[name] = value(data)
     payload = msgspec.msgpack.encode({"type": kind, **fields})
-    shape = data.ConsumeIntInRange(0, 4)
-    frames = [[payload, b""], [payload, data.ConsumeBytes(32)], [data.ConsumeBytes(256), b""], [payload],
-              [payload, b"", b"", b""]][shape]
+    shape = data.ConsumeIntInRange(0, 7)
+    frames = [signed(payload), signed(payload), signed(payload), signed(data.ConsumeBytes(256)),
+              signed(payload, data.ConsumeIntInRange(1, 2**63), 1), [ENVELOPE.pack(0, 0), payload, data.ConsumeBytes(32)],
+              [payload], [payload, b"", b"", b""]][shape]
     peer.send_multipart(frames)
-    peer.send_multipart([ASK_LAYOUT, b""])
+    peer.send_multipart(signed(ASK_LAYOUT))
     # the answers: to the hostile frames (a refusal, a layout for an AskLayout, or none for a type the reader
     # ignores), then the probe's layout
     answers: list[dict[str, Any]] = []
     while len(answers) < 2 if kind == "AskLayout" else not answers or answers[-1].get("type") != "LayoutIs":
         if not peer.poll(5000):
             raise RuntimeError(f"the reader did not answer within 5 s after a {kind} input: {frames!r}"[:2000])
-        answers.append(msgspec.msgpack.decode(peer.recv_multipart()[0]))
+        answers.append(msgspec.msgpack.decode(peer.recv_multipart()[1]))
     decoded = not any(a.get("type") == "Refuse" and a["reason"].startswith(NOT_A_MESSAGE) for a in answers)
     counts[kind] += 1
     handled[kind] += decoded

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlsync import DEFAULT_TIMEOUT, ConfigError, RlsyncError, StagedReceiver, SyncOptions
-from rlsync.core import HostStaging
+from rlsync.core import HostStaging, host_port, keyed, split_address
 
 #: the import path to allow with ``--custom-weight-loader`` and to pass as ``load_format``
 LOADER = "rlsync.adapters.sglang.load_landed"
@@ -50,8 +50,8 @@ def _tp_rank() -> int:
 
 
 def _shift_port(address: str, by: int) -> tuple[str, int]:
-    host, port = address.removeprefix("tcp://").rsplit(":", 1)
-    return host, int(port) + by
+    host, port = host_port(address)
+    return host, port + by
 
 
 def control_tensor(message: dict[str, Any]) -> Any:
@@ -74,7 +74,9 @@ def load_landed(model: Any, named_tensors: Sequence[tuple[str, Any]]) -> None:
             _receiver.close()
         _check_names(model, message["tensors"])
         host, port = _shift_port(message["address"], _tp_rank())
-        _receiver = StagedReceiver(message["tensors"], options=SyncOptions(transport=message["transport"], host=host, port=port))
+        key = split_address(message["address"])[1]  # the driver's key: only its trainer may write (None: RLSYNC_SECRET)
+        _receiver = StagedReceiver(message["tensors"], options=SyncOptions(transport=message["transport"], host=host, port=port,
+                                                                          secret=key))
         return
     if _receiver is None:
         raise ConfigError("rlsync received no 'start' in this SGLang worker: call SglangWeights.start() first")
@@ -161,9 +163,10 @@ class SglangWeights:
                  transport: str = "shm") -> None:
         self.engine = engine
         self.tensors = [[str(n), str(d), [int(x) for x in s]] for n, d, s in tensors]
-        self.address = address
+        self.address = keyed(address)  # with a key (unless RLSYNC_SECRET is set): only this driver's trainer may write
         self.transport = transport
-        self.addresses = ["tcp://{}:{}".format(*_shift_port(address, r)) for r in range(tp_size)]
+        key = split_address(self.address)[1]
+        self.addresses = ["tcp://{}:{}".format(*_shift_port(self.address, r)) + (f"#{key}" if key else "") for r in range(tp_size)]
 
     def _call(self, message: dict[str, Any], flush_cache: bool) -> None:
         result = self.engine.update_weights_from_tensor([(CONTROL, control_tensor(message))], load_format=LOADER,

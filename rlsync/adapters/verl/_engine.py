@@ -55,7 +55,7 @@ from rlsync import (
     WeightsReader,
     WeightsWriter,
 )
-from rlsync.core import HostStaging
+from rlsync.core import HostStaging, host_port, keyed, split_address
 from rlsync.layouts import fsdp
 
 
@@ -130,7 +130,7 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         if self.role == "actor":
             return {}
         if self._address is None:  # reserved now, bound by the rollout worker's reader in init_process_group
-            self._address = f"tcp://{self.options.host}:{_free_port(self.options.host)}"
+            self._address = keyed(f"tcp://{self.options.host}:{_free_port(self.options.host)}", self.options.secret)
         return {"address": self._address}
 
     @classmethod
@@ -155,8 +155,9 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
             return
         if self._reader is not None:
             self._reader.close()
-        host, port = readers[rank].removeprefix("tcp://").rsplit(":", 1)
-        self._reader = WeightsReader(None, None, rank, replicas=world_size, options=self.options.replace(host=host, port=int(port)),
+        host, port = host_port(readers[rank])
+        key = split_address(readers[rank])[1] or self.options.secret  # the key prepare() put in its address
+        self._reader = WeightsReader(None, None, rank, replicas=world_size, options=self.options.replace(host=host, port=port, secret=key),
                                      landing="staged", on_version=self._landed.on_version, on_refused=self._landed.on_refused)
         reader = self._reader
         self._landed.refusal = lambda: reader.refusal  # a refused trainer fails the rollout's wait at once

@@ -35,6 +35,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from rlsync import DEFAULT_TIMEOUT, CanaryError, ConfigError, Finish, StagedReceiver, SyncOptions, VersionError
 from rlsync.adapters.vllm._commit import EngineCommit
+from rlsync.core import host_port, split_address
 from rlsync.adapters.vllm._lora import adapter_receiver
 from rlsync.adapters.vllm._lora_versions import AdapterVersions, install_loader
 from rlsync.adapters.vllm._probe import learn_parts, learn_placements
@@ -70,8 +71,9 @@ class RlsyncUpdateInfo(WeightTransferUpdateInfo):
 
 def _options(init_info: RlsyncInitInfo, rank: int) -> SyncOptions:
     """Worker ``rank``'s reader options: it binds PORT + rank of the init info's address."""
-    host, port = init_info.address.removeprefix("tcp://").rsplit(":", 1)
-    return SyncOptions(transport=init_info.transport, host=host, port=int(port) + rank, verify=init_info.verify)
+    host, port = host_port(init_info.address)
+    key = split_address(init_info.address)[1]  # the trainer's key for this engine's readers (None: a shared secret)
+    return SyncOptions(transport=init_info.transport, host=host, port=port + rank, verify=init_info.verify, secret=key)
 
 
 class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpdateInfo]):

@@ -41,7 +41,7 @@ def hold_cpu_attention(isa: str) -> None:
         return
 
     def held(*args: object, **kwargs: object) -> str:
-        picked: str = chosen(*args, **kwargs)  # type: ignore[arg-type]
+        picked: str = chosen(*args, **kwargs)  # type: ignore[arg-type, unused-ignore]
         return isa if picked == "amx" else picked
 
     held.rlsync_held = isa  # type: ignore[attr-defined]

@@ -159,6 +159,7 @@ class WeightsReader:
         self._sessions: dict[int, tuple[str, int]] = {}  # writer rank -> (session, epoch it started in)
         self._welcomed: dict[int, tuple[int, str]] = {}  # control session id -> (writer rank, its writer session)
         self._active: dict[int, int] = {}  # writer rank -> the control session its Begin/Done must come in
+        self._hellos: dict[int, set[str]] = {}  # writer rank -> writer sessions welcomed since its last took effect
         self._nonces: dict[bytes, None] = {}  # writer nonces of the Hellos answered (newest MAX_SESSIONS): no replay
         #: messages refused because they were not what an honest writer sends (bad frames, out of session, replays)
         self.rejected = 0
@@ -432,6 +433,7 @@ class WeightsReader:
         # an earlier run, which can say nothing more, changes nothing here
         self._channel.open_session(session)
         self._welcomed[session.id] = (msg.writer_rank, msg.session)
+        self._hellos.setdefault(msg.writer_rank, set()).add(msg.session)
         while len(self._welcomed) > MAX_SESSIONS:
             self._welcomed.pop(next(iter(self._welcomed)))
 
@@ -439,11 +441,14 @@ class WeightsReader:
         """A new control session of ``writer_rank`` spoke: a writer that reconnected starts its version over; one
         whose writer session changed restarted, so what its earlier session did for an unfinished version is void."""
         previous = self._sessions.get(writer_rank)
-        if previous is not None and previous[0] != writer_session and self._paused_at is not None:
+        # a writer session welcomed since (one that died before it said Done may have written bytes) counts too
+        others = self._hellos.pop(writer_rank, set()) - {writer_session}
+        restarted = bool(others) or (previous is not None and previous[0] != writer_session)
+        if restarted and self._paused_at is not None:
             self._undo(f"writer rank {writer_rank} restarted in the middle of version {self._pending_version}")
-        if previous is not None and previous[0] != writer_session:
+        if restarted:
             self._epoch += 1
-            self._discard_partners(writer_rank, previous[1])
+            self._discard_partners(writer_rank, self._epoch - 1 if previous is None else previous[1])
         if previous is None or previous[0] != writer_session:
             self._sessions[writer_rank] = (writer_session, self._epoch)
         self._done.pop(writer_rank, None)  # a writer that reconnects starts its version over

@@ -182,10 +182,11 @@ def test_an_honest_sessions_messages_replayed_from_another_peer_are_refused(rece
     live, rejected = receiver.reader.version, receiver.reader.rejected
     for frames in sent:
         peer.send_multipart(frames)
+    taking = [f for f in sent if b"AskLayout" not in f[1]]  # a replayed layout request is answered: it only reads
     deadline = time.monotonic() + 10
-    while receiver.reader.rejected < rejected + len(sent) and time.monotonic() < deadline:
+    while receiver.reader.rejected < rejected + len(taking) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert receiver.reader.rejected == rejected + len(sent)  # every replayed frame refused, none taken
+    assert receiver.reader.rejected == rejected + len(taking)  # every replayed Hello and Done refused, none taken
     assert receiver.reader.version == live
 
 

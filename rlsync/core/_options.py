@@ -8,6 +8,7 @@ re-declaring transport, host, secret, timeout, verification and wire format with
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Mapping
 from typing import Any, Final, final
 
@@ -17,6 +18,10 @@ from rlsync.core._errors import ConfigError
 DEFAULT_TIMEOUT: Final = 300.0
 #: what a writer may put on the wire (``SyncOptions(wire=...)``)
 WIRES: Final = ("full", "delta", "fp8", "fp8+delta")
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @final
@@ -50,10 +55,40 @@ class SyncOptions:
     canary: bool = True
 
     def __post_init__(self) -> None:
+        """Every field checked when the options are built, each error naming the field and what it takes: a typo
+        fails here, not at the first sync."""
+        self._check_transport()
+        if not isinstance(self.host, str) or not self.host:
+            raise ConfigError(f"host={self.host!r}: the address a reader listens on, a string such as '127.0.0.1'")
+        if not _integer(self.port) or not 0 <= self.port <= 65535:
+            raise ConfigError(f"port={self.port!r}: an integer port, 0 (any free one) to 65535")
+        if self.secret is not None and (not isinstance(self.secret, str) or not self.secret):
+            raise ConfigError(f"secret={self.secret!r}: a non-empty string (the same on every process), or None")
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
+            raise ConfigError(f"timeout={self.timeout!r}: a number of seconds above 0 (e.g. timeout=300)")
+        for flag in ("verify", "canary"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"{flag}={getattr(self, flag)!r}: True or False")
         if self.wire not in WIRES:
             raise ConfigError(f"wire={self.wire!r}: use one of {', '.join(WIRES)}")
-        if not self.timeout > 0:
-            raise ConfigError(f"timeout={self.timeout!r}: a number of seconds above 0")
+        if self.transport_options is not None and not isinstance(self.transport_options, Mapping):
+            raise ConfigError(f"transport_options={self.transport_options!r}: a mapping (dict) passed to the transport, or None")
+
+    def _check_transport(self) -> None:
+        from rlsync.core._plugins import transports
+        from rlsync.core._transport import Transport
+
+        if isinstance(self.transport, type) and issubclass(self.transport, Transport):
+            return
+        if not isinstance(self.transport, str):
+            raise ConfigError(f"transport={self.transport!r}: a transport's name (e.g. 'shm') or a Transport subclass")
+        names = transports().names()
+        if self.transport not in names:
+            near = difflib.get_close_matches(self.transport, names, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise ConfigError(f"transport={self.transport!r} is not a registered transport: {hint}registered: "
+                              f"{', '.join(sorted(names))} (a plugin's own, passed by name, must be registered in "
+                              f"rlsync's plugin manager; or pass its Transport class)")
 
     @property
     def link_options(self) -> dict[str, Any]:

@@ -14,6 +14,8 @@ into one transfer. A plan carries fingerprints of both layouts and refuses other
 
 from __future__ import annotations
 
+import difflib
+
 import gc
 import time
 from collections.abc import Iterable, Sequence
@@ -136,12 +138,35 @@ def validate_layout(layout: Layout, side: str, ranks: frozenset[int] | None = No
                 )
 
 
+def _listed(names: Sequence[str], shown: int = 5) -> str:
+    return ", ".join(repr(n) for n in names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def _prefix_hint(missing: Sequence[str], extra: Sequence[str]) -> str:
+    """A prefix the trainer's names carry and the engine's lack (or the other way), when it explains every miss."""
+    for have, want, side in ((extra, missing, "the trainer's"), (missing, extra, "the engine's")):
+        for name in have[:1]:
+            for want_name in want:
+                if name.endswith(want_name) and name != want_name:
+                    prefix = name[: len(name) - len(want_name)]
+                    if all(h.startswith(prefix) and h[len(prefix):] in set(want) for h in have):
+                        return f" {side} names carry the prefix {prefix!r} that the others lack: strip it (or add it) before export."
+    return ""
+
+
 def _check_tensors(src: Layout, dst: Layout) -> dict[str, TensorMeta]:
     smeta, dmeta = src.tensor_map(), dst.tensor_map()
+    missing = sorted(dmeta.keys() - smeta.keys())
+    if missing:
+        extra = sorted(smeta.keys() - dmeta.keys())
+        near = {m: difflib.get_close_matches(m, extra, n=1, cutoff=0.6) for m in missing[:3]}
+        nearest = "; ".join(f"{m!r} ~ {n[0]!r}" for m, n in near.items() if n)
+        raise PlanError(f"{len(missing)} destination tensor(s) the trainer does not export: {_listed(missing)}. "
+                        f"The trainer exports {len(smeta)}, e.g. {_listed(sorted(smeta), 3)}"
+                        + (f"; {len(extra)} of them the engine does not have: {_listed(extra, 3)}" if extra else "")
+                        + "." + (f" Nearest names: {nearest}." if nearest else "") + _prefix_hint(missing, extra))
     for name, d in dmeta.items():
-        s = smeta.get(name)
-        if s is None:
-            raise PlanError(f"destination tensor {name!r} is not in the source layout; the trainer does not export it")
+        s = smeta[name]
         if s.dtype != d.dtype:
             raise PlanError(f"tensor {name!r}: source dtype {s.dtype} != destination dtype {d.dtype}; cast before export")
         if s.shape != d.shape:

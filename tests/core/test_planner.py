@@ -47,8 +47,21 @@ def test_dtype_mismatch_is_refused_before_planning() -> None:
 
 
 def test_unknown_destination_tensor_is_named() -> None:
-    with pytest.raises(PlanError, match=r"destination tensor 'c' is not in the source layout"):
+    with pytest.raises(PlanError, match=r"1 destination tensor\(s\) the trainer does not export: 'c'\. The trainer exports 2"):
         build_plan(fsdp(T, 2), from_state_dict([*T, TensorMeta("c", "bfloat16", (2,))]))
+
+
+def test_a_name_mismatch_lists_the_names_the_nearest_ones_and_a_prefix_that_explains_them() -> None:
+    """A trainer whose names carry a wrapper's prefix (``linear.``): every missing name, the trainer's names, the
+    nearest of each, and the prefix to strip."""
+    engine = [TensorMeta(f"layers.{i}.weight", "float32", (4,)) for i in range(8)]
+    trainer = [TensorMeta(f"linear.layers.{i}.weight", "float32", (4,)) for i in range(8)]
+    with pytest.raises(PlanError) as raised:
+        build_plan(from_state_dict(trainer), from_state_dict(engine))
+    message = str(raised.value)
+    assert "8 destination tensor(s) the trainer does not export: 'layers.0.weight'" in message and "and 3 more" in message
+    assert "'layers.0.weight' ~ 'linear.layers.0.weight'" in message
+    assert "the trainer's names carry the prefix 'linear.' that the others lack" in message
 
 
 def test_a_destination_byte_no_source_holds_is_an_error() -> None:

@@ -47,7 +47,7 @@ def test_a_writer_learns_the_destination_and_leaves_out_what_it_does_not_hold() 
 def test_a_destination_tensor_the_trainer_lacks_is_an_error_before_any_byte() -> None:
     with WeightsReader(None, from_state_dict(PLAIN), 0) as reader:
         partial = {k: v for k, v in state(1).items() if k != "norm.weight"}
-        with pytest.raises(PlanError, match="'norm.weight' is not in the source layout"):
+        with pytest.raises(PlanError, match="destination tensor\\(s\\) the trainer does not export: 'norm.weight'"):
             WeightsWriter(from_state_dict(partial), None, 0, [reader.address], options=SyncOptions(timeout=10))
         assert reader.version == -1
 

@@ -131,6 +131,15 @@ def trl_support(version: str | None = None) -> str | None:
     return f"TRL {version}: supported (RlsyncWeightTransfer, RlsyncSyncCallback)"
 
 
+def _why_not(transport: str) -> str:
+    """Why a registered transport cannot run on this machine, as far as rlsync knows it."""
+    if transport == "cuda_ipc":
+        return "no CUDA GPU"
+    if transport == "nixl":
+        return "the nixl package is missing: pip install 'rlsync[nixl]'"
+    return "its available() says no"
+
+
 def _machine_rows() -> list[tuple[str, str]]:
     shm = shutil.disk_usage("/dev/shm") if os.path.isdir("/dev/shm") else None
     rows = [("cores", str(os.cpu_count())), ("/dev/shm free", f"{shm.free / 2**30:.1f} GiB" if shm else "absent")]
@@ -156,8 +165,16 @@ def run() -> int:
     registered = Table(title="registered plugins")
     registered.add_column("kind")
     registered.add_column("names")
+    registry = transports(pm)
+
+    def runs_here(name: str) -> str:
+        try:
+            return name if registry.get(name).available() else f"{name} (cannot run here: {_why_not(name)})"
+        except Exception as exc:  # noqa: BLE001 - a plugin whose check itself fails cannot run either
+            return f"{name} (cannot run here: {exc})"
+
     for kind, names in (
-        ("transports", transports(pm).names()),
+        ("transports", [runs_here(n) for n in registry.names()]),
         ("buffer backends", buffer_backends(pm).names()),
         ("wire codecs", wire_codecs(pm).names()),
         ("staleness gates", [impl.plugin_name for impl in pm.hook.rlsync_gate_sample.get_hookimpls()]),

@@ -50,3 +50,12 @@ def test_launch_passes_everything_after_the_framework_to_its_launcher(monkeypatc
 
     with pytest.raises(ConfigError, match="after `--`"):
         split(["--max-staleness", "2"])
+
+
+def test_doctor_marks_a_transport_that_cannot_run_here_and_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlsync.plugins._transport_cuda_ipc import CudaIpcLanding
+
+    monkeypatch.setattr(CudaIpcLanding, "available", classmethod(lambda cls: False))  # what a machine without CUDA says
+    result = CliRunner().invoke(app, ["doctor"], env={"COLUMNS": "300"})
+    assert "cuda_ipc (cannot run here: no CUDA GPU)" in result.output
+    assert "shm (cannot run here" not in result.output

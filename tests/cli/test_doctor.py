@@ -59,3 +59,13 @@ def test_doctor_marks_a_transport_that_cannot_run_here_and_why(monkeypatch: pyte
     result = CliRunner().invoke(app, ["doctor"], env={"COLUMNS": "300"})
     assert "cuda_ipc (cannot run here: no CUDA GPU)" in result.output
     assert "shm (cannot run here" not in result.output
+
+
+def test_launch_openrlhf_help_shows_the_launchers_own_flags() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "rlsync.cli", "launch", "openrlhf", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "--max-staleness" in done.stdout and "--lora-sync" in done.stdout and "after `--`" in done.stdout

@@ -52,6 +52,8 @@ def parser() -> argparse.ArgumentParser:
 def split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """(rlsync's options, OpenRLHF's arguments): OpenRLHF's come after ``--``."""
     argv = list(argv)
+    if "--" not in argv and any(a in ("-h", "--help") for a in argv):  # the launcher's own help, as a newcomer asks
+        parser().parse_args(["--help"])
     if "--" not in argv:
         raise ConfigError("put OpenRLHF's arguments after `--`: rlsync launch openrlhf [--max-staleness N] -- --pretrain ...")
     at = argv.index("--")

@@ -12,7 +12,16 @@ from __future__ import annotations
 
 import os
 
-import torch
 
-if torch.cpu._is_amx_tile_supported():
+def _reports_amx() -> bool:
+    """What ``torch.cpu._is_amx_tile_supported()`` answers, read without importing torch (this conftest loads before
+    each session's own warning filters, and importing torch here would trip them)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return "amx_tile" in info.read().split()
+    except OSError:
+        return False
+
+
+if _reports_amx():
     os.environ.setdefault("RLSYNC_VLLM_CPU_ATTENTION", "vec")

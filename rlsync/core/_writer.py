@@ -140,6 +140,7 @@ class WeightsWriter:
         self._checksum = options.verify
         self.timeout = timeout
         self._sources: dict[str, torch.Tensor] = {}  # uint8, on the host or (for a device transport) the device
+        self._device_copies: dict[str, torch.Tensor] = {}  # contiguous copies of strided device sources, reused
         self._streams: set[Any] = set()  # the streams device sources were put from, since the last version
         self._ready: Ready = []  # while a version is sent: an event on each of those streams
         self._channels: dict[int, Channel] = {}
@@ -199,7 +200,7 @@ class WeightsWriter:
         elif tensor.device.type != "cpu" and self._transport.device_sources:
             # the transport reads device memory itself (cuda_ipc, nixl): no bounce through the host; the copy may
             # run in another thread, whose current stream is not this one: it waits for this event first
-            self._sources[name] = as_bytes(name, tensor if tensor.is_contiguous() else tensor.contiguous())
+            self._sources[name] = as_bytes(name, tensor if tensor.is_contiguous() else self._contiguous_copy(name, tensor))
             stream = producing_stream(tensor)
             if stream is not None:
                 self._streams.add(stream)
@@ -213,6 +214,14 @@ class WeightsWriter:
             self._sources[name] = as_bytes(name, self._staging.stage(name, tensor))
         else:
             self._sources[name] = as_bytes(name, tensor)
+
+    def _contiguous_copy(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A strided device tensor copied into a contiguous buffer on its device, allocated once per name and reused
+        every version (a transport that registers memory, NIXL, then registers it once, not every version)."""
+        buffer = self._device_copies.get(name)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype or buffer.device != tensor.device:
+            buffer = self._device_copies[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        return buffer.copy_(tensor)
 
     def multi_put(self, tensors: Mapping[str, Any]) -> None:
         for name, tensor in tensors.items():

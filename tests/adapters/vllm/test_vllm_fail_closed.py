@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from rlsync.core import keyed  # noqa: E402
 from rlsync import reader_layout  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -117,7 +118,7 @@ def test_native_api_survives_a_dead_trainer_and_a_failed_load(tmp_path: Path) ->
               weight_transfer_config={"backend": "rlsync"})
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        address = keyed(f"tcp://127.0.0.1:{s.getsockname()[1]}")  # the address with a fresh key
     tensors = common.trainer.tensors(common.trainer.build("qwen2", 100))
     with pytest.raises(Exception, match="not_a_weight"):
         llm.init_weight_transfer_engine({"init_info": {"address": address, "tensors": [*tensors, ["not_a_weight", "bfloat16", [2]]]}})

@@ -18,13 +18,15 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.filterwarnings("ig
 from _support import vllm_engines as common  # noqa: E402
 from _support import vllm_server  # noqa: E402
 
+from rlsync.core import keyed  # noqa: E402
+
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen2-tied", "qwen3-moe"])
 def test_http_server_updates_through_its_weight_transfer_routes(arch: str, tmp_path: Path) -> None:
     seeds = list(range(301, 321))
     model = common.save(arch, 100, tmp_path / "v0")
     with vllm_server.running(model, tmp_path / "server.log") as base:
-        address = f"tcp://127.0.0.1:{common.free_port()}"
+        address = keyed(f"tcp://127.0.0.1:{common.free_port()}")  # as the docs say: the address with a fresh key
         tensors = common.trainer.tensors(common.trainer.build(arch, 100))
         vllm_server.post(base, "/init_weight_transfer_engine", {"init_info": {"address": address, "tensors": tensors}})
         child = subprocess.Popen([sys.executable, str(common.TRAINER), "--arch", arch, "--address", address,

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from rlsync.core import keyed  # noqa: E402
+
 pytest.importorskip("vllm")
 
 # vLLM itself raises deprecation and future warnings on import and at start-up: not ours to fix.
@@ -34,7 +36,7 @@ def test_native_weight_transfer_api_with_the_rlsync_backend(tmp_path: Path) -> N
     llm = native_engine(common.save("qwen2", 100, tmp_path / "v0"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        address = keyed(f"tcp://127.0.0.1:{s.getsockname()[1]}")  # the address with a fresh key
     llm.init_weight_transfer_engine({"init_info": {"address": address, "tensors": common.trainer.tensors(common.trainer.build("qwen2", 100))}})
     seeds = [201, 202, 203]
     child = subprocess.Popen([sys.executable, str(common.TRAINER), "--arch", "qwen2", "--address", address,
@@ -66,7 +68,7 @@ def test_a_tied_model_syncs_from_its_state_dict(arch: str, tmp_path: Path) -> No
     llm = native_engine(common.save(arch, 100, tmp_path / "v0"))
     tensors = common.trainer.tensors(common.trainer.build(arch, 100), state_dict=True)
     assert "lm_head.weight" in [t[0] for t in tensors]
-    address = f"tcp://127.0.0.1:{common.free_port()}"
+    address = keyed(f"tcp://127.0.0.1:{common.free_port()}")
     llm.init_weight_transfer_engine({"init_info": {"address": address, "tensors": tensors}})
     seeds = [201, 202, 203]
     child = subprocess.Popen([sys.executable, str(common.TRAINER), "--arch", arch, "--address", address, "--state-dict",
@@ -106,7 +108,7 @@ def test_a_writer_the_engine_refuses_fails_the_engines_update_at_once(tmp_path: 
     model = common.trainer.build("qwen3-tied", 7)
     state = {name: t.detach() for name, t in model.state_dict().items()}
     tensors = common.trainer.tensors(model, state_dict=True)
-    address = f"tcp://127.0.0.1:{common.free_port()}"
+    address = keyed(f"tcp://127.0.0.1:{common.free_port()}")
     llm.init_weight_transfer_engine({"init_info": {"address": address, "tensors": tensors}})
     writer = WeightsWriter(from_state_dict(state), engine_layout(tensors), 0, [address], options=SyncOptions(timeout=300))
     writer.multi_put(state)

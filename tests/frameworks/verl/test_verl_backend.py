@@ -20,6 +20,8 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("verl")
 torch = pytest.importorskip("torch")
 
+from rlsync.core import keyed  # noqa: E402
+
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 pytestmark = [pytest.mark.ray, pytest.mark.filterwarnings("ignore")]
@@ -248,7 +250,7 @@ def test_the_weights_end_in_a_vllm_engine_that_generates_like_a_fresh_one(peaked
     env.pop("PYTHONPATH", None)
     assert VLLM_PYTHON is not None
     with vllm_server.running(model_dir, tmp_path / "server.log", python=VLLM_PYTHON, env=env) as base:
-        cluster = Cluster(model_dir, {"timeout": 300}, vllm=(base, f"tcp://127.0.0.1:{_free_port()}"))
+        cluster = Cluster(model_dir, {"timeout": 300}, vllm=(base, keyed(f"tcp://127.0.0.1:{_free_port()}")))
         clusters.append(cluster)
         for step in (1, 2, 3):
             cluster.trainer.train_step(step)
@@ -367,7 +369,7 @@ def test_an_unmerged_lora_is_served_as_a_fresh_engine_serves_its_adapter(model_d
     served, adapters = [], []
     with vllm_server.running(model_dir, tmp_path / "server.log", ["--enable-lora", "--max-lora-rank", "8"],
                              python=VLLM_PYTHON, env=env) as base:
-        cluster = Cluster(model_dir, {"timeout": 300}, vllm=(base, f"tcp://127.0.0.1:{_free_port()}"), lora="adapter")
+        cluster = Cluster(model_dir, {"timeout": 300}, vllm=(base, keyed(f"tcp://127.0.0.1:{_free_port()}")), lora="adapter")
         clusters.append(cluster)
         for step in (1, 2):
             cluster.trainer.train_step(step)

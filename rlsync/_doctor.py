@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from rlsync.core import buffer_backends, make_plugin_manager, transports, wire_codecs
+from rlsync.core import TransportError, buffer_backends, make_plugin_manager, resolve_transport, transports, wire_codecs
 
 #: Optional packages, the extra that installs each, and what it enables.
 OPTIONAL: tuple[tuple[str, str, str], ...] = (
@@ -169,7 +169,10 @@ def run() -> int:
 
     def runs_here(name: str) -> str:
         try:
-            return name if registry.get(name).available() else f"{name} (cannot run here: {_why_not(name)})"
+            resolve_transport(name, pm)  # raises where it cannot run
+            return name
+        except TransportError:
+            return f"{name} (cannot run here: {_why_not(name)})"
         except Exception as exc:  # noqa: BLE001 - a plugin whose check itself fails cannot run either
             return f"{name} (cannot run here: {exc})"
 

@@ -19,12 +19,12 @@ OPTIONAL: tuple[tuple[str, str, str], ...] = (
     ("nixl", "nixl", "NIXL transport (UCX: RDMA, NVLink, shm, tcp)"),
     ("vllm", "vllm", "vLLM engine adapter"),
     ("sglang", "", "SGLang engine adapter (install SGLang itself)"),
-    ("transformers", "dev", "plain transformers receiver"),
+    ("transformers", "hf", "plain transformers receiver"),
     ("verl", "verl", "verl checkpoint-engine backend"),
     ("trl", "trl", "TRL weight_transfer / callback"),
     ("openrlhf", "openrlhf", "OpenRLHF launcher"),
     ("ray", "ray", "Ray rollout-buffer backend"),
-    ("redis", "redis", "Redis-streams rollout-buffer backend"),
+    ("redis", "redis", "Redis rollout-buffer backend (a sorted set with leases)"),
 )
 
 
@@ -191,7 +191,7 @@ def run() -> int:
     optional.add_column("enables")
     for module, extra, enables in OPTIONAL:
         found = importlib.util.find_spec(module) is not None
-        hint = f"pip install 'rlsync[{extra}]'" if extra else "see docs/sglang.md"
+        hint = f"pip install 'rlsync[{extra}]'" if extra else "see docs/engines/sglang.md"
         # escape: rich would take "[vllm]" for a style tag and print the command without its extra
         optional.add_row(module, "[green]installed[/]" if found else f"[yellow]missing[/] ({escape(hint)})", enables)
     console.print(optional)

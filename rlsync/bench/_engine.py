@@ -328,7 +328,7 @@ def run(*, engine: str, json_output: bool, repeats: int, model: str = "125m") ->
     if model not in MODELS:
         raise ConfigError(f"--engine-model {model!r}: pick one of {sorted(MODELS)}")
     if engine != "vllm":
-        raise ConfigError(f"rlsync bench --engine {engine!r}: only 'vllm' runs here (SGLang needs a GPU; see docs/sglang.md)")
+        raise ConfigError(f"rlsync bench --engine {engine!r}: only 'vllm' runs here (SGLang needs a GPU; see docs/engines/sglang.md)")
     probe = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, check=False)
     if probe.returncode != 0:
         raise ConfigError("vLLM does not import in this environment: pip install 'rlsync[vllm]' (on a machine without "

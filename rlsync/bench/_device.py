@@ -347,19 +347,18 @@ def measure(device: str, nbytes: int, transports: list[str] | None, repeats: int
 
     failed: list[dict[str, Any]] = []
 
-    def add(name: str, kind_: str, args: list[str], **extra: Any) -> dict[str, Any] | None:
+    def add(name: str, kind_: str, args: list[str], **extra: Any) -> None:
         try:
             got = _run(args, path_timeout)
         except Exception as exc:  # noqa: BLE001 - recorded in the report, and the next path runs
             failed.append({"name": name, "kind": kind_, "error": str(exc), **extra})
-            return None
+            return
         seconds = statistics.median(got["seconds"][2:] or got["seconds"][-1:])
         extra.update({"memory": got["memory"]} if "memory" in got else {})
         if "bytes" in got:
             extra["bytes"] = statistics.median(got["bytes"][2:] or got["bytes"][-1:])
         rows.append({"name": name, "kind": kind_, "seconds": seconds, "gbps": total / seconds / 1e9,
                      "exact": got["exact"], **extra})
-        return got
 
     stopped = None
     delta: dict[str, Any] = {}

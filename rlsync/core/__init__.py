@@ -20,7 +20,7 @@ from rlsync.core._builders import (
 )
 from rlsync.core._canary import Canary, canary_tokens, causal_lm_logprobs
 from rlsync.core._checksum import Checksums, same_bytes, version_label
-from rlsync.core._control import host_port, is_loopback, keyed, resolve_secret, split_address
+from rlsync.core._control import host_port, is_loopback, keyed, resolve_secret, shift_port, split_address
 from rlsync.core._delta import ChangeLog
 from rlsync.core._delta import apply as apply_delta
 from rlsync.core._delta import encode as encode_delta
@@ -96,7 +96,7 @@ __all__ = [
     "allocate", "apply_delta", "buffer_backends", "build_plan", "canary_tokens", "causal_lm_logprobs", "chunk_bounds", "contiguous_strides", "copy_transfers",
     "data_parallel", "decode_sample", "default_plugin_manager", "dtype_name", "dtype_size", "encode_delta", "encode_sample",
     "engine_layout", "synchronize_devices", "engine_tp", "flat_partitions", "flat_range_boxes", "freshest_per_group", "from_state_dict", "fsdp", "gather_shards",
-    "hookimpl", "hookspec", "importance_weights", "host_port", "is_loopback", "keyed", "split_address", "kept_sizes", "load_model_spec", "make_buffer", "make_layout",
+    "hookimpl", "hookspec", "importance_weights", "host_port", "is_loopback", "keyed", "shift_port", "split_address", "kept_sizes", "load_model_spec", "make_buffer", "make_layout",
     "make_plugin_manager", "masked_logprobs", "megatron", "model_spec", "own_buffer_shard", "raw_dtype", "reader_layout", "sampling_mask",
     "region_offsets", "replicated", "resolve_secret", "resolve_transport", "same_bytes", "scatter", "tensor_metas", "tied_aliases", "transports", "version_label",
     "whole_tensor_view", "wire_codecs", "zero3",

@@ -191,6 +191,14 @@ def keyed(address: str, secret: str | None = None) -> str:
     return address if resolve_secret(host, secret) else with_key(address)
 
 
+def shift_port(address: str, by: int) -> str:
+    """``address`` with its port ``by`` higher and its key kept: the address of engine rank ``by`` when rank r
+    listens on PORT + r (the vLLM and SGLang adapters)."""
+    base, key = split_address(address)
+    host, port = host_port(base)
+    return f"tcp://{host}:{port + by}" + (f"#{key}" if key else "")
+
+
 def host_port(address: str) -> tuple[str, int]:
     """The host and port of ``tcp://host:port[#KEY]``."""
     host, _, port = split_address(address)[0].removeprefix("tcp://").rpartition(":")

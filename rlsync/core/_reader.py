@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 import pluggy
@@ -55,12 +55,12 @@ from rlsync.core._control import (
     session_key,
 )
 from rlsync.core._delta import INBOX_SHARE
-from rlsync.core._device_order import synchronize_devices
 from rlsync.core._delta import apply as apply_delta
+from rlsync.core._device_order import synchronize_devices
 from rlsync.core._errors import CanaryError, ConfigError, RlsyncError, TransferTimeoutError, WeightMismatchError
 from rlsync.core._host_staging import HostStaging
-from rlsync.core._memory import free_memory
 from rlsync.core._layout import Layout, dtype_size, tensor_fingerprints
+from rlsync.core._memory import free_memory
 from rlsync.core._options import SyncOptions
 from rlsync.core._planner import Plan, build_plan
 from rlsync.core._plugins import default_plugin_manager, resolve_transport
@@ -72,6 +72,8 @@ from rlsync.core._transport import Landing, Region
 LandingMode = Literal["direct", "staged", "in_place"]
 MAX_VERSION = 2**53  # versions are step counts: a claim past this is no step (and no float64 holds it exactly)
 _log = logging.getLogger("rlsync")
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 class WeightsReader:
@@ -415,9 +417,7 @@ class WeightsReader:
         if self.refusal is not None:
             _log.info("reader rank %d: writer rank %d welcomed; the earlier refusal no longer stands", self.rank, msg.writer_rank)
         self.refusal = None
-        self._nonces[msg.nonce] = None
-        while len(self._nonces) > MAX_SESSIONS:
-            self._nonces.pop(next(iter(self._nonces)))
+        _keep_newest(self._nonces, msg.nonce, None)
         in_place = self.landing_mode == "in_place"
         session = Session(new_session_id(), b"", peer=identity)
         nonce = new_nonce()
@@ -432,10 +432,8 @@ class WeightsReader:
         # the session counts only once it speaks (its first Begin or Done, signed under it): a Hello replayed from
         # an earlier run, which can say nothing more, changes nothing here
         self._channel.open_session(session)
-        self._welcomed[session.id] = (msg.writer_rank, msg.session)
+        _keep_newest(self._welcomed, session.id, (msg.writer_rank, msg.session))
         self._hellos.setdefault(msg.writer_rank, set()).add(msg.session)
-        while len(self._welcomed) > MAX_SESSIONS:
-            self._welcomed.pop(next(iter(self._welcomed)))
 
     def _activate(self, writer_rank: int, writer_session: str) -> None:
         """A new control session of ``writer_rank`` spoke: a writer that reconnected starts its version over; one
@@ -653,6 +651,13 @@ class WeightsReader:
         if self._paused_at is not None:
             self._paused_at = None
             self._pause(False)
+
+
+def _keep_newest(table: dict[K, V], key: K, value: V) -> None:
+    """``table[key] = value``, dropping the oldest entries past ``MAX_SESSIONS`` (what a peer can make grow is bounded)."""
+    table[key] = value
+    while len(table) > MAX_SESSIONS:
+        table.pop(next(iter(table)))
 
 
 def _first_difference(theirs: Mapping[str, str], ours: Mapping[str, str]) -> str:

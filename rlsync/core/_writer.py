@@ -39,8 +39,8 @@ from rlsync.core._control import (
     session_key,
 )
 from rlsync.core._delta import ChangeLog
-from rlsync.core._device_order import Ready, producing_stream, ready_events, wait_ready
 from rlsync.core._delta import encode as encode_delta
+from rlsync.core._device_order import Ready, producing_stream, ready_events, wait_ready
 from rlsync.core._errors import (
     CanaryError,
     ConfigError,

@@ -21,7 +21,8 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import numpy as np
@@ -164,38 +165,36 @@ class NixlLink(Link):
             devid = _desc(source)[2]
             local = np.array([(base + s, n, devid) for s, _, _, n in runs], dtype=np.uint64)
             remote = np.array([(self._remote[slot] + d, n, self._remote_devid) for _, slot, d, n in runs], dtype=np.uint64)
-            try:
+            with self._peer_lost("NIXL could not prepare a write"):
                 handle = self._agent.initialize_xfer(
                     "WRITE",
                     self._agent.get_xfer_descs(local, mem_type=mem_type),
                     self._agent.get_xfer_descs(remote, mem_type=self._remote_type),
                     self._peer,
                 )
-            except Exception as exc:
-                if nixl_failure(exc):
-                    raise PeerLostError(f"NIXL could not prepare a write to {self._peer}: {exc}") from exc
-                raise
             self._handles[(key, tuple(runs))] = handle
-        try:
+        with self._peer_lost("NIXL could not post a write"):
             state = self._agent.transfer(handle)
-        except Exception as exc:
-            if nixl_failure(exc):
-                raise PeerLostError(f"NIXL could not post a write to {self._peer} (the reader restarted or died): {exc}") from exc
-            raise
         if state == "ERR":
             raise PeerLostError(f"NIXL could not post a write to {self._peer}: the reader is unreachable")
         self._posted.append(handle)
+
+    @contextmanager
+    def _peer_lost(self, what: str) -> Iterator[None]:
+        """NIXL 1.5's bindings raise where its ``_api`` would answer "ERR": the same lost peer, said as one."""
+        try:
+            yield
+        except Exception as exc:
+            if nixl_failure(exc):
+                raise PeerLostError(f"{what} to {self._peer} (the reader restarted or died): {exc}") from exc
+            raise
 
     def flush(self) -> None:
         deadline = time.monotonic() + float(os.environ.get("RLSYNC_NIXL_TIMEOUT", "120"))
         for handle in self._posted:
             while True:
-                try:
+                with self._peer_lost("a NIXL write failed"):
                     state = self._agent.check_xfer_state(handle)
-                except Exception as exc:
-                    if nixl_failure(exc):
-                        raise PeerLostError(f"a NIXL write to {self._peer} failed (the reader restarted or died): {exc}") from exc
-                    raise
                 if state == "DONE":
                     break
                 if state == "ERR":

@@ -203,3 +203,12 @@ def test_messages_recorded_in_an_earlier_run_do_not_replay_into_a_restarted_engi
         assert restarted.version == -1  # nothing went live on replayed messages
         honest_version(restarted, 2, 3.0, options)  # and the honest trainer is not locked out (2 < the replayed 10)
         peer.close()
+
+
+def test_an_address_keeps_its_key_when_shifted_to_another_rank() -> None:
+    """Adapters address engine rank r at PORT + r: the key travels with every rank's address."""
+    from rlsync.core import keyed, shift_port, split_address
+
+    address = keyed("tcp://127.0.0.1:5000")
+    assert split_address(shift_port(address, 2)) == ("tcp://127.0.0.1:5002", split_address(address)[1])
+    assert shift_port("tcp://127.0.0.1:5000", 1) == "tcp://127.0.0.1:5001"  # with a shared secret: no key to keep

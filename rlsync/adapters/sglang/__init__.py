@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlsync import DEFAULT_TIMEOUT, ConfigError, RlsyncError, StagedReceiver, SyncOptions
-from rlsync.core import HostStaging, host_port, keyed, split_address
+from rlsync.core import HostStaging, host_port, keyed, shift_port, split_address
 
 #: the import path to allow with ``--custom-weight-loader`` and to pass as ``load_format``
 LOADER = "rlsync.adapters.sglang.load_landed"
@@ -47,11 +47,6 @@ def _tp_rank() -> int:
     except ImportError:  # no SGLang here: a single in-process worker (the tests' fake)
         return 0
     return int(get_tensor_model_parallel_rank())
-
-
-def _shift_port(address: str, by: int) -> tuple[str, int]:
-    host, port = host_port(address)
-    return host, port + by
 
 
 def control_tensor(message: dict[str, Any]) -> Any:
@@ -73,7 +68,7 @@ def load_landed(model: Any, named_tensors: Sequence[tuple[str, Any]]) -> None:
         if _receiver is not None:
             _receiver.close()
         _check_names(model, message["tensors"])
-        host, port = _shift_port(message["address"], _tp_rank())
+        host, port = host_port(shift_port(message["address"], _tp_rank()))
         key = split_address(message["address"])[1]  # the driver's key: only its trainer may write (None: RLSYNC_SECRET)
         _receiver = StagedReceiver(message["tensors"], options=SyncOptions(transport=message["transport"], host=host, port=port,
                                                                           secret=key))
@@ -165,8 +160,7 @@ class SglangWeights:
         self.tensors = [[str(n), str(d), [int(x) for x in s]] for n, d, s in tensors]
         self.address = keyed(address)  # with a key (unless RLSYNC_SECRET is set): only this driver's trainer may write
         self.transport = transport
-        key = split_address(self.address)[1]
-        self.addresses = ["tcp://{}:{}".format(*_shift_port(self.address, r)) + (f"#{key}" if key else "") for r in range(tp_size)]
+        self.addresses = [shift_port(self.address, r) for r in range(tp_size)]
 
     def _call(self, message: dict[str, Any], flush_cache: bool) -> None:
         result = self.engine.update_weights_from_tensor([(CONTROL, control_tensor(message))], load_format=LOADER,

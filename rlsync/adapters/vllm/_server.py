@@ -35,7 +35,7 @@ from rlsync import (
     version_label,
 )
 from rlsync.adapters.vllm._lora import refuse_unsupported
-from rlsync.core import keyed, split_address
+from rlsync.core import keyed, shift_port
 from rlsync.adapters.vllm._lora_versions import path_of
 from rlsync.layouts import from_state_dict, tied_aliases
 
@@ -398,13 +398,12 @@ class VllmServer:
         host, plain = self.options.host, self.options.to_mapping()  # plain: the transport by name, for JSON
         base = reserve_ports(host, workers)
         address = keyed(f"tcp://{host}:{base}", self.options.secret)  # only this trainer may talk to these readers
-        key = split_address(address)[1]
         info: dict[str, Any] = {"address": address, "tensors": tensors, "transport": plain["transport"],
                                 "verify": plain["verify"]}
         if lora is not None:
             info.update(lora=lora["config"], lora_name=lora["name"], keep=lora["keep"])
         self.call("/init_weight_transfer_engine", {"init_info": info})
-        readers = [f"tcp://{host}:{base + r}" + (f"#{key}" if key else "") for r in range(workers)]
+        readers = [shift_port(address, r) for r in range(workers)]
         self._workers = workers
         self._writer = WeightsWriter(from_state_dict(state), None, 0, readers, options=self.options)
         self._names = list(state)

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from rlsync.core import keyed, split_address  # noqa: E402
+from rlsync.core import keyed, shift_port  # noqa: E402
 from rlsync import reader_layout
 from rlsync.adapters.vllm import apply_next_version, engine_layout
 
@@ -78,14 +78,14 @@ class Native(Extension):
 
     def probe(self):  # type: ignore[no-untyped-def]
         self.port = free_port()
-        self.key = split_address(keyed("tcp://127.0.0.1:1"))[1]  # the run's key, as keyed() makes it
+        self.address = keyed(f"tcp://127.0.0.1:{self.port}")  # with the run's key
         boxes_file = Path(os.environ["TMPDIR"]) / "boxes-from-vllm.json"
-        self.llm.init_weight_transfer_engine({"init_info": {"address": f"tcp://127.0.0.1:{self.port}#{self.key}",
+        self.llm.init_weight_transfer_engine({"init_info": {"address": self.address,
                                                             "tensors": self.tensors, "boxes_file": str(boxes_file)}})
         return json.loads(boxes_file.read_text())
 
     def start(self, boxes):  # type: ignore[no-untyped-def]
-        return [f"tcp://127.0.0.1:{self.port + r}#{self.key}" for r in range(len(boxes))]
+        return [shift_port(self.address, r) for r in range(len(boxes))]
 
     def apply(self, version: int) -> None:
         self.llm.start_weight_update()

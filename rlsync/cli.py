@@ -44,8 +44,8 @@ def plan(
 def bench(
     size: Annotated[Optional[str], typer.Option(help="Bytes of weights to sync, e.g. '1GiB', '256MiB' (default 1GiB; "
                                                      "with --device: 8GiB on cuda, 256MiB on cpu).")] = None,
-    transports: Annotated[Optional[str], typer.Option(help="Comma-separated transports to measure (default "
-                                                           "shm,nixl,tcp,torchdist; with --device: all that run there).")] = None,
+    transports: Annotated[Optional[str], typer.Option(help="Comma-separated transports to measure (default: "
+                                                           "those of shm,nixl,tcp,torchdist that run here; with --device: all that run there).")] = None,
     device: Annotated[Optional[str], typer.Option(help="Trainer and engine on this device ('cuda', 'cuda:1' or 'cpu'): "
                                                        "every transport and landing there, against device copies and the "
                                                        "bucketed recipe.")] = None,
@@ -84,7 +84,7 @@ def bench(
     else:
         from rlsync.bench import run_weights
 
-        run_weights(size=size or "1GiB", transports=transports or "shm,nixl,tcp,torchdist", repeats=repeats, json_output=json_output)
+        run_weights(size=size or "1GiB", transports=transports, repeats=repeats, json_output=json_output)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

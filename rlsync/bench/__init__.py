@@ -1,12 +1,43 @@
 """Benchmarks behind ``rlsync bench``; each measures rlsync against baselines in the same run.
 
 ``run_weights``, ``run_wire``, ``run_buffer``, ``run_engine``, ``run_device``: the five kinds, as the CLI calls them.
+Each is imported when called: the benchmark modules also run as worker scripts (``python -m rlsync.bench._weights``),
+and a package that imported them first would make runpy warn in every worker.
 """
 
-from rlsync.bench._buffer import run as run_buffer
-from rlsync.bench._device import run as run_device
-from rlsync.bench._engine import run as run_engine
-from rlsync.bench._weights import run as run_weights
-from rlsync.bench._wire import run as run_wire
+from __future__ import annotations
+
+from typing import Any
+
+
+def run_buffer(**options: Any) -> None:
+    from rlsync.bench._buffer import run
+
+    run(**options)
+
+
+def run_device(**options: Any) -> None:
+    from rlsync.bench._device import run
+
+    run(**options)
+
+
+def run_engine(**options: Any) -> None:
+    from rlsync.bench._engine import run
+
+    run(**options)
+
+
+def run_weights(**options: Any) -> None:
+    from rlsync.bench._weights import run
+
+    run(**options)
+
+
+def run_wire(**options: Any) -> None:
+    from rlsync.bench._wire import run
+
+    run(**options)
+
 
 __all__ = ["run_buffer", "run_device", "run_engine", "run_weights", "run_wire"]

@@ -133,34 +133,54 @@ def bench_redis(repeats: int, routes: bool = False) -> tuple[float, float]:
             proc.wait()
 
 
-def measure(repeats: int) -> dict[str, Any]:
+def backends() -> tuple[list[tuple[str, Callable[[int], tuple[float, float]]]], list[dict[str, str]]]:
+    """The backends that run here, and the ones skipped with why (Ray and Redis are extras, redis-server a program)."""
     import importlib.util
 
-    results = []
     runs: list[tuple[str, Callable[[int], tuple[float, float]]]] = [
         ("memory", bench_memory), ("memory+routes", lambda r: bench_memory(r, routes=True))]
+    skipped = []
     if importlib.util.find_spec("ray"):
         runs.append(("ray", bench_ray))
-    if importlib.util.find_spec("redis") and shutil.which("redis-server"):
+    else:
+        skipped.append({"name": "ray", "why": "Ray is not installed (pip install 'rlsync[ray]' to measure it)"})
+    if not importlib.util.find_spec("redis"):
+        skipped.append({"name": "redis", "why": "redis-py is not installed (pip install 'rlsync[redis]' to measure it)"})
+    elif not shutil.which("redis-server"):
+        skipped.append({"name": "redis", "why": "no redis-server on PATH (e.g. apt install redis-server)"})
+    else:
         runs += [("redis", bench_redis), ("redis+routes", lambda r: bench_redis(r, routes=True))]
+    return runs, skipped
+
+
+def measure(repeats: int, progress: Any = None) -> dict[str, Any]:
+    runs, skipped = backends()
+    say = progress or (lambda _step: None)
+    results = []
     for name, fn in runs:
         ours, base = fn(repeats)
         results.append({"name": name, "kind": "backend", "samples_per_s": ours})
         results.append({"name": f"{name}-baseline", "kind": "baseline", "samples_per_s": base})
-    return {"sample_tokens": 1024, "batch": BATCH, "routes": list(ROUTES), "results": results}
+        say(name)
+    return {"sample_tokens": 1024, "batch": BATCH, "routes": list(ROUTES), "results": results, "skipped": skipped}
 
 
 def run(*, json_output: bool, repeats: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    report = measure(repeats)
+    from rlsync.bench._progress import progress, say_skipped
+
+    runs, skipped = backends()
+    say_skipped(skipped)
+    with progress(len(runs), "rollout buffer") as advance:
+        report = measure(repeats, advance)
     if json_output:
         print(json.dumps(report))
         return
     table = Table(title="rollout buffer: put+get of 1k-token samples, batches of 64")
     for col in ("backend", "samples/s", "plain alternative", "samples/s", "ratio"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     rows = {r["name"]: r for r in report["results"]}
     for r in report["results"]:
         if r["kind"] == "backend":

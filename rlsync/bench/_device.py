@@ -407,20 +407,18 @@ def _device_name(device: str) -> str:
 def run(*, device: str, size: str | None, transports: str | None, repeats: int, json_output: bool,
         path_timeout: float = PATH_TIMEOUT) -> None:
     from rich.console import Console
-    from rich.progress import Progress
     from rich.table import Table
+
+    from rlsync.bench._progress import progress
 
     torch = _torch()
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here (torch.cuda.is_available() is False); use --device cpu")
     nbytes = parse_size(size or ("8GiB" if device.startswith("cuda") else "256MiB"))
     names = [t for t in transports.split(",") if t] if transports else None
-    console = Console(stderr=True)
     _stop_on_sigterm()
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("benchmark", total=None)
-        report = measure(device, nbytes, names, repeats, progress=lambda step: bar.update(task, description=step),
-                         path_timeout=path_timeout)
+    with progress(None, f"weight sync on {device}") as advance:
+        report = measure(device, nbytes, names, repeats, progress=advance, path_timeout=path_timeout)
     if json_output:
         print(json.dumps(report))
         return
@@ -428,7 +426,7 @@ def run(*, device: str, size: str | None, transports: str | None, repeats: int, 
     table = Table(title=f"{report['bytes'] / 2**30:.2f} GiB bf16 ({report['tensors']} tensors), {report['device_name']}: "
                         f"one copy {lim['one_copy_gbps']:.0f} GB/s, per tensor {lim['per_tensor_gbps']:.0f} GB/s")
     for col in ("path", "lands in", "seconds to live", "GB/s", "x per-tensor copy", "x bucketed recipe", "exact"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for r in report["results"]:
         bucketed = "-" if r["x_bucketed"] is None else f"{r['x_bucketed']:.2f}"
         table.add_row(r["name"], r.get("memory", "-"), f"{r['seconds']:.4f}", f"{r['gbps']:.1f}",

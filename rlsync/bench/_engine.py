@@ -322,8 +322,9 @@ def _save(config: dict[str, Any], model_dir: str) -> None:
 
 def run(*, engine: str, json_output: bool, repeats: int, model: str = "125m") -> None:
     from rich.console import Console
-    from rich.progress import Progress
     from rich.table import Table
+
+    from rlsync.bench._progress import progress
 
     if model not in MODELS:
         raise ConfigError(f"--engine-model {model!r}: pick one of {sorted(MODELS)}")
@@ -335,9 +336,8 @@ def run(*, engine: str, json_output: bool, repeats: int, model: str = "125m") ->
                           "a GPU also `pip uninstall torchvision torchaudio torchcodec`, whose PyPI builds need CUDA); "
                           f"the import said: {probe.stderr.strip().splitlines()[-1:]}")
     console = Console(stderr=True)
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("benchmark", total=7)
-        report = measure(MODELS[model], repeats, lambda name: bar.update(task, advance=1, description=name))
+    with progress(7, "weight sync into vLLM") as advance:
+        report = measure(MODELS[model], repeats, advance)
     if json_output:
         print(json.dumps(report))
         return
@@ -347,7 +347,7 @@ def run(*, engine: str, json_output: bool, repeats: int, model: str = "125m") ->
                         f"({report['bytes'] / 2**20:.0f} MiB), memcpy {report['memcpy_gbps']:.2f} GB/s; greedy output equal on every path")
     for col in ("path", "seconds to live", "GB/s", "x memcpy", "over the reload floor",
                 *(f"speed-up vs {b['name']}" for b in baselines)):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for r in report["results"]:
         table.add_row(r["name"], f"{r['seconds']:.3f}", f"{r['gbps']:.2f}", f"{r['gbps'] / report['memcpy_gbps']:.2f}",
                       f"+{r['seconds'] - floor['seconds']:.3f} s", *(f"{b['seconds'] / r['seconds']:.2f}x" for b in baselines))

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -109,6 +110,7 @@ def worker(role: str, config: dict[str, Any], arg: str, versions: int) -> None:
                     t.view(torch.int16).add_(1)  # a new version: every byte changes, in place like an optimizer step
                 writer.multi_put(state)
                 times.append(_timed(lambda v=version: writer.complete(v)))
+                _emit({"tick": version})
         _emit({"seconds": times})
         return
     if role in ("gloo-send", "gloo-recv"):
@@ -136,6 +138,8 @@ def worker(role: str, config: dict[str, Any], arg: str, versions: int) -> None:
                         at += t.numel()
             dist.broadcast(done, src=1)  # the receiver has every tensor in place
             times.append(time.perf_counter() - started)
+            if rank == 0:
+                _emit({"tick": len(times)})
         if rank == 0:
             _emit({"seconds": times})
         dist.destroy_process_group()
@@ -174,21 +178,26 @@ def _spawn(role: str, config: dict[str, Any], arg: str, versions: int, stdin: bo
     )
 
 
-def _read(child: subprocess.Popen[str]) -> dict[str, Any]:
+def _read(child: subprocess.Popen[str], tick: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """The child's next JSON object; its ``tick`` lines (a version done) go to ``tick`` on the way."""
     assert child.stdout is not None
     for line in child.stdout:  # libraries may log to stdout too: our lines are JSON objects
         if line.startswith("{"):
-            return dict(json.loads(line))
+            obj = dict(json.loads(line))
+            if "tick" not in obj:
+                return obj
+            tick()
     child.wait()
     raise RuntimeError(f"benchmark worker {child.args!r} exited with {child.returncode}")
 
 
-def run_transport(name: str, config: dict[str, Any], versions: int, readers: int = 1) -> list[float]:
+def run_transport(name: str, config: dict[str, Any], versions: int, readers: int = 1,
+                  tick: Callable[[], None] = lambda: None) -> list[float]:
     procs = [_spawn("reader", config, f"{name}/{r}/{readers}", versions) for r in range(readers)]
     try:
         addresses = [_read(p)["address"] for p in procs]
         writer = _spawn("writer", config, f"{name}@{','.join(addresses)}", versions)
-        times: list[float] = _read(writer)["seconds"]
+        times: list[float] = _read(writer, tick)["seconds"]
         writer.wait()
         for p in procs:
             p.wait(timeout=60)
@@ -198,7 +207,7 @@ def run_transport(name: str, config: dict[str, Any], versions: int, readers: int
             p.kill()
 
 
-def run_gloo(config: dict[str, Any], versions: int) -> list[float]:
+def run_gloo(config: dict[str, Any], versions: int, tick: Callable[[], None] = lambda: None) -> list[float]:
     import socket
 
     with socket.socket() as s:
@@ -207,14 +216,14 @@ def run_gloo(config: dict[str, Any], versions: int) -> list[float]:
     sender = _spawn("gloo-send", config, port, versions)
     receiver = _spawn("gloo-recv", config, port, versions)
     try:
-        times: list[float] = _read(sender)["seconds"]
+        times: list[float] = _read(sender, tick)["seconds"]
         return times
     finally:
         sender.wait(timeout=120)
         receiver.wait(timeout=120)
 
 
-def run_safetensors(config: dict[str, Any], versions: int) -> list[float]:
+def run_safetensors(config: dict[str, Any], versions: int, tick: Callable[[], None] = lambda: None) -> list[float]:
     with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as tmp:
         path = os.path.join(tmp, "weights.safetensors")
         saver = _spawn("st-save", config, path, versions, stdin=True)
@@ -232,6 +241,7 @@ def run_safetensors(config: dict[str, Any], versions: int) -> list[float]:
                 loader.stdin.flush()
                 _read(loader)
                 times.append(time.perf_counter() - started)
+                tick()
         finally:
             saver.stdin.close()
             loader.stdin.close()
@@ -240,55 +250,81 @@ def run_safetensors(config: dict[str, Any], versions: int) -> list[float]:
         return times
 
 
+DEFAULT_TRANSPORTS = ("shm", "nixl", "tcp", "torchdist")
+
+
+def steps_of(transports: list[str], repeats: int) -> int:
+    """Timed versions the run goes through (its progress units): every path, then the fan-out."""
+    return (len(transports) + 2 + (len(FANOUT) if transports else 0)) * (repeats + 1)
+
+
 def measure(nbytes: int, transports: list[str], repeats: int, progress: Any = None) -> dict[str, Any]:
-    """Run everything and return the ``--json`` object."""
+    """Run everything and return the ``--json`` object; ``progress(step)`` hears of each version done."""
     config = bench_spec(nbytes)
     total = model_spec(config).nbytes
     versions = repeats + 1  # the first version pays for connecting and registering memory
-    steps: list[tuple[str, str, Any]] = [(t, "transport", lambda t=t: run_transport(t, config, versions)) for t in transports]
-    steps += [("gloo-broadcast-256MiB", "baseline", lambda: run_gloo(config, versions)),
-              ("safetensors-devshm", "baseline", lambda: run_safetensors(config, versions))]
+    say = progress or (lambda _step: None)
+    paths: list[tuple[str, str, Any]] = [(t, "transport", lambda tick, t=t: run_transport(t, config, versions, tick=tick))
+                                         for t in transports]
+    paths += [("gloo-broadcast-256MiB", "baseline", lambda tick: run_gloo(config, versions, tick)),
+              ("safetensors-devshm", "baseline", lambda tick: run_safetensors(config, versions, tick))]
     results = []
     mem = memcpy_gbps(total)
-    for name, kind, fn in steps:
-        if progress is not None:
-            progress(name)
-        seconds = statistics.median(fn()[1:])
+    for name, kind, fn in paths:
+        seconds = statistics.median(fn(lambda name=name: say(name))[1:])
         results.append({"name": name, "kind": kind, "seconds": seconds, "gbps": total / seconds / 1e9})
     fanout: list[dict[str, Any]] = []
     for readers in FANOUT if transports else ():
-        if progress is not None:
-            progress(f"{transports[0]} to {readers} readers")
-        seconds = statistics.median(run_transport(transports[0], config, versions, readers)[1:])
+        step = f"{transports[0]} to {readers} readers"
+        seconds = statistics.median(run_transport(transports[0], config, versions, readers, tick=lambda: say(step))[1:])
         one = float(fanout[0]["seconds"]) if fanout else seconds
         fanout.append({"readers": readers, "transport": transports[0], "seconds": seconds,
                        "x_one_reader": seconds / one, "one_after_another_seconds": readers * one})
     return {"memcpy_gbps": mem, "bytes": total, "results": results, "fanout": fanout}
 
 
-def run(*, size: str, transports: str, repeats: int, json_output: bool) -> None:
-    from rich.console import Console
-    from rich.progress import Progress
-    from rich.table import Table
-
+def choose_transports(asked: str | None) -> tuple[list[str], list[dict[str, str]]]:
+    """The transports to measure and the ones skipped: by default every one that runs here (a plain install has no
+    NIXL); one asked for by name that cannot run here is an error that names its extra."""
+    from rlsync import ConfigError
     from rlsync.core import transports as registered
 
-    names = [t for t in transports.split(",") if t]
     registry = registered()
+    if asked is None:
+        names = [t for t in DEFAULT_TRANSPORTS if t in registry and getattr(registry.get(t), "available")()]
+        skipped = [{"name": t, "why": f"not installed here (pip install 'rlsync[{t}]' to measure it)"}
+                   for t in DEFAULT_TRANSPORTS if t not in names]
+        return names, skipped
+    names = [t.strip() for t in asked.split(",") if t.strip()]
     for t in names:
+        if t not in registry:
+            raise ConfigError(f"--transports: no transport {t!r}; registered: {', '.join(registry.names())}")
         if not getattr(registry.get(t), "available")():
-            raise SystemExit(f"transport {t!r} is not available here (install its extra, e.g. pip install 'rlsync[{t}]'), or leave it out of --transports")
-    console = Console(stderr=True)
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("benchmark", total=len(names) + 2 + (len(FANOUT) if names else 0))
-        report = measure(parse_size(size), names, repeats, lambda step: bar.update(task, advance=1, description=step))
+            raise ConfigError(f"--transports: {t!r} cannot run here (install its extra, e.g. pip install 'rlsync[{t}]'), "
+                              f"or leave it out")
+    return names, []
+
+
+def run(*, size: str, transports: str | None, repeats: int, json_output: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from rlsync.bench._progress import progress, say_skipped
+
+    names, skipped = choose_transports(transports)
+    say_skipped(skipped)
+    with progress(steps_of(names, repeats), "weight sync") as advance:
+        report = measure(parse_size(size), names, repeats, advance)
+    report["skipped"] = skipped
     if json_output:
         print(json.dumps(report))
         return
     baselines = [r for r in report["results"] if r["kind"] == "baseline"]
-    table = Table(title=f"weight sync, {report['bytes'] / 2**30:.2f} GiB bf16, memcpy {report['memcpy_gbps']:.2f} GB/s")
-    for col in ("path", "seconds to live", "GB/s", "x memcpy", *(f"speed-up vs {b['name']}" for b in baselines)):
-        table.add_column(col)
+    table = Table(title=f"weight sync, {report['bytes'] / 2**30:.2f} GiB bf16, memcpy {report['memcpy_gbps']:.2f} GB/s",
+                  caption="speed-up: the baseline's seconds over the path's (gloo: torch.distributed broadcast in "
+                          "256 MiB buckets; safetensors: saved to and loaded from /dev/shm)")
+    for col in ("path", "seconds to live", "GB/s", "x memcpy", *(f"speed-up vs {b['name'].split('-')[0]}" for b in baselines)):
+        table.add_column(col, overflow="fold")
     for r in report["results"]:
         table.add_row(r["name"], f"{r['seconds']:.3f}", f"{r['gbps']:.2f}", f"{r['gbps'] / report['memcpy_gbps']:.2f}",
                       *(f"{b['seconds'] / r['seconds']:.1f}x" for b in baselines))
@@ -296,7 +332,7 @@ def run(*, size: str, transports: str, repeats: int, json_output: bool) -> None:
     if report["fanout"]:
         fan = Table(title=f"publishing one version to several readers at once ({report['fanout'][0]['transport']})")
         for col in ("readers", "seconds to live on all", "x one reader", "one after another would take"):
-            fan.add_column(col)
+            fan.add_column(col, overflow="fold")
         for f in report["fanout"]:
             fan.add_row(str(f["readers"]), f"{f['seconds']:.3f}", f"{f['x_one_reader']:.2f}", f"{f['one_after_another_seconds']:.3f}")
         Console().print(fan)

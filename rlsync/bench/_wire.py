@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from rlsync import SyncOptions
+from rlsync import ConfigError, SyncOptions
 from rlsync.bench._weights import _read, bench_spec, memcpy_gbps, parse_size
 
 
@@ -59,8 +59,8 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "shm", progress
     try:
         import torch
         from transformers import Qwen2Config, Qwen2ForCausalLM
-    except ImportError as exc:
-        raise SystemExit(f"rlsync bench --wire delta trains a small model with transformers: pip install transformers ({exc})") from None
+    except ImportError:
+        raise ConfigError("rlsync bench --wire delta trains a small model with transformers: pip install 'rlsync[hf]'") from None
     from rlsync import WeightsWriter
     from rlsync.layouts import from_state_dict
 
@@ -133,19 +133,19 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "shm", progress
 
 def run(*, size: str, steps: int, lr: float, transport: str = "shm", json_output: bool) -> None:
     from rich.console import Console
-    from rich.progress import Progress
     from rich.table import Table
 
-    with Progress(console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("bench --wire delta", total=steps)
-        report = measure(parse_size(size), steps, lr, transport, progress=lambda step: bar.update(task, advance=1, description=step))
+    from rlsync.bench._progress import progress
+
+    with progress(steps, "full vs delta versions") as advance:
+        report = measure(parse_size(size), steps, lr, transport, progress=advance)
     if json_output:
         print(json.dumps(report))
     else:
         table = Table(title=f"full vs delta versions over {transport}: {report['parameters'] / 1e6:.0f}M bf16 values, AdamW lr {lr:g}, "
                             f"memcpy {report['memcpy_gbps']:.2f} GB/s ({report['memcpy_seconds']:.3f} s for the model)")
         for col in ("version", "values changed", "full MB", "full s", "delta MB", "delta s", "x full", "x memcpy", "bit-exact"):
-            table.add_column(col)
+            table.add_column(col, overflow="fold")
         for r in report["steps"]:
             f, d = r["full"], r["delta"]
             table.add_row(str(r["version"]), f"{r['changed_fraction']:.2%}", f"{f['bytes'] / 1e6:.1f}", f"{f['seconds']:.3f}",

@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from rlsync.bench._weights import bench_spec, parse_size
+from rlsync import ConfigError
+from rlsync.bench._weights import DEFAULT_TRANSPORTS, bench_spec, choose_transports, parse_size
+from rlsync.core import transports
 from rlsync.layouts import model_spec
 
 
@@ -19,6 +21,20 @@ def test_sizes_parse_and_the_model_comes_close() -> None:
         assert 0.8 * size < got < 1.2 * size
 
 
+def test_by_default_the_bench_measures_what_runs_here_and_names_what_it_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert choose_transports(None) == ([t for t in DEFAULT_TRANSPORTS if transports().get(t).available()],  # type: ignore[attr-defined]
+                                       [{"name": t, "why": f"not installed here (pip install 'rlsync[{t}]' to measure it)"}
+                                        for t in DEFAULT_TRANSPORTS if not transports().get(t).available()])  # type: ignore[attr-defined]
+    monkeypatch.setattr(transports().get("nixl"), "available", classmethod(lambda cls: False))  # a plain install
+    names, skipped = choose_transports(None)
+    assert names == ["shm", "tcp", "torchdist"]
+    assert skipped == [{"name": "nixl", "why": "not installed here (pip install 'rlsync[nixl]' to measure it)"}]
+    with pytest.raises(ConfigError, match=r"'nixl' cannot run here .*pip install 'rlsync\[nixl\]'"):
+        choose_transports("shm,nixl")  # asked for by name: an error, not a quiet skip
+    with pytest.raises(ConfigError, match="no transport 'shmm'; registered: .*shm"):
+        choose_transports("shmm")
+
+
 @pytest.mark.multiproc
 def test_bench_json_shape() -> None:
     out = subprocess.run(
@@ -26,8 +42,12 @@ def test_bench_json_shape() -> None:
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr
+    assert "Warning" not in out.stderr  # the workers run as `-m rlsync.bench._weights`: no runpy warning in each
+    progress = [line for line in out.stderr.splitlines() if line.startswith("weight sync: ")]  # not a terminal: lines
+    assert len(progress) == (2 + 2 + 3) * 2 and progress[-1].startswith("weight sync: shm to 4 readers (14/14, ")
+    assert "s left)" in progress[0]  # with an ETA
     report = json.loads(out.stdout)
-    assert report["memcpy_gbps"] > 0 and report["bytes"] > 0
+    assert report["memcpy_gbps"] > 0 and report["bytes"] > 0 and report["skipped"] == []
     assert [(r["name"], r["kind"]) for r in report["results"]] == [
         ("shm", "transport"), ("tcp", "transport"),
         ("gloo-broadcast-256MiB", "baseline"), ("safetensors-devshm", "baseline"),

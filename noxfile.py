@@ -1,7 +1,7 @@
 """Test environments. Each framework adapter gets an environment of its own, because verl, TRL,
 OpenRLHF and vLLM pin versions of torch, transformers and ray that cannot share one.
 
-``nox`` runs every session (core, vllm, verl, trl, openrlhf); ``nox -s core`` runs one. Sessions reuse
+``nox`` runs every session (core, plain, vllm, verl, trl, openrlhf); ``nox -s core`` runs one. Sessions reuse
 their virtualenv when ``-R`` is given, which is the fast path for local iteration.
 """
 
@@ -65,6 +65,15 @@ def core(session: nox.Session) -> None:
     )
     if not session.posargs:  # a full run: the whole package type-checks (strict, pyproject's [tool.mypy])
         session.run("mypy", "rlsync")
+
+
+@nox.session(python="3.11")
+def plain(session: nox.Session) -> None:
+    """What a newcomer has after ``pip install torch==2.13.0 -e .`` (no extra; pytest to run the checks): the commands
+    with no arguments, the examples that need nothing more, and the one-line errors of those that need an extra."""
+    session.install(TORCH)
+    session.install("-e", ".", "pytest>=8", "pytest-timeout>=2.3")
+    session.run("pytest", "tests/plain", "-p", "no:cacheprovider", *session.posargs)
 
 
 @nox.session(python="3.11")

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from trl_grpo import TARGET, Server, build_model, build_tokenizer  # noqa: E402 - the same model, tokenizer and server
+from trl_grpo import TARGET, Server, build_model, build_tokenizer, require  # noqa: E402 - the same model, tokenizer and server
 
 MODES = ("lockstep", "one-step-off", "async", "async-partial")  # async-partial: async with --partial-rollout
 
@@ -411,6 +411,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.mode:
         args.modes = [args.mode]
+    require("vllm", "transformers", "tokenizers", *([] if args.no_plot else ["matplotlib"]),
+            install="pip install -e '.[trl,vllm]'" + ("" if args.no_plot else " (or --no-plot without matplotlib)"))
 
     cores = _cores(args.train_cores)
     args.gen_core_set = _cores(args.gen_cores)

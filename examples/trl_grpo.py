@@ -45,6 +45,15 @@ TARGET = "w7"  # the word the reward asks for
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
 
 
+def require(*modules: str, install: str) -> None:
+    """Stop with one line naming what this example needs and is not installed, before it writes anything."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(f"{Path(sys.argv[0]).name} needs {', '.join(missing)}: {install}")
+
+
 def build_tokenizer(where: Path) -> Any:
     """A word-level tokenizer trained here on a generated corpus (no download)."""
     import random
@@ -329,6 +338,8 @@ def main() -> None:
     parser.add_argument("--out", default="trl_grpo_report")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args()
+    require("trl", "vllm", "transformers", "tokenizers", "datasets", "matplotlib", *(["peft"] if args.lora else []),
+            install="pip install -e '.[trl,vllm]'" + (" peft" if args.lora else ""))
     report = train(args)
     if args.json:
         print(json.dumps(report, indent=2))

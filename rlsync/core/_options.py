@@ -18,6 +18,7 @@ from rlsync.core._errors import ConfigError
 DEFAULT_TIMEOUT: Final = 300.0
 #: what a writer may put on the wire (``SyncOptions(wire=...)``)
 WIRES: Final = ("full", "delta", "fp8", "fp8+delta")
+EXTRA_TENSORS: Final = ("warn", "error", "ignore")  # SyncOptions.extra_tensors
 
 
 def _integer(value: object) -> bool:
@@ -39,6 +40,10 @@ class SyncOptions:
     * ``transport_options``: passed to the transport as they are.
     * ``canary``: adapters that hold the trainer's model send a ``Canary`` with every version, and engines check
       it before the version serves (``rlsync.Canary``); False turns both off.
+    * ``extra_tensors``: what a writer does with tensors the trainer puts that the engine does not hold (a
+      mistyped or renamed parameter, a buffer the engine recomputes): ``"warn"`` (once per writer, naming them),
+      ``"error"`` (``PlanError`` before a byte moves) or ``"ignore"``. A tied model's second name for one tensor
+      (``lm_head.weight`` beside the embedding) is never extra: the engine ties it itself.
 
     Called on: every process that moves weights; plain data, so a launcher can hand it to the processes it
     starts (``to_mapping``/``from_mapping``).
@@ -53,6 +58,7 @@ class SyncOptions:
     wire: str = "full"
     transport_options: Mapping[str, Any] | None = None
     canary: bool = True
+    extra_tensors: str = "warn"
 
     def __post_init__(self) -> None:
         """Every field checked when the options are built, each error naming the field and what it takes: a typo
@@ -69,6 +75,8 @@ class SyncOptions:
         for flag in ("verify", "canary"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag}={getattr(self, flag)!r}: True or False")
+        if self.extra_tensors not in EXTRA_TENSORS:
+            raise ConfigError(f"extra_tensors={self.extra_tensors!r}: use one of {', '.join(EXTRA_TENSORS)}")
         if self.wire not in WIRES:
             raise ConfigError(f"wire={self.wire!r}: use one of {', '.join(WIRES)}")
         if self.transport_options is not None and not isinstance(self.transport_options, Mapping):

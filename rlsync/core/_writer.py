@@ -14,6 +14,7 @@ import bisect
 import logging
 import secrets
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -22,6 +23,7 @@ import numpy as np
 import pluggy
 import torch
 
+from rlsync.core._builders import tied_aliases
 from rlsync.core._canary import Canary
 from rlsync.core._checksum import Checksums, digest
 from rlsync.core._control import (
@@ -45,6 +47,8 @@ from rlsync.core._errors import (
     CanaryError,
     ConfigError,
     PeerLostError,
+    PlanError,
+    RlsyncWarning,
     TransferTimeoutError,
     TransportError,
     VersionError,
@@ -122,6 +126,8 @@ class WeightsWriter:
                               f"{dst.world_size} rank(s): give one address per engine rank, and one WeightsWriter per "
                               f"engine replica")
         plan = build_plan(src, dst)
+        # what the trainer exports and the engine does not hold: named at the first multi_put (SyncOptions.extra_tensors)
+        self._extra = set() if options.extra_tensors == "ignore" else set(src.tensor_map()) - set(dst.tensor_map())
         self.stats = plan.stats  # the whole plan's: bytes sent by all writer ranks, the busiest sender's share
         self._fingerprints = (plan.src_fingerprint, plan.dst_fingerprint, plan.dst_tensors)
         self._session = secrets.token_hex(8)
@@ -224,8 +230,28 @@ class WeightsWriter:
         return buffer.copy_(tensor)
 
     def multi_put(self, tensors: Mapping[str, Any]) -> None:
+        """``put`` each of ``tensors``; the first time, also say which of them the engine does not hold."""
+        if self._extra:
+            self._name_extra(tensors)
         for name, tensor in tensors.items():
             self.put(name, tensor)
+
+    def _name_extra(self, tensors: Mapping[str, Any]) -> None:
+        """Tensors put that the engine does not hold are not sent: an error or a warning (``extra_tensors``), once.
+        A tied alias (one tensor under a second name) is not extra: the engine ties it itself."""
+        torch_only = all(isinstance(t, torch.Tensor) for t in tensors.values())
+        aliases = tied_aliases(tensors) if torch_only else set()
+        extra = sorted(name for name in tensors if name in self._extra and name not in aliases)
+        self._extra = set()
+        if not extra:
+            return
+        listed = ", ".join(repr(n) for n in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        message = (f"writer rank {self.rank}: {len(extra)} tensor(s) put that the engine does not hold, not sent: {listed}; "
+                   f"rename them to the engine's names, or leave them out, or SyncOptions(extra_tensors='ignore') if "
+                   f"they are meant to stay behind")
+        if self.options.extra_tensors == "error":
+            raise PlanError(message)
+        warnings.warn(message, RlsyncWarning, stacklevel=3)
 
     def _connect(self, dst_rank: int) -> None:
         if dst_rank in self._links:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, in one bounded command, on a machine with a CUDA GPU, torch and transformers:
 #   bash scripts/gpu_check.sh
-# 1. installs pyzmq, msgspec, nixl-cu13 and the nixl meta wheel (which provides `import nixl`) from .whl/ beside
+# 1. installs pyzmq, msgspec, backports.zstd, nixl-cu13 and the nixl meta wheel (`import nixl`) from .whl/ beside
 #    the checkout (docs/gpu.md lists the exact wheels; a machine without a package index gets them that way);
 # 2. runs every GPU test (tests/gpu) with a per-test timeout, going on past failures;
 # 3. runs `rlsync bench --device cuda` at a size that fits beside the tests, each path bounded, failures recorded;
@@ -23,7 +23,7 @@ python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no 
 
 # -- 1. what such a machine lacks, from .whl/ (exactly these: two versions of one would stop pip) ----------------
 site=${RLSYNC_GPU_SITE:-/tmp/rlsync-gpu-site}
-wheels=(.whl/pyzmq-*.whl .whl/msgspec-*.whl .whl/nixl_cu13-*.whl .whl/nixl-*-py3-none-any.whl)
+wheels=(.whl/pyzmq-*.whl .whl/msgspec-*.whl .whl/backports_zstd-*.whl .whl/nixl_cu13-*.whl .whl/nixl-*-py3-none-any.whl)
 for w in "${wheels[@]}"; do
   [ -f "$w" ] || { echo "missing wheel $w: download the wheels docs/gpu.md lists into .whl/ first"; exit 2; }
 done

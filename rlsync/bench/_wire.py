@@ -38,7 +38,7 @@ def reader(transport: str) -> None:
         for line in sys.stdin:
             version = int(line)
             r.wait_for_version(version, timeout=600)  # the next version is sent only after this answer: no flip meanwhile
-            print(json.dumps({"version": r.version, "crc": _crcs(r.buffers())}), flush=True)
+            print(json.dumps({"version": r.version, "crc": _crcs(r.buffers()), "delta_seconds": r.delta_seconds}), flush=True)
 
 
 def _spawn_reader(transport: str) -> subprocess.Popen[str]:
@@ -46,12 +46,13 @@ def _spawn_reader(transport: str) -> subprocess.Popen[str]:
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
-def _check(child: subprocess.Popen[str], version: int) -> dict[str, int]:
+def _check(child: subprocess.Popen[str], version: int) -> tuple[dict[str, int], float]:
+    """The reader's CRCs of what it serves at ``version``, and its seconds spent applying deltas so far."""
     assert child.stdin is not None
     child.stdin.write(f"{version}\n")
     child.stdin.flush()
     got = _read(child)
-    return dict(got["crc"])
+    return dict(got["crc"]), float(got["delta_seconds"])
 
 
 def measure(nbytes: int, steps: int, lr: float, transport: str = "shm", progress: Any = None) -> dict[str, Any]:
@@ -81,6 +82,7 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "shm", progress
         writers = {kind: WeightsWriter(layout, None, 0, [addresses[kind]], options=SyncOptions(transport=transport, timeout=600, wire=kind))
                    for kind in readers}
         previous = {name: t.clone() for name, t in state.items()}
+        applying = dict.fromkeys(readers, 0.0)  # each reader's delta seconds so far
         for version in range(1, steps + 1):
             if progress is not None:
                 progress(f"step {version}/{steps}")
@@ -100,10 +102,14 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "shm", progress
                 writer.multi_put(state)
                 started = time.perf_counter()
                 writer.complete(version)
-                row[kind] = {"bytes": writer.last_bytes, "seconds": time.perf_counter() - started}
+                row[kind] = {"bytes": writer.last_bytes, "seconds": time.perf_counter() - started,
+                             "encode_seconds": writer.last_delta_seconds}
             want = _crcs({n: t.view(-1).view(torch.uint8).numpy() for n, t in state.items()})
             for kind, child in readers.items():
-                row[kind]["bit_exact"] = _check(child, version) == want
+                crcs, applied = _check(child, version)
+                row[kind]["bit_exact"] = crcs == want
+                row[kind]["apply_seconds"] = applied - applying[kind]
+                applying[kind] = applied
             rows.append(row)
         for writer in writers.values():
             writer.close()
@@ -112,7 +118,7 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "shm", progress
             if child.stdin is not None:
                 child.stdin.close()
             child.wait(timeout=60)
-    later = [r for r in rows if r["version"] > 2] or rows  # versions 1-2 fill the two slots in full
+    later = [r for r in rows if r["version"] > 1] or rows  # version 1 fills the reader in full; deltas from version 2
     full_s = statistics.median(r["full"]["seconds"] for r in later)
     delta_s = statistics.median(r["delta"]["seconds"] for r in later)
     return {
@@ -125,6 +131,8 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "shm", progress
             "delta_bytes_median": statistics.median(r["delta"]["bytes"] for r in later),
             "bytes_ratio": statistics.median(r["delta"]["bytes"] / r["full"]["bytes"] for r in later),
             "full_seconds_median": full_s, "delta_seconds_median": delta_s, "speedup": full_s / delta_s,
+            "encode_seconds_median": statistics.median(r["delta"]["encode_seconds"] for r in later),
+            "apply_seconds_median": statistics.median(r["delta"]["apply_seconds"] for r in later),
             "delta_bit_exact": all(r["delta"]["bit_exact"] for r in rows),
             "full_bit_exact": all(r["full"]["bit_exact"] for r in rows),
         },
@@ -142,15 +150,16 @@ def run(*, size: str, steps: int, lr: float, transport: str = "shm", json_output
     if json_output:
         print(json.dumps(report))
     else:
-        table = Table(title=f"full vs delta versions over {transport}: {report['parameters'] / 1e6:.0f}M bf16 values, AdamW lr {lr:g}, "
-                            f"memcpy {report['memcpy_gbps']:.2f} GB/s ({report['memcpy_seconds']:.3f} s for the model)")
-        for col in ("version", "values changed", "full MB", "full s", "delta MB", "delta s", "x full", "x memcpy", "bit-exact"):
+        table = Table(title=f"full vs delta versions over {transport}: {report['parameters'] / 1e6:.0f}M bf16 values "
+                            f"({report['model_bytes'] / 1e6:.0f} MB), AdamW lr {lr:g}, memcpy {report['memcpy_gbps']:.2f} GB/s "
+                            f"({report['memcpy_seconds']:.3f} s for the model)")
+        for col in ("version", "changed", "full s", "delta MB", "of full", "delta s", "encode s", "apply s", "exact"):
             table.add_column(col, overflow="fold")
         for r in report["steps"]:
             f, d = r["full"], r["delta"]
-            table.add_row(str(r["version"]), f"{r['changed_fraction']:.2%}", f"{f['bytes'] / 1e6:.1f}", f"{f['seconds']:.3f}",
-                          f"{d['bytes'] / 1e6:.1f}", f"{d['seconds']:.3f}", f"{f['seconds'] / d['seconds']:.2f}",
-                          f"{report['memcpy_seconds'] / d['seconds']:.2f}", "yes" if d["bit_exact"] else "NO")
+            table.add_row(str(r["version"]), f"{r['changed_fraction']:.2%}", f"{f['seconds']:.3f}", f"{d['bytes'] / 1e6:.2f}",
+                          f"{d['bytes'] / f['bytes']:.1%}", f"{d['seconds']:.3f}", f"{d['encode_seconds']:.3f}",
+                          f"{d['apply_seconds']:.3f}", "yes" if d["bit_exact"] and f["bit_exact"] else "NO")
         Console().print(table)
     if not report["summary"]["delta_bit_exact"]:
         raise SystemExit("rlsync bench: the delta reader's bytes differ from the trainer's (a bug: please report it)")

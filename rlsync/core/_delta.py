@@ -1,25 +1,32 @@
 """Delta versions: a writer sends only the values that changed since the version a reader's slot
-holds, as positions and values, and the reader writes them into that slot.
+holds, and the reader writes them into that slot.
 
 RL updates are tiny (learning rates around 1e-6): from one step to the next a few percent of bf16
 values change, scattered evenly, so nearly every 4 KiB block holds a change and sending changed
-blocks saves little; positions + values do (6 bytes per changed bf16 value with 4-byte positions).
+blocks saves little; positions + values do. Compactly: positions as gaps from the previous change,
+values as the XOR of their old and new bits (a small step flips a few low mantissa bits: the XOR's
+high byte is nearly always zero), each laid out byte plane by byte plane, then zstd (level 1), whose
+Huffman stage squeezes the planes to about their entropy: about 1.3 bytes per changed bf16 value
+(measured on AdamW steps: docs/benchmarks.md), against 6 for raw positions and values.
 
-Everything here is torch ops on whatever device the bytes live on: a GPU trainer finds and encodes
-its delta on the GPU, a reader landing in device memory applies it there, and CPU tests run the same
-lines. (On CPU torch matched the numpy version this replaced: ``rlsync bench --wire delta``.)
+Finding the changes, the XOR, the gaps and the planes are torch ops on whatever device the bytes live
+on (a GPU trainer does them on the GPU; CPU tests run the same lines); zstd runs on the host over the
+already small planes, and so does its decoding on the reader, whose positions and values then go back
+to the region's device.
 
-The encoding: ``int64 S``, then ``S`` segment headers ``int64 [base, itemsize, count]``, then each
-segment's body: ``count`` positions (uint32: elements of ``itemsize`` bytes after element ``base`` of
-the reader's region) and the ``count`` values' bytes, each padded to 8 bytes. The headers come first so
-that a reader on a GPU reads them in one small copy. Equal bits, not equal floats: a value is "changed"
-when its bytes differ, so the reader ends bit-exact (NaN payloads and -0.0 included).
+The encoding: ``int64 S``, then ``S`` segment headers ``int64 [base, itemsize, count, mode, nbytes]``,
+then each segment's zstd frame (``nbytes``, padded to 8). A frame holds, before compression, ``count``
+uint32 gaps (the first from element ``base`` of the reader's region; each later one from the previous
+position, at least 1) as 4 byte planes, then ``count`` values of ``itemsize`` bytes as ``itemsize``
+planes: the new bits (mode 0) or their XOR with the bits the reader's slot holds (mode 1, one step
+after the base: the XOR needs the base's bits, which the writer kept). Equal bits, not equal floats: a
+value is "changed" when its bytes differ, so the reader ends bit-exact (NaN payloads and -0.0 included).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Final
+from typing import Any, Final
 
 import torch
 
@@ -52,10 +59,12 @@ class ChangeLog:
         self._depth = depth
         self._shadow: dict[str, torch.Tensor] = {}
         self._history: list[tuple[int, dict[str, torch.Tensor | None]]] = []
+        self._flips: dict[str, torch.Tensor] = {}  # of the newest version: old bits XOR new, per changed element
 
     def record(self, version: int, sources: Mapping[str, torch.Tensor]) -> None:
         """Compare ``sources`` (``uint8`` tensors) with the last recorded bytes and remember what changed."""
         changes: dict[str, torch.Tensor | None] = {}
+        self._flips = {}
         for name, raw in sources.items():
             now = typed(raw, self._itemsizes[name])
             shadow = self._shadow.get(name)
@@ -64,9 +73,18 @@ class ChangeLog:
                 changes[name] = None  # never seen: all of it
                 continue
             changed = torch.nonzero(now != shadow).flatten()
-            shadow[changed] = now[changed]
+            new = now[changed]
+            self._flips[name] = torch.bitwise_xor(shadow[changed], new)
+            shadow[changed] = new
             changes[name] = changed
         self._history = [*self._history, (version, changes)][-self._depth :]
+
+    def flips(self, base: int, name: str) -> torch.Tensor | None:
+        """The XOR of old and new bits of the elements ``since(base, name)`` lists, when ``base`` is the version
+        just before the newest (one step, the usual delta); None otherwise (send the new bits then)."""
+        if len(self._history) < 2 or self._history[-2][0] != base:
+            return None
+        return self._flips.get(name)
 
     def since(self, base: int, name: str) -> torch.Tensor | None:
         """Elements of ``name`` that changed after version ``base`` up to the newest recorded (sorted int64);
@@ -87,23 +105,34 @@ class ChangeLog:
         return merged
 
 
-def _elements(idx: torch.Tensor, runs: Sequence[tuple[int, int, int]], itemsize: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The changed source elements ``idx`` that ``runs`` ``(src_off, region_off, nbytes)`` send, and the region
-    elements they land on."""
+def _elements(idx: torch.Tensor, runs: Sequence[tuple[int, int, int]], itemsize: int) -> tuple[Any, torch.Tensor]:
+    """Which of the changed source elements ``idx`` ``runs`` ``(src_off, region_off, nbytes)`` send (a selector of
+    ``idx``), and the region elements they land on."""
     if len(runs) == 1:  # the usual whole-tensor buffer: one run, positions shift by a constant
         (s0, d0, n0), = runs
         bounds = torch.tensor([s0 // itemsize, (s0 + n0) // itemsize], dtype=idx.dtype, device=idx.device)
         lo, hi = torch.searchsorted(idx, bounds).tolist()
-        idx = idx[lo:hi]
-        return idx, idx + (d0 - s0) // itemsize
+        return slice(lo, hi), idx[lo:hi] + (d0 - s0) // itemsize
     table = torch.tensor(sorted(runs), dtype=torch.int64, device=idx.device).T.contiguous()  # sorted by source offset
     src, dst, length = table[0], table[1], table[2]
     at = idx * itemsize
     k = torch.searchsorted(src, at, right=True) - 1
     kc = k.clamp(min=0)
     inside = (k >= 0) & (at < src[kc] + length[kc])
-    at, kc, idx = at[inside], kc[inside], idx[inside]
-    return idx, (dst[kc] + at - src[kc]) // itemsize
+    at, kc = at[inside], kc[inside]
+    return inside, (dst[kc] + at - src[kc]) // itemsize
+
+
+def _planes(values: torch.Tensor, itemsize: int) -> torch.Tensor:
+    """``values`` (``count`` elements of ``itemsize`` bytes) as byte planes: every element's byte 0, then byte 1..."""
+    dense = torch.empty(values.shape, dtype=values.dtype, device=values.device).copy_(values)  # fresh strides: a
+    return dense.view(torch.uint8).reshape(-1, itemsize).T.reshape(-1)  # (1,)-view of stride 2 counts as contiguous
+
+
+def _unplanes(planes: torch.Tensor, itemsize: int) -> torch.Tensor:
+    rows = planes.reshape(itemsize, -1)
+    dense = torch.empty((rows.shape[1], itemsize), dtype=torch.uint8, device=planes.device).copy_(rows.T)
+    return dense.view(_WORD[itemsize]).reshape(-1)
 
 
 def encode(
@@ -112,15 +141,16 @@ def encode(
     sources: Mapping[str, torch.Tensor],
     itemsizes: Mapping[str, int],
     capacity: int,
+    flips: Mapping[str, torch.Tensor | None] | None = None,
 ) -> torch.Tensor | None:
-    """The delta of one writer's part for one reader, a ``uint8`` tensor on the sources' device: ``groups`` are
-    its ``(source buffer, [(src_off, region_off, nbytes), ...])`` runs; ``changed`` the changed elements per
-    source buffer. None when a buffer's changes are unknown or the encoding would exceed ``capacity`` bytes
-    (send in full then)."""
+    """The delta of one writer's part for one reader, a host ``uint8`` tensor: ``groups`` are its ``(source
+    buffer, [(src_off, region_off, nbytes), ...])`` runs; ``changed`` the changed elements per source buffer;
+    ``flips`` (``ChangeLog.flips``), where given, their old bits XOR new (sent instead of the new bits). None when
+    a buffer's changes are unknown or the encoding would exceed ``capacity`` bytes (send in full then)."""
+    compress = _zstd().compress
     headers: list[int] = []
-    bodies: list[torch.Tensor] = []
+    frames: list[bytes] = []
     size = 8
-    device = None
     for name, runs in groups:
         idx = changed.get(name)
         if idx is None:
@@ -128,68 +158,91 @@ def encode(
         if not idx.numel():
             continue
         itemsize = itemsizes[name]
-        device = idx.device
-        idx, element = _elements(idx, runs, itemsize)
-        if not idx.numel():
+        flipped = None if flips is None else flips.get(name)
+        chosen, element = _elements(idx, runs, itemsize)
+        if not element.numel():
             continue
-        values = typed(sources[name], itemsize)[idx]
-        low, high = (int(x) for x in torch.stack([element.min(), element.max()]).tolist())
-        if len(runs) > 1 and high - low >= _SPAN:  # several segments: sort to cut them
+        values = flipped[chosen] if flipped is not None else typed(sources[name], itemsize)[idx[chosen]]
+        if len(runs) > 1:  # runs may land out of order: gaps need the positions sorted
             element, order = torch.sort(element, stable=True)
             values = values[order]
         start, count_all = 0, element.numel()
+        high = int(element[-1])
         while start < count_all:  # segments whose positions fit in uint32
-            low = int(element[start:].min()) if start else low
+            low = int(element[start])
             stop = count_all if high - low < _SPAN else int(torch.searchsorted(element, low + _SPAN))
             count = stop - start
-            size += 24 + count * 4 + _pad8(count * 4) + count * itemsize + _pad8(count * itemsize)
+            positions = element[start:stop] - low
+            gaps = torch.diff(positions, prepend=positions.new_zeros(1))
+            words = gaps.view(torch.int32).reshape(-1, 2)[:, 0]  # the low words (little endian): gaps < 2**32
+            planes = torch.cat([_planes(words, 4), _planes(values[start:stop], itemsize)]).cpu()
+            frame = compress(planes.numpy().tobytes(), level=1)
+            size += 40 + len(frame) + _pad8(len(frame))
             if size > capacity:
                 return None
-            positions = (element[start:stop] - low).view(torch.int32).reshape(-1, 2)[:, 0]  # the low words (little endian)
-            bodies += [positions.clone(memory_format=torch.contiguous_format).view(torch.uint8), _zeros(_pad8(count * 4), device),
-                       values[start:stop].clone(memory_format=torch.contiguous_format).view(torch.uint8),
-                       _zeros(_pad8(count * itemsize), device)]
-            headers += [low, itemsize, count]
+            headers += [low, itemsize, count, 0 if flipped is None else 1, len(frame)]
+            frames += [frame, bytes(_pad8(len(frame)))]
             start = stop
     if not headers:
-        return torch.empty(0, dtype=torch.uint8, device=device)
-    head = torch.tensor([len(headers) // 3, *headers], dtype=torch.int64).view(torch.uint8).to(device)
-    return torch.cat([head, *bodies])
+        return torch.empty(0, dtype=torch.uint8)
+    head = torch.tensor([len(headers) // 5, *headers], dtype=torch.int64).view(torch.uint8)
+    return torch.cat([head, torch.frombuffer(bytearray(b"".join(frames)), dtype=torch.uint8)])
 
 
-def _zeros(nbytes: int, device: torch.device | None) -> torch.Tensor:
-    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+def _zstd() -> Any:
+    """Python's own zstd (3.14+), or its backport, the same module (``backports.zstd``, a dependency below 3.14)."""
+    try:
+        from compression import zstd  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        from backports import zstd  # type: ignore[no-redef, unused-ignore]
+    return zstd
 
 
 def apply(payload: torch.Tensor, region: torch.Tensor) -> int:
-    """Write an ``encode``-d delta into ``region`` (``uint8``, any device); the number of values written.
-    Checks every segment against the region before writing any (a bad delta raises ``ValueError`` and
-    changes nothing)."""
+    """Write an ``encode``-d delta into ``region`` (``uint8``, any device; mode-1 segments XOR into the bits it
+    holds); the number of values written. Decodes and checks every segment against the region before writing any
+    (a bad delta raises ``ValueError`` and changes nothing)."""
+    zstd = _zstd()
     if not payload.numel():
         return 0
     if payload.numel() < 8:
         raise ValueError(f"a {payload.numel()}-byte delta has no segment count")
-    segments = int(payload[:8].view(torch.int64))
-    if segments < 0 or 8 + 24 * segments > payload.numel():
-        raise ValueError(f"a {payload.numel()}-byte delta cannot hold {segments} segment headers")
-    headers = payload[8 : 8 + 24 * segments].view(torch.int64).reshape(-1, 3).tolist()
-    at = 8 + 24 * segments
-    parts: list[tuple[torch.Tensor, torch.Tensor, int]] = []
-    for base, itemsize, count in headers:
-        if itemsize not in _WORD or count < 0 or base < 0:
-            raise ValueError(f"delta segment header [{base}, {itemsize}, {count}] is not a segment")
-        end = at + count * 4 + _pad8(count * 4) + count * itemsize + _pad8(count * itemsize)
-        if end > payload.numel():
-            raise ValueError(f"delta segment at element {base} ({count} values) runs past the {payload.numel()}-byte delta")
-        positions = payload[at : at + 4 * count].view(torch.uint32).to(torch.int64).add_(base)
-        at += count * 4 + _pad8(count * 4)
-        parts.append((positions, payload[at : at + itemsize * count].view(_WORD[itemsize]), itemsize))
+    data = payload.cpu()
+    segments = int(data[:8].view(torch.int64))
+    if segments < 0 or 8 + 40 * segments > data.numel():
+        raise ValueError(f"a {data.numel()}-byte delta cannot hold {segments} segment headers")
+    headers = data[8 : 8 + 40 * segments].view(torch.int64).reshape(-1, 5).tolist()
+    at = 8 + 40 * segments
+    parts: list[tuple[torch.Tensor, torch.Tensor, int, int]] = []
+    for base, itemsize, count, mode, nbytes in headers:
+        if itemsize not in _WORD or count < 1 or base < 0 or mode not in (0, 1) or nbytes < 0:
+            raise ValueError(f"delta segment header [{base}, {itemsize}, {count}, {mode}, {nbytes}] is not a segment")
+        end = at + nbytes + _pad8(nbytes)
+        if end > data.numel():
+            raise ValueError(f"delta segment at element {base} ({count} values) runs past the {data.numel()}-byte delta")
+        if count * itemsize > region.numel():  # unique positions: at most one value per element of the region
+            raise ValueError(f"a delta segment ({count} values) reaches past the {region.numel()}-byte region")
+        expected = count * (4 + itemsize)
+        frame = data[at : at + nbytes].numpy().tobytes()
+        try:  # one frame that says its size and is exactly that: a lying frame cannot make the reader allocate more
+            if zstd.get_frame_info(frame).decompressed_size != expected or zstd.get_frame_size(frame) != nbytes:
+                raise ValueError("another size")
+            unpack = zstd.ZstdDecompressor()
+            planes = unpack.decompress(frame, max_length=expected)
+            if len(planes) != expected or not unpack.eof:
+                raise ValueError("another size")
+        except (zstd.ZstdError, ValueError) as exc:
+            raise ValueError(f"delta segment at element {base}: not a zstd frame of {expected} bytes ({exc})") from None
+        raw = torch.frombuffer(bytearray(planes), dtype=torch.uint8).to(region.device)
+        gaps = _unplanes(raw[: 4 * count], 4).to(torch.int64) & 0xFFFFFFFF
+        if count > 1 and int(gaps[1:].min()) < 1:  # strictly increasing: unique positions, no write races on a GPU
+            raise ValueError(f"delta segment at element {base}: positions are not increasing")
+        parts.append((torch.cumsum(gaps, 0).add_(base), _unplanes(raw[4 * count :], itemsize), itemsize, mode))
         at = end
-    if parts:  # one look at the positions' extremes for all segments (one device sync on a GPU)
-        reach = torch.stack([p.max() if p.numel() else p.new_zeros(()) for p, _, _ in parts]).tolist()
-        for (_, values, itemsize), last in zip(parts, reach):
-            if values.numel() and (last + 1) * itemsize > region.numel():
-                raise ValueError(f"a delta segment ({values.numel()} values) reaches past the {region.numel()}-byte region")
-    for positions, values, itemsize in parts:
-        typed(region, itemsize).index_copy_(0, positions, values)  # positions are unique: no write races on a GPU
-    return sum(v.numel() for _, v, _ in parts)
+    for positions, values, itemsize, _ in parts:  # the last position is the largest
+        if (int(positions[-1]) + 1) * itemsize > region.numel():
+            raise ValueError(f"a delta segment ({values.numel()} values) reaches past the {region.numel()}-byte region")
+    for positions, values, itemsize, mode in parts:
+        target = typed(region, itemsize)
+        target.index_copy_(0, positions, torch.bitwise_xor(target[positions], values) if mode else values)
+    return sum(v.numel() for _, v, _, _ in parts)

@@ -168,6 +168,7 @@ class WeightsReader:
         self._said: set[str] = set()  # the kinds of rejection logged once already
         self._epoch = 0  # counts writer restarts
         self.discarded: list[int] = []  # unfinished versions given up because a writer restarted
+        self.delta_seconds = 0.0  # copying live parts and applying deltas, over every version so far
         self._held: dict[int, dict[int, int]] = {}  # writer rank -> {slot: the version its part of that slot holds}
         self._inbox: Landing | None = None  # where delta writers put their deltas
         self._inbox_parts: dict[int, tuple[int, int]] = {}  # writer rank -> (offset, capacity) in the inbox
@@ -576,10 +577,26 @@ class WeightsReader:
         offset, capacity = self._inbox_parts.get(msg.writer_rank, (0, 0))
         if self._inbox is None or msg.delta_nbytes > capacity:
             return f"reader rank {self.rank} has no inbox of {msg.delta_nbytes} bytes for writer rank {msg.writer_rank}: send in full"
-        if held != msg.delta_base:
-            return (f"writer rank {msg.writer_rank} sent a delta against version {msg.delta_base}, but its part of slot "
-                    f"{msg.slot} on reader rank {self.rank} holds {'unknown bytes' if held is None else f'version {held}'}: send in full")
         assert self._landing is not None
+        started = time.perf_counter()
+        try:
+            return self._copy_and_apply(msg, held, offset)
+        finally:
+            self.delta_seconds += time.perf_counter() - started
+
+    def _copy_and_apply(self, msg: Done, held: int | None, offset: int) -> str | None:
+        assert self._landing is not None and self._inbox is not None
+        if held != msg.delta_base:  # one step from the live slot: copy this writer's part of it here first, locally
+            source = next((slot for slot, version in self._held.get(msg.writer_rank, {}).items()
+                           if version == msg.delta_base and slot != msg.slot), None)
+            if source is None:
+                return (f"writer rank {msg.writer_rank} sent a delta against version {msg.delta_base}, but reader rank "
+                        f"{self.rank} holds its part of that version in no slot (slot {msg.slot}: "
+                        f"{'unknown bytes' if held is None else f'version {held}'}): send in full")
+            into, out_of = as_tensor(self._landing.regions[msg.slot]), as_tensor(self._landing.regions[source])
+            for _, runs in self._pair_runs.get((msg.writer_rank, self.rank), []):
+                for _, at, nbytes in runs:
+                    into[at : at + nbytes].copy_(out_of[at : at + nbytes])
         try:
             apply_delta(as_tensor(self._inbox.regions[0][offset : offset + msg.delta_nbytes]), as_tensor(self._landing.regions[msg.slot]))
         except ValueError as exc:

@@ -165,6 +165,7 @@ class WeightsWriter:
         self._sent: dict[int, int] = {}  # reader rank -> bytes the last version moved to it
         self._staging = HostStaging()  # host copies of tensors put from device memory (or strided), reused
         self.last_bytes = 0
+        self.last_delta_seconds = 0.0  # finding the changes and encoding the deltas of the last version
         self.last_canary_deviation: float | None = None  # the largest an engine reported for the last version
         #: with verify: per reader rank, the digest of this writer's checksums of the last version (what the reader
         #: reports back; ``rlsync.version_label`` of them, in reader order, is the label a one-writer engine shows)
@@ -324,9 +325,12 @@ class WeightsWriter:
         started = time.perf_counter()
         self._ready, self._streams = ready_events(self._streams), set()
         wait_ready(self._ready)  # this thread's own reads of the sources (the delta's) after the streams that made them
+        self.last_delta_seconds = 0.0
         if self._changes is not None:
             self._staging.wait()  # the delta reads every buffer first
+            found = time.perf_counter()
             self._changes.record(version, self._sources)
+            self.last_delta_seconds += time.perf_counter() - found
         self._sent = {}
         self.last_digests = {}
         deviations: list[float] = []
@@ -386,14 +390,20 @@ class WeightsWriter:
         self._plugins.hook.rlsync_after_export(version=version, stats=stats)
 
     def _delta_for(self, dst_rank: int, slot: int) -> tuple[int, torch.Tensor] | None:
-        """``(base version, encoded delta)`` of this rank's part for what ``slot`` of ``dst_rank`` holds, if one fits."""
-        base = self._held[dst_rank].get(slot)
-        if self._changes is None or base is None or dst_rank not in self._inboxes:
+        """``(base version, encoded delta)`` of this rank's part of ``dst_rank``, if one fits. The base is the newest
+        version the reader holds of this part, in whichever slot: when it is not ``slot`` (two slots, the live one
+        the other), the reader first copies it into ``slot``, locally, so a delta carries one step, not two."""
+        held = self._held[dst_rank]
+        if self._changes is None or not held or dst_rank not in self._inboxes:
             return None
+        base = max(held.values())
         groups = self._runs[dst_rank]
         changed = {name: self._changes.since(base, name) for name, _ in groups}
+        flips = {name: self._changes.flips(base, name) for name, _ in groups}
         capacity = min(self._inboxes[dst_rank][2], self._part_bytes[dst_rank] - 1)  # smaller than a full send, or none
-        payload = encode_delta(groups, changed, self._sources, self._itemsizes, capacity)
+        started = time.perf_counter()
+        payload = encode_delta(groups, changed, self._sources, self._itemsizes, capacity, flips)
+        self.last_delta_seconds += time.perf_counter() - started  # summed over readers (pool threads: an upper bound)
         return None if payload is None else (base, payload)
 
     def _post(self, dst_rank: int, version: int, progress: Callable[[int], None] | None, canary: Canary | None,

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rlsync import Box, ConfigError, Layout, build_plan
+from rlsync.core import INBOX_SHARE
 from rlsync.layouts import PRESETS, ModelSpec, dtype_size, engine_tp, fsdp, load_model_spec, megatron, replicated, zero3
 from rlsync.wire import fp8_model_spec
 
@@ -47,8 +48,9 @@ def engine_layout(spec: ModelSpec, infer: str) -> Layout:
     return engine_tp(spec, v.get("tp", 1), v.get("replicas", 1))
 
 
-#: bytes on the wire per changed value of a delta (an int32 index and the 2-byte value), per value of a full send
-DELTA_BYTES_PER_CHANGE = (4 + 2) / 2
+#: bytes on the wire per changed bf16 value of a delta, per value of a full send: 1.33 bytes (a gap and the XOR of
+#: old and new bits, zstd-compressed), measured over real AdamW steps by `rlsync bench --wire delta` (docs/benchmarks.md)
+DELTA_BYTES_PER_CHANGE = 1.33 / 2
 
 
 def parse_wire(wire: str) -> tuple[str, float]:
@@ -102,7 +104,8 @@ def plan_report(model: str, train: str, infer: str, nic_gbps: float, rank: int |
     plan = build_plan(src, dst, dst_ranks=None if rank is None else [rank])
     done = time.perf_counter()
     st = plan.stats
-    factor = min(1.0, fraction * DELTA_BYTES_PER_CHANGE) if kind == "delta" else 1.0
+    factor = fraction * DELTA_BYTES_PER_CHANGE if kind == "delta" else 1.0
+    factor = 1.0 if factor > INBOX_SHARE else factor  # as the writer: a delta its reader's inbox cannot hold goes in full
     nic = receiver_nic_bytes(dst, gpus_per_node)
     max_nic = max(nic[r] for r in ([rank] if rank is not None else nic))
     seconds = max(st.max_sender_bytes, max_nic) * factor * 8 / (nic_gbps * 1e9)

@@ -63,8 +63,9 @@ def test_one_gpu_per_node_is_every_byte_over_the_rank_nic() -> None:
 
 def test_delta_wire_scales_the_bytes_and_caps_at_a_full_send() -> None:
     full = _report()
-    assert _report("--wire", "delta=0.02")["predicted_seconds"] == pytest.approx(full["predicted_seconds"] * 0.06)
-    assert _report("--wire", "delta=0.9")["predicted_seconds"] == full["predicted_seconds"]
+    assert _report("--wire", "delta=0.02")["predicted_seconds"] == pytest.approx(full["predicted_seconds"] * 0.02 * 1.33 / 2)
+    assert _report("--wire", "delta=0.3")["predicted_seconds"] == pytest.approx(full["predicted_seconds"] * 0.3 * 1.33 / 2)
+    assert _report("--wire", "delta=0.5")["predicted_seconds"] == full["predicted_seconds"]  # past the reader's inbox
 
 
 def test_bad_wire_names_the_choices() -> None:

@@ -86,14 +86,15 @@ def receiver_nic_bytes(dst: Layout, gpus_per_node: int) -> dict[int, int]:
 
 
 def plan_report(model: str, train: str, infer: str, nic_gbps: float, rank: int | None = None, wire: str = "bf16",
-                gpus_per_node: int = 8) -> dict[str, object]:
+                gpus_per_node: int = 1) -> dict[str, object]:
     """Everything ``rlsync plan`` prints, as a dict (the ``--json`` output).
 
     ``wire``: ``fp8`` plans for an engine that serves the fp8 block-quantized checkpoint format
     (the trainer quantizes, half the bytes plus scales); ``delta=F`` scales the plan's bytes by
     what an index+value delta of a changed share ``F`` costs, capped at a full send (what the writer does).
-    ``gpus_per_node`` > 1: the prediction counts a receiver's NIC bytes with node fan-out of shared
-    pieces (``receiver_nic_bytes``); 1: every rank takes all its bytes over its own NIC."""
+    ``gpus_per_node`` 1 (the default): every engine rank takes all its bytes over its own NIC, as rlsync's writers
+    send them; > 1: the prediction counts a receiver's NIC bytes with a node fan-out of shared pieces
+    (``receiver_nic_bytes``), which the writers do not do yet."""
     kind, fraction = parse_wire(wire)
     spec = load_model_spec(model)
     if kind == "fp8":
@@ -144,7 +145,7 @@ def _gb(n: object) -> str:
 
 
 def run(*, model: str, train: str, infer: str, nic_gbps: float, rank: int | None, list_models: bool, json_output: bool,
-        wire: str = "bf16", gpus_per_node: int = 8) -> None:
+        wire: str = "bf16", gpus_per_node: int = 1) -> None:
     console = Console()
     if list_models:
         for name in sorted(PRESETS):

@@ -27,7 +27,8 @@ def plan(
     nic_gbps: Annotated[float, typer.Option(help="Per-rank NIC rate in Gbit/s for the predicted time.")] = 400.0,
     rank: Annotated[Optional[int], typer.Option(help="Plan only this destination rank's part.")] = None,
     wire: Annotated[str, typer.Option(help="What crosses the wire: 'bf16' (the model's dtype), 'fp8' (an fp8 block-quantized engine) or 'delta=FRACTION' (changed values only).")] = "bf16",
-    gpus_per_node: Annotated[int, typer.Option(min=1, help="Engine GPUs per node: predict a piece several of them hold crossing the node's NICs once, then NVLink (a fan-out rlsync's writers do not do yet; 1: what they do).")] = 8,
+    gpus_per_node: Annotated[int, typer.Option(min=1, help="1 (the default): predict what rlsync's writers do, every engine rank's bytes over its own NIC. N > 1: "
+                                                                       "what a node fan-out they do not do yet would give (a piece N GPUs of a node hold crossing its NICs once, then NVLink).")] = 1,
     list_models: Annotated[bool, typer.Option("--list-models", help="List the model presets and exit.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
@@ -56,6 +57,9 @@ def bench(
     wire: Annotated[Optional[str], typer.Option(help="Compare full versions with 'delta' versions over real AdamW steps, over the first of --transports (needs transformers).")] = None,
     steps: Annotated[int, typer.Option(min=1, help="Optimizer steps (versions) for --wire.")] = 8,
     lr: Annotated[float, typer.Option(help="AdamW learning rate for --wire (RL post-training uses ~1e-6).")] = 1e-6,
+    link_gbps: Annotated[Optional[float], typer.Option(help="With --wire delta: trainer and readers on two network "
+                                                             "namespaces joined by a link limited to this many Gbit/s "
+                                                             "(tc tbf; needs root), over tcp.")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
     path_timeout: Annotated[float, typer.Option(min=1, help="With --device: seconds one path may take; a path that "
                                                             "takes longer is reported as failed and the next runs.")] = 600,
@@ -72,7 +76,10 @@ def bench(
                                      f"list, see `rlsync plan --wire fp8`)")
         from rlsync.bench import run_wire
 
-        run_wire(size=size or "1GiB", steps=steps, lr=lr, transport=(transports or "shm").split(",")[0], json_output=json_output)
+        run_wire(size=size or "1GiB", steps=steps, lr=lr, transport=(transports or "shm").split(",")[0], json_output=json_output,
+                 link_gbps=link_gbps)
+    elif link_gbps is not None:
+        raise typer.BadParameter("--link-gbps measures full against delta versions over a slow link: add --wire delta")
     elif buffer:
         from rlsync.bench import run_buffer
 

@@ -12,6 +12,7 @@ same run: a full version cannot go live faster than one copy of the model.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from rlsync import ConfigError, SyncOptions
+from rlsync.bench._link import Link, slow_link
 from rlsync.bench._weights import _read, bench_spec, memcpy_gbps, parse_size
 
 
@@ -29,11 +31,12 @@ def _crcs(buffers: dict[str, Any]) -> dict[str, int]:
     return {name: zlib.crc32(np.asarray(buf).data) for name, buf in sorted(buffers.items())}
 
 
-def reader(transport: str) -> None:
+def reader(transport: str, host: str = "127.0.0.1") -> None:
     """A reader process: one whole copy of what the writer sends; answers ``check`` with its tensors' CRCs."""
     from rlsync import WeightsReader
 
-    with WeightsReader(None, None, 0, replicas=1, landing="direct", options=SyncOptions(transport=transport)) as r:
+    options = SyncOptions(transport=transport, host=host)
+    with WeightsReader(None, None, 0, replicas=1, landing="direct", options=options) as r:
         print(json.dumps({"address": r.address}), flush=True)
         for line in sys.stdin:
             version = int(line)
@@ -41,8 +44,11 @@ def reader(transport: str) -> None:
             print(json.dumps({"version": r.version, "crc": _crcs(r.buffers()), "delta_seconds": r.delta_seconds}), flush=True)
 
 
-def _spawn_reader(transport: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "rlsync.bench._wire", "reader", transport],
+def _spawn_reader(transport: str, link: Link | None) -> subprocess.Popen[str]:
+    """A reader process; across ``link``, in the engine's namespace, listening on its address."""
+    where = [] if link is None else ["ip", "netns", "exec", link.engine_namespace]
+    host = [] if link is None else [link.engine_address]
+    return subprocess.Popen([*where, sys.executable, "-m", "rlsync.bench._wire", "reader", transport, *host],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
@@ -75,7 +81,8 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "shm", progress
     layout = from_state_dict(state)
     total = sum(t.nbytes for t in state.values())
     mem = memcpy_gbps(total)
-    readers = {"full": _spawn_reader(transport), "delta": _spawn_reader(transport)}
+    link = Link.from_env()  # run inside the trainer's namespace by `--link-gbps`: the readers are across the link
+    readers = {"full": _spawn_reader(transport, link), "delta": _spawn_reader(transport, link)}
     rows: list[dict[str, Any]] = []
     try:
         addresses = {kind: _read(child)["address"] for kind, child in readers.items()}
@@ -100,10 +107,13 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "shm", progress
             row: dict[str, Any] = {"version": version, "changed_fraction": changed / (total // 2)}
             for kind, writer in writers.items():
                 writer.multi_put(state)
+                sent_before = 0 if link is None else link.tx_bytes()
                 started = time.perf_counter()
                 writer.complete(version)
                 row[kind] = {"bytes": writer.last_bytes, "seconds": time.perf_counter() - started,
                              "encode_seconds": writer.last_delta_seconds}
+                if link is not None:  # what crossed the link: the version, its control messages, TCP/IP's headers
+                    row[kind]["link_bytes"] = link.tx_bytes() - sent_before
             want = _crcs({n: t.view(-1).view(torch.uint8).numpy() for n, t in state.items()})
             for kind, child in readers.items():
                 crcs, applied = _check(child, version)
@@ -122,7 +132,7 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "shm", progress
     full_s = statistics.median(r["full"]["seconds"] for r in later)
     delta_s = statistics.median(r["delta"]["seconds"] for r in later)
     return {
-        "wire": "delta", "transport": transport, "model_bytes": total, "parameters": total // 2, "lr": lr,
+        "wire": "delta", "transport": transport, "link_gbps": None if link is None else link.gbps, "model_bytes": total, "parameters": total // 2, "lr": lr,
         "memcpy_gbps": mem, "memcpy_seconds": total / mem / 1e9, "steps": rows,
         "summary": {
             "versions": [r["version"] for r in later],
@@ -133,27 +143,42 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "shm", progress
             "full_seconds_median": full_s, "delta_seconds_median": delta_s, "speedup": full_s / delta_s,
             "encode_seconds_median": statistics.median(r["delta"]["encode_seconds"] for r in later),
             "apply_seconds_median": statistics.median(r["delta"]["apply_seconds"] for r in later),
+            **({} if link is None else {
+                "full_link_bytes_median": statistics.median(r["full"]["link_bytes"] for r in later),
+                "delta_link_bytes_median": statistics.median(r["delta"]["link_bytes"] for r in later)}),
             "delta_bit_exact": all(r["delta"]["bit_exact"] for r in rows),
             "full_bit_exact": all(r["full"]["bit_exact"] for r in rows),
         },
     }
 
 
-def run(*, size: str, steps: int, lr: float, transport: str = "shm", json_output: bool) -> None:
+def run(*, size: str, steps: int, lr: float, transport: str = "shm", json_output: bool, link_gbps: float | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
     from rlsync.bench._progress import progress
 
+    if link_gbps is not None and Link.from_env() is None:  # make the link, run this inside the trainer's namespace
+        if transport not in ("shm", "tcp"):  # shm is only the default here; across namespaces it would cross nothing
+            raise ConfigError(f"--link-gbps measures over tcp (the namespaces share /dev/shm); got --transports {transport}")
+        with slow_link(link_gbps) as (trainer, env):
+            again = ["ip", "netns", "exec", trainer, sys.executable, "-m", "rlsync.cli", "bench", "--wire", "delta",
+                     "--size", size, "--steps", str(steps), "--lr", str(lr), "--transports", "tcp",
+                     *(["--json"] if json_output else [])]
+            code = subprocess.run(again, env={**os.environ, **env}, check=False).returncode
+        if code:
+            raise SystemExit(code)
+        return
     with progress(steps, "full vs delta versions") as advance:
         report = measure(parse_size(size), steps, lr, transport, progress=advance)
     if json_output:
         print(json.dumps(report))
     else:
-        table = Table(title=f"full vs delta versions over {transport}: {report['parameters'] / 1e6:.0f}M bf16 values "
+        over = transport if report["link_gbps"] is None else f"a {report['link_gbps']:g} Gbit/s link (tcp)"
+        table = Table(title=f"full vs delta versions over {over}: {report['parameters'] / 1e6:.0f}M bf16 values "
                             f"({report['model_bytes'] / 1e6:.0f} MB), AdamW lr {lr:g}, memcpy {report['memcpy_gbps']:.2f} GB/s "
                             f"({report['memcpy_seconds']:.3f} s for the model)")
-        for col in ("version", "changed", "full s", "delta MB", "of full", "delta s", "encode s", "apply s", "exact"):
+        for col in ("v", "changed", "full s", "delta MB", "of full", "delta s", "encode s", "apply s", "exact"):
             table.add_column(col, overflow="fold")
         for r in report["steps"]:
             f, d = r["full"], r["delta"]
@@ -161,9 +186,15 @@ def run(*, size: str, steps: int, lr: float, transport: str = "shm", json_output
                           f"{d['bytes'] / f['bytes']:.1%}", f"{d['seconds']:.3f}", f"{d['encode_seconds']:.3f}",
                           f"{d['apply_seconds']:.3f}", "yes" if d["bit_exact"] and f["bit_exact"] else "NO")
         Console().print(table)
+        summary = report["summary"]
+        if report["link_gbps"] is not None:
+            print(f"over the link (median of versions {summary['versions'][0]}-{summary['versions'][-1]}): a full version "
+                  f"put {summary['full_link_bytes_median'] / 1e6:.1f} MB on it in {summary['full_seconds_median']:.3f} s, "
+                  f"a delta {summary['delta_link_bytes_median'] / 1e6:.2f} MB in {summary['delta_seconds_median']:.3f} s "
+                  f"({summary['speedup']:.1f}x sooner)")
     if not report["summary"]["delta_bit_exact"]:
         raise SystemExit("rlsync bench: the delta reader's bytes differ from the trainer's (a bug: please report it)")
 
 
 if __name__ == "__main__":
-    reader(sys.argv[2])
+    reader(*sys.argv[2:4])

@@ -30,3 +30,27 @@ def test_bench_wire_delta_reports_bytes_time_and_exactness() -> None:
 def test_bench_wire_other_than_delta_is_refused() -> None:
     out = subprocess.run([sys.executable, "-m", "rlsync.cli", "bench", "--wire", "fp8"], capture_output=True, text=True)
     assert out.returncode == 2 and "rlsync plan --wire fp8" in out.stderr
+
+
+@pytest.mark.multiproc
+def test_over_a_slow_link_the_bytes_that_cross_it_are_the_deltas() -> None:
+    """``--link-gbps``: the readers in another network namespace behind a rate-limited veth; what each version put on
+    the link (its tx_bytes) is what the writer sent plus TCP/IP's and the control messages' overhead."""
+    from rlsync.bench._link import unavailable
+
+    why = unavailable()
+    if why is not None:
+        pytest.skip(why)
+    out = subprocess.run(
+        [sys.executable, "-m", "rlsync.cli", "bench", "--wire", "delta", "--size", "8MiB", "--steps", "3",
+         "--link-gbps", "1", "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["link_gbps"] == 1 and report["transport"] == "tcp"
+    for step in report["steps"]:
+        for kind in ("full", "delta"):
+            sent, crossed = step[kind]["bytes"], step[kind]["link_bytes"]
+            assert step[kind]["bit_exact"] and sent <= crossed < sent * 1.1 + 200_000, (kind, sent, crossed)
+    # 8 MiB at 1 Gbit/s takes at least 67 ms in full; the link, not memory, is the limit
+    assert all(s["full"]["seconds"] > 0.8 * report["model_bytes"] * 8 / 1e9 for s in report["steps"][1:])
+    assert report["summary"]["delta_link_bytes_median"] < 0.05 * report["summary"]["full_link_bytes_median"]

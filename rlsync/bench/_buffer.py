@@ -153,8 +153,9 @@ def backends() -> tuple[list[tuple[str, Callable[[int], tuple[float, float]]]], 
     return runs, skipped
 
 
-def measure(repeats: int, progress: Any = None) -> dict[str, Any]:
-    runs, skipped = backends()
+def measure(repeats: int, progress: Any = None, chosen: Any = None) -> dict[str, Any]:
+    """Every backend of ``chosen`` (``backends()``'s answer; by default asked here) beside its plain alternative."""
+    runs, skipped = chosen or backends()
     say = progress or (lambda _step: None)
     results = []
     for name, fn in runs:
@@ -171,10 +172,10 @@ def run(*, json_output: bool, repeats: int) -> None:
 
     from rlsync.bench._progress import progress, say_skipped
 
-    runs, skipped = backends()
-    say_skipped(skipped)
-    with progress(len(runs), "rollout buffer") as advance:
-        report = measure(repeats, advance)
+    chosen = backends()
+    say_skipped(chosen[1])
+    with progress(len(chosen[0]), "rollout buffer") as advance:
+        report = measure(repeats, advance, chosen)
     if json_output:
         print(json.dumps(report))
         return

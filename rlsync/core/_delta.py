@@ -149,7 +149,7 @@ def encode(
     a buffer's changes are unknown or the encoding would exceed ``capacity`` bytes (send in full then)."""
     compress = _zstd().compress
     headers: list[int] = []
-    frames: list[bytes] = []
+    frames = bytearray()  # each frame padded to 8, back to back
     size = 8
     for name, runs in groups:
         idx = changed.get(name)
@@ -176,17 +176,18 @@ def encode(
             gaps = torch.diff(positions, prepend=positions.new_zeros(1))
             words = gaps.view(torch.int32).reshape(-1, 2)[:, 0]  # the low words (little endian): gaps < 2**32
             planes = torch.cat([_planes(words, 4), _planes(values[start:stop], itemsize)]).cpu()
-            frame = compress(planes.numpy().tobytes(), level=1)
+            frame = compress(planes.numpy(), level=1)  # the array's own buffer: no bytes copy of the planes
             size += 40 + len(frame) + _pad8(len(frame))
             if size > capacity:
                 return None
             headers += [low, itemsize, count, 0 if flipped is None else 1, len(frame)]
-            frames += [frame, bytes(_pad8(len(frame)))]
+            frames += frame
+            frames += bytes(_pad8(len(frame)))
             start = stop
     if not headers:
         return torch.empty(0, dtype=torch.uint8)
     head = torch.tensor([len(headers) // 5, *headers], dtype=torch.int64).view(torch.uint8)
-    return torch.cat([head, torch.frombuffer(bytearray(b"".join(frames)), dtype=torch.uint8)])
+    return torch.cat([head, torch.frombuffer(frames, dtype=torch.uint8)])
 
 
 def _zstd() -> Any:

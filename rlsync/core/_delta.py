@@ -34,6 +34,7 @@ import torch
 #: delta is sent in full (at about 1.3 bytes per changed bf16 value: up to ~35 % of the values changed)
 INBOX_SHARE: Final = 0.25
 _SPAN: Final = 2**32
+_CHUNK: Final = 2**20  # 64-bit words compared at a time (8 MiB of each side: the gathers hit the cache)
 #: integer dtypes compared and copied as bits (signed: equal bits are equal integers either way)
 _WORD: Final = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -72,10 +73,7 @@ class ChangeLog:
                 self._shadow[name] = now.clone()
                 changes[name] = None  # never seen: all of it
                 continue
-            changed = torch.nonzero(now != shadow).flatten()
-            new = now[changed]
-            self._flips[name] = torch.bitwise_xor(shadow[changed], new)
-            shadow[changed] = new
+            changed, self._flips[name] = _changes(now, shadow)
             changes[name] = changed
         self._history = [*self._history, (version, changes)][-self._depth :]
 
@@ -105,6 +103,35 @@ class ChangeLog:
         return merged
 
 
+def _changes(now: torch.Tensor, shadow: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The elements where ``now`` and ``shadow`` (same-size integer tensors) differ, sorted, and their old bits XOR
+    new; ``shadow`` takes the new bits. Compared as 64-bit words first, so the full-size compare and ``nonzero``
+    run over a quarter (bf16) of the elements and only changed words are looked at element by element, in chunks
+    whose gathers stay in cache (1 GB of bf16 at 2 % changed: 0.6 s on two host cores, was 1.0 s)."""
+    per = 8 // now.element_size()
+    whole = now.numel() // per * per
+    if per == 1 or not whole or now.storage_offset() % per or shadow.storage_offset() % per:
+        changed = torch.nonzero(now != shadow).flatten()
+        new = now[changed]
+        flips = torch.bitwise_xor(shadow[changed], new)
+        shadow[changed] = new
+        return changed, flips
+    words, old_words = now[:whole].view(torch.int64), shadow[:whole].view(torch.int64)
+    found: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for start in range(0, words.numel(), _CHUNK):
+        chunk, old = words[start : start + _CHUNK], old_words[start : start + _CHUNK]
+        at = torch.nonzero(chunk != old).flatten()
+        new = chunk[at]
+        xor = torch.bitwise_xor(old[at], new).view(now.dtype)  # per changed word, its elements' flips
+        old[at] = new
+        lane = torch.nonzero(xor).flatten()
+        found.append((at[lane.div(per, rounding_mode="floor")].add_(start).mul_(per).add_(lane.remainder(per)), xor[lane]))
+    if whole < now.numel():  # the last few elements, past the last whole word
+        tail, tail_flips = _changes(now[whole:], shadow[whole:])
+        found.append((tail.add_(whole), tail_flips))
+    return torch.cat([c for c, _ in found]), torch.cat([f for _, f in found])
+
+
 def _elements(idx: torch.Tensor, runs: Sequence[tuple[int, int, int]], itemsize: int) -> tuple[Any, torch.Tensor]:
     """Which of the changed source elements ``idx`` ``runs`` ``(src_off, region_off, nbytes)`` send (a selector of
     ``idx``), and the region elements they land on."""
@@ -124,15 +151,22 @@ def _elements(idx: torch.Tensor, runs: Sequence[tuple[int, int, int]], itemsize:
 
 
 def _planes(values: torch.Tensor, itemsize: int) -> torch.Tensor:
-    """``values`` (``count`` elements of ``itemsize`` bytes) as byte planes: every element's byte 0, then byte 1..."""
-    dense = torch.empty(values.shape, dtype=values.dtype, device=values.device).copy_(values)  # fresh strides: a
-    return dense.view(torch.uint8).reshape(-1, itemsize).T.reshape(-1)  # (1,)-view of stride 2 counts as contiguous
+    """``values`` (``count`` integers of ``itemsize`` bytes or more) as byte planes: every element's low byte, then
+    its next... Shifts and a narrowing copy (which keeps the low byte), not a transposing byte copy: about 10x
+    faster for bf16 values on the host, the same on any device."""
+    out = torch.empty((itemsize, values.numel()), dtype=torch.uint8, device=values.device)
+    for k in range(itemsize):
+        out[k].copy_(torch.bitwise_right_shift(values, 8 * k) if k else values)
+    return out.reshape(-1)
 
 
 def _unplanes(planes: torch.Tensor, itemsize: int) -> torch.Tensor:
     rows = planes.reshape(itemsize, -1)
-    dense = torch.empty((rows.shape[1], itemsize), dtype=torch.uint8, device=planes.device).copy_(rows.T)
-    return dense.view(_WORD[itemsize]).reshape(-1)
+    word = _WORD[itemsize]
+    out = rows[0].to(word)
+    for k in range(1, itemsize):
+        out.bitwise_or_(rows[k].to(word).bitwise_left_shift_(8 * k))
+    return out
 
 
 def encode(
@@ -173,9 +207,8 @@ def encode(
             stop = count_all if high - low < _SPAN else int(torch.searchsorted(element, low + _SPAN))
             count = stop - start
             positions = element[start:stop] - low
-            gaps = torch.diff(positions, prepend=positions.new_zeros(1))
-            words = gaps.view(torch.int32).reshape(-1, 2)[:, 0]  # the low words (little endian): gaps < 2**32
-            planes = torch.cat([_planes(words, 4), _planes(values[start:stop], itemsize)]).cpu()
+            gaps = torch.diff(positions, prepend=positions.new_zeros(1)).to(torch.int32)  # < 2**32: the low word kept
+            planes = torch.cat([_planes(gaps, 4), _planes(values[start:stop], itemsize)]).cpu()
             frame = compress(planes.numpy(), level=1)  # the array's own buffer: no bytes copy of the planes
             size += 40 + len(frame) + _pad8(len(frame))
             if size > capacity:

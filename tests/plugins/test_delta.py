@@ -125,6 +125,31 @@ def test_encode_apply_round_trip_over_strided_runs_and_segments() -> None:
     assert encode([("x", runs)], {"x": None}, sources, {"x": 2}, capacity=10_000) is None
 
 
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
+def test_encode_apply_round_trip_for_every_item_size_in_both_modes(itemsize: int) -> None:
+    """New bits (mode 0) and old-XOR-new bits (mode 1) of 1-, 2-, 4- and 8-byte values, every bit pattern
+    (negative, all ones), land bit-exact."""
+    import torch
+
+    word = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
+    gen = torch.Generator().manual_seed(itemsize)
+    old = torch.randint(0, 256, (4096 * itemsize,), dtype=torch.uint8, generator=gen)
+    new = old.clone()
+    changed = torch.sort(torch.randperm(4096, generator=gen)[:300]).values
+    new.view(word)[changed] = torch.randint(0, 256, (300 * itemsize,), dtype=torch.uint8, generator=gen).view(word)
+    new.view(word)[changed[:2]] = torch.tensor([-1, 0], dtype=torch.int64).to(word) if itemsize > 1 else torch.tensor([255, 0], dtype=torch.uint8)
+    changed = changed[new.view(word)[changed] != old.view(word)[changed]]
+    runs = [(0, 0, new.numel())]
+    flips = old.view(word)[changed] ^ new.view(word)[changed]
+    for mode_flips in (None, {"w": flips}):
+        payload = encode([("w", runs)], {"w": changed}, {"w": new}, {"w": itemsize}, 1 << 20, mode_flips)
+        assert payload is not None
+        region = old.clone() if mode_flips else torch.zeros_like(old)
+        assert apply(payload, region) == changed.numel()
+        assert torch.equal(region.view(word)[changed], new.view(word)[changed])
+        assert torch.equal(region, new) or not mode_flips
+
+
 def test_a_bad_delta_is_refused_before_a_byte_is_written() -> None:
     """A segment whose positions reach past the region, or headers that do not fit the payload: ValueError, and
     the region is unchanged (a delta is checked whole before any of it is applied)."""
@@ -165,6 +190,37 @@ def test_change_log_unions_versions_since_a_base_and_forgets_old_ones() -> None:
     log.record(4, {"a": a.view(torch.uint8)})
     assert log.since(1, "a") is None  # forgotten (depth 3)
     assert log.since(2, "a").tolist() == [2, 5]
+
+
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
+@pytest.mark.parametrize("shift", [0, 1])
+def test_change_log_finds_every_changed_element_across_words_chunks_and_the_tail(itemsize: int, shift: int) -> None:
+    """``record`` compares 64-bit words first, in chunks of 2**20 words, then the elements of changed words: the
+    changes and flips it finds equal an element-by-element compare, across a chunk boundary, in the elements past
+    the last whole word, and in buffers that do not start on a word (``shift``: the element-by-element path)."""
+    import torch
+
+    word = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
+    count = (2**20 * 8 + 8) // itemsize + 3  # past the first chunk, and 3 elements past the last whole word
+    storage = torch.zeros((count + shift) * itemsize, dtype=torch.uint8)
+    raw = storage[shift * itemsize :]  # the buffer as a writer's source: uint8, maybe starting inside a word
+    gen = torch.Generator().manual_seed(itemsize)
+    raw.copy_(torch.randint(0, 256, (raw.numel(),), dtype=torch.uint8, generator=gen))
+    log = ChangeLog({"w": itemsize}, depth=3)
+    log.record(1, {"w": raw})
+    before = raw.view(word).clone()
+    picks = torch.randint(0, count, (5000,), generator=gen)
+    edges = torch.tensor([0, 2**20 * 8 // itemsize - 1, 2**20 * 8 // itemsize, count - 3, count - 1])
+    chosen = torch.cat([picks, edges])
+    raw.view(word)[chosen] ^= torch.randint(1, 127, (chosen.numel(),), generator=gen).to(word)
+    raw.view(word)[picks[:100]] = before[picks[:100]]  # changed and changed back: no change
+    log.record(2, {"w": raw})
+    expected = torch.nonzero(raw.view(word) != before).flatten()
+    assert expected.numel() > 4000 and {int(e) for e in edges} <= set(expected.tolist())
+    assert torch.equal(log.since(1, "w"), expected)
+    assert torch.equal(log.flips(1, "w"), before[expected] ^ raw.view(word)[expected])
+    log.record(3, {"w": raw})  # the log's copy took the new bits: nothing changed since
+    assert log.since(2, "w").numel() == 0
 
 
 def test_a_refused_delta_version_leaves_the_old_one_and_the_next_lands_exact() -> None:

@@ -22,6 +22,7 @@ from rlsync.core._canary import Canary, canary_tokens, causal_lm_logprobs
 from rlsync.core._checksum import Checksums, same_bytes, version_label
 from rlsync.core._control import host_port, is_loopback, keyed, resolve_secret, shift_port, split_address
 from rlsync.core._delta import INBOX_SHARE, ChangeLog
+from rlsync.core._episodes import Claim, Episode, EpisodeLog, MemoryEpisodes, Turn
 from rlsync.core._delta import apply as apply_delta
 from rlsync.core._delta import encode as encode_delta
 from rlsync.core._device_order import synchronize_devices
@@ -29,6 +30,7 @@ from rlsync.core._errors import (
     CanaryError,
     ConfigError,
     LayoutError,
+    LeaseLostError,
     PeerLostError,
     PlanError,
     PlanMismatchError,
@@ -86,7 +88,7 @@ from rlsync.core._writer import WeightsWriter
 
 __all__ = [
     "BUILTIN_PLUGINS", "DEFAULT_TIMEOUT", "ENTRY_POINT_GROUP", "PRESETS", "SLACK", "WIRES",
-    "INBOX_SHARE", "Batch", "Box", "BufferSpec", "Canary", "CanaryError", "ChangeLog", "Checksums", "HostStaging", "ConfigError", "Decision", "Finish", "Gate", "Landing", "LandedVersions",
+    "INBOX_SHARE", "Batch", "Box", "BufferSpec", "Canary", "CanaryError", "ChangeLog", "Claim", "Episode", "EpisodeLog", "LeaseLostError", "MemoryEpisodes", "Turn", "Checksums", "HostStaging", "ConfigError", "Decision", "Finish", "Gate", "Landing", "LandedVersions",
     "LandingMode", "Layout", "LayoutError", "Link", "MaxStaleness", "MemoryStorage", "ModelSpec", "Param",
     "PeerLostError", "Plan", "PlanError", "PlanMismatchError", "PlanStats", "PluginError", "PolicyVersionClock",
     "RankBoxes", "Region", "Registry", "RlsyncError", "RlsyncWarning", "RolloutBuffer", "RolloutBufferError", "Run",

@@ -14,6 +14,7 @@ against plain Python conventions keeps working.
     ├── VersionError                  a version that goes backwards, is unknown, or was never completed
     ├── WeightMismatchError (ValueError)  names, shapes or dtypes differ between trainer and engine
     ├── RolloutBufferError            rollout buffer misuse: closed buffer, bad sample, lost backend
+    │   └── LeaseLostError            another generator claimed the episode this one works on
     ├── PluginError                   a plugin failed to load, or an unknown plugin name was asked for
     └── ConfigError (ValueError)      invalid configuration (for example a non-loopback bind without a secret)
 
@@ -27,6 +28,7 @@ from typing import Any
 __all__ = [
     "ConfigError",
     "LayoutError",
+    "LeaseLostError",
     "PeerLostError",
     "PlanError",
     "PlanMismatchError",
@@ -92,6 +94,10 @@ class CanaryError(WeightMismatchError):
 
 class RolloutBufferError(RlsyncError):
     """The rollout buffer was misused or its backend was lost."""
+
+
+class LeaseLostError(RolloutBufferError):
+    """Another generator claimed the episode this one works on (its lease ran out): stop working on it."""
 
 
 class PluginError(RlsyncError):

@@ -5,12 +5,12 @@ code that builds one directly. Optional dependencies (nixl, redis, ray) are impo
 """
 
 from rlsync.plugins._buffer_ray import RayRolloutBuffer
-from rlsync.plugins._buffer_redis import RedisStorage
+from rlsync.plugins._buffer_redis import RedisEpisodes, RedisStorage
 from rlsync.plugins._transport_cuda_ipc import CudaIpcTransport
 from rlsync.plugins._transport_nixl import NixlTransport
 from rlsync.plugins._transport_shm import ShmLink, ShmTransport, remove_stale_regions
 from rlsync.plugins._transport_tcp import TcpTransport
 from rlsync.plugins._transport_torchdist import TorchDistTransport
 
-__all__ = ["CudaIpcTransport", "NixlTransport", "RayRolloutBuffer", "RedisStorage", "ShmLink", "ShmTransport", "TcpTransport",
+__all__ = ["CudaIpcTransport", "NixlTransport", "RayRolloutBuffer", "RedisEpisodes", "RedisStorage", "ShmLink", "ShmTransport", "TcpTransport",
            "TorchDistTransport", "remove_stale_regions"]

@@ -3,6 +3,8 @@
 The actor runs the embedded ``RolloutBuffer`` (threaded, so a blocked ``get`` or ``admit`` does
 not stop ``put``); ``RayRolloutBuffer`` is the client every process holds, with the same methods.
 Ray moves the samples (its own serialization, zero-copy for numpy arrays in its object store).
+``RayRolloutBuffer.episodes`` is the ``rlsync.EpisodeLog`` of generators in any process: the actor keeps the
+episodes (``MemoryEpisodes``, finishing into its buffer); they outlive a generator, not the actor.
 """
 
 from __future__ import annotations
@@ -10,13 +12,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rlsync import Batch, RolloutBuffer, Sample, Ticket
+from rlsync import Batch, Claim, MemoryEpisodes, RolloutBuffer, Sample, Ticket
 
 
 class _BufferActor:
     def __init__(self, options: dict[str, Any]) -> None:
         self.buffer = RolloutBuffer(**options)
         self.tickets: dict[int, Ticket] = {}
+        self.episodes = MemoryEpisodes(self.buffer)
+
+    def episode(self, method: str, *args: Any) -> Any:
+        """One ``EpisodeLog`` call on the actor's episodes (``LeaseLostError`` reaches the caller as itself)."""
+        if method not in ("add", "claim", "record", "finish", "unfinished"):
+            raise ValueError(f"no episode method {method!r}")
+        return getattr(self.episodes, method)(*args)
 
     def admit(self, count: int, prompt_id: str | None, timeout: float | None) -> tuple[int, int] | None:
         ticket = self.buffer.admit(count, prompt_id=prompt_id, timeout=timeout)
@@ -81,3 +90,37 @@ class RayRolloutBuffer:
 
     def close(self) -> None:
         self._ray.kill(self._actor)
+
+    @property
+    def episodes(self) -> RayEpisodes:
+        """The ``rlsync.EpisodeLog`` kept by this buffer's actor (generators of any process claim from it)."""
+        return RayEpisodes(self._actor, self._ray)
+
+
+class RayEpisodes:
+    """``rlsync.EpisodeLog`` calls made on a buffer actor; ``RayRolloutBuffer.episodes`` gives one."""
+
+    def __init__(self, actor: Any, ray: Any) -> None:
+        self._actor, self._ray = actor, ray
+
+    def _call(self, method: str, *args: Any) -> Any:
+        return self._ray.get(self._actor.episode.remote(method, *args))
+
+    def add(self, episode_id: str, prompt: bytes) -> bool:
+        return bool(self._call("add", episode_id, bytes(prompt)))
+
+    def claim(self, owner: str, lease_seconds: float) -> Claim | None:
+        got: Claim | None = self._call("claim", owner, lease_seconds)
+        return got
+
+    def record(self, episode_id: str, epoch: int, step: int, entry: bytes, lease_seconds: float) -> None:
+        self._call("record", episode_id, epoch, step, entry, lease_seconds)
+
+    def finish(self, episode_id: str, epoch: int, sample: Sample) -> bool:
+        return bool(self._call("finish", episode_id, epoch, sample))
+
+    def unfinished(self) -> int:
+        return int(self._call("unfinished"))
+
+    def close(self) -> None:
+        pass

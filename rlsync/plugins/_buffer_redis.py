@@ -12,6 +12,11 @@ at every ``take``. ``append`` adds a sample only if its id was never seen; a ``t
 lost reply (Redis killed and restarted) returns what the first attempt leased (it is keyed by its
 request id); ``ack`` is idempotent. All three are Lua scripts, atomic in Redis. Samples are msgpack
 (never pickle).
+
+Episodes (``RedisEpisodes``, the ``rlsync.EpisodeLog`` of processes on any host): each a hash (prompt, epoch,
+done) and a list of recorded steps; claimable ones in a sorted set scored by the order they were added (new)
+or by their lease's deadline in Redis time (claimed). ``finish`` marks the episode done and adds its sample to
+the samples of the ``RedisStorage`` of the same ``name``, in one script: exactly once.
 """
 
 from __future__ import annotations
@@ -19,9 +24,9 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
-from rlsync import RolloutBufferError, Sample, decode_sample, encode_sample
+from rlsync import Claim, LeaseLostError, RolloutBufferError, Sample, decode_sample, encode_sample
 
 T = TypeVar("T")
 
@@ -83,6 +88,79 @@ end
 return #ARGV
 """
 
+_NEW_BELOW: Final = 2**40  # episode scores: below, the order new ones were added; above, a lease's deadline (ms)
+_NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
+
+# KEYS: the episode's hash, claimable set, unfinished count, seq. ARGV: id, prompt
+_EP_ADD = """
+if redis.call('HSETNX', KEYS[1], 'prompt', ARGV[2]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'epoch', 0, 'done', 0)
+redis.call('ZADD', KEYS[2], redis.call('INCR', KEYS[4]), ARGV[1])
+redis.call('INCR', KEYS[3])
+return 1
+"""
+
+# KEYS: claimable set. ARGV: key prefix of episodes, lease ms, owner, new-below
+_EP_CLAIM = _NOW + """
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[4], now, 'LIMIT', 0, 1)  -- a lease that ran out: resume it first
+if #ids == 0 then ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[4], 'LIMIT', 0, 1) end
+if #ids == 0 then return false end
+local id = ids[1]
+local key = ARGV[1] .. id
+local epoch = redis.call('HINCRBY', key, 'epoch', 1)
+redis.call('HSET', key, 'owner', ARGV[3])
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), id)
+return {id, epoch, redis.call('HGET', key, 'prompt'), redis.call('LRANGE', key .. ':steps', 0, -1)}
+"""
+
+# KEYS: the episode's hash, its steps, claimable set. ARGV: id, epoch, step (-1: renew only), entry, lease ms
+_EP_RECORD = _NOW + """
+local e = redis.call('HMGET', KEYS[1], 'epoch', 'done')
+if not e[1] then return -3 end
+if e[2] == '1' or tonumber(e[1]) ~= tonumber(ARGV[2]) then return -1 end
+local step = tonumber(ARGV[3])
+if step >= 0 then
+  local n = redis.call('LLEN', KEYS[2])
+  if step == n then redis.call('RPUSH', KEYS[2], ARGV[4])
+  elseif step > n or redis.call('LINDEX', KEYS[2], step) ~= ARGV[4] then return -2 end
+end
+redis.call('ZADD', KEYS[3], 'XX', now + tonumber(ARGV[5]), ARGV[1])
+return 1
+"""
+
+# KEYS: the episode's hash, its steps, claimable set, unfinished count, then the samples' ids, queue, payload, order,
+# seq. ARGV: id, epoch, oldest version, payload
+_EP_FINISH = """
+local e = redis.call('HMGET', KEYS[1], 'epoch', 'done')
+if not e[1] then return -3 end
+if e[2] == '1' then return 0 end
+if tonumber(e[1]) ~= tonumber(ARGV[2]) then return -1 end
+redis.call('HSET', KEYS[1], 'done', 1)
+redis.call('DEL', KEYS[2])
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('DECR', KEYS[4])
+if redis.call('SADD', KEYS[5], ARGV[1]) == 1 then
+  local seq = redis.call('INCR', KEYS[9])
+  local score = string.format('%.0f', (tonumber(ARGV[3]) + 1) * 4294967296 + seq)
+  redis.call('ZADD', KEYS[6], score, ARGV[1])
+  redis.call('HSET', KEYS[7], ARGV[1], ARGV[4])
+  redis.call('HSET', KEYS[8], ARGV[1], score)
+end
+return 1
+"""
+
+
+def _retrying(errors: tuple[type[BaseException], ...], seconds: float, call: Callable[[], T]) -> T:
+    """``call()``, retried while Redis is unreachable (a restart), for up to ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return call()
+        except errors as exc:
+            if time.monotonic() > deadline:
+                raise RolloutBufferError(f"Redis unreachable for {seconds} s: {exc}. Is redis-server running?") from exc
+            time.sleep(0.05)
+
 
 class RedisStorage:
     """A ``Storage`` for ``RolloutBuffer`` in Redis; see the module docstring.
@@ -107,14 +185,7 @@ class RedisStorage:
         self._held: set[str] = set()  # taken by this client, not yet acknowledged
 
     def _retry(self, call: Callable[[], T]) -> T:
-        deadline = time.monotonic() + self.retry_seconds
-        while True:
-            try:
-                return call()
-            except self._errors as exc:
-                if time.monotonic() > deadline:
-                    raise RolloutBufferError(f"Redis unreachable for {self.retry_seconds} s: {exc}. Is redis-server running?") from exc
-                time.sleep(0.05)
+        return _retrying(self._errors, self.retry_seconds, call)
 
     def append(self, samples: Sequence[Sample]) -> None:
         args: list[str | int | bytes] = []
@@ -147,6 +218,69 @@ class RedisStorage:
 
     def save_state(self, state: dict[str, Any]) -> None:
         self._retry(lambda: self._redis.hset(self._keys["state"], mapping={k: int(v) for k, v in state.items()}))
+
+    def close(self) -> None:
+        self._redis.close()
+
+
+class RedisEpisodes:
+    """The ``rlsync.EpisodeLog`` in Redis: episodes recorded by generator processes on any host survive their
+    death and Redis's (with ``appendonly yes``); finished ones go to the ``RedisStorage`` of the same ``name``."""
+
+    def __init__(self, url: str = "redis://127.0.0.1:6379/0", *, name: str = "rlsync", retry_seconds: float = 30.0,
+                 client: Any = None) -> None:
+        import redis
+
+        self._redis = client if client is not None else redis.Redis.from_url(url, socket_timeout=10)
+        self._errors = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+        self._name = name
+        self._prefix = f"{name}:ep:"
+        self._keys = {k: f"{name}:{k}" for k in ("ids", "queue", "payload", "order", "seq", "ep-claimable", "ep-unfinished",
+                                                 "ep-seq")}
+        self._scripts = {n: self._redis.register_script(code) for n, code in
+                         (("add", _EP_ADD), ("claim", _EP_CLAIM), ("record", _EP_RECORD), ("finish", _EP_FINISH))}
+        self.retry_seconds = retry_seconds
+
+    def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
+        return _retrying(self._errors, self.retry_seconds, lambda: self._scripts[script](keys=keys, args=args))
+
+    def add(self, episode_id: str, prompt: bytes) -> bool:
+        k = self._keys
+        return bool(self._run("add", [self._prefix + episode_id, k["ep-claimable"], k["ep-unfinished"], k["ep-seq"]],
+                              [episode_id, bytes(prompt)]))
+
+    def claim(self, owner: str, lease_seconds: float) -> Claim | None:
+        got = self._run("claim", [self._keys["ep-claimable"]], [self._prefix, int(lease_seconds * 1000), owner, _NEW_BELOW])
+        if not got:
+            return None
+        episode_id, epoch, prompt, steps = got
+        return Claim(episode_id.decode(), int(epoch), bytes(prompt), [bytes(s) for s in steps])
+
+    def record(self, episode_id: str, epoch: int, step: int, entry: bytes, lease_seconds: float) -> None:
+        key = self._prefix + episode_id
+        self._answer(episode_id, epoch, self._run("record", [key, key + ":steps", self._keys["ep-claimable"]],
+                                                  [episode_id, epoch, step, entry, int(lease_seconds * 1000)]), step)
+
+    def finish(self, episode_id: str, epoch: int, sample: Sample) -> bool:
+        key, k = self._prefix + episode_id, self._keys
+        sample.sample_id = episode_id
+        keys = [key, key + ":steps", k["ep-claimable"], k["ep-unfinished"], k["ids"], k["queue"], k["payload"], k["order"], k["seq"]]
+        answer = self._run("finish", keys, [episode_id, epoch, sample.oldest_version, encode_sample(sample)])
+        return self._answer(episode_id, epoch, answer, None)
+
+    @staticmethod
+    def _answer(episode_id: str, epoch: int, answer: int, step: int | None) -> bool:
+        if answer == -1:
+            raise LeaseLostError(f"episode {episode_id}: claimed again by another generator (or finished); this "
+                                 f"generator's epoch {epoch} is void")
+        if answer == -2:
+            raise ValueError(f"episode {episode_id}: step {step} does not follow the steps recorded")
+        if answer == -3:
+            raise RolloutBufferError(f"no episode {episode_id!r} was added")
+        return answer == 1
+
+    def unfinished(self) -> int:
+        return int(_retrying(self._errors, self.retry_seconds, lambda: self._redis.get(self._keys["ep-unfinished"])) or 0)
 
     def close(self) -> None:
         self._redis.close()

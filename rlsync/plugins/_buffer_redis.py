@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, Final, TypeVar
+from typing import Any, Final, TypeVar, cast
 
 from rlsync import Claim, LeaseLostError, RolloutBufferError, Sample, decode_sample, encode_sample
 
@@ -189,7 +189,7 @@ class RedisStorage:
         args: list[str | int] = []
         for s in samples:
             args += [s.sample_id, s.oldest_version]
-        payloads = {s.sample_id: encode_sample(s) for s in samples}
+        payloads: dict[Any, Any] = {s.sample_id: encode_sample(s) for s in samples}  # redis-py's own key types
         k = self._keys
 
         def append() -> None:  # one MULTI: the payloads (native HSET) and the script that queues the new ids
@@ -208,7 +208,7 @@ class RedisStorage:
                                                           args=args)) if i]
         # read after the script (they are leased to this client: nobody acknowledges them meanwhile)
         payloads = self._retry(lambda: self._redis.hmget(k["payload"], ids)) if ids else []
-        samples = [decode_sample(p) for p in payloads if p is not None]
+        samples = [decode_sample(cast(bytes, p)) for p in payloads if p is not None]
         self._held.update(s.sample_id for s in samples)
         return samples
 

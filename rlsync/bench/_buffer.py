@@ -2,7 +2,11 @@
 alternative a user would write instead, in the same run: ``queue.Queue`` (memory),
 ``ray.util.queue.Queue`` (ray), a bare ``XADD`` / ``XREADGROUP`` loop (redis). Samples carry 1k
 tokens; both sides move them in batches of 64. The ``+routes`` rows carry MoE routing on every generated token too
-(48 layers x top-8 expert ids, as a large MoE records them: 192 KiB per sample)."""
+(48 layers x top-8 expert ids, as a large MoE records them: 192 KiB per sample).
+
+Episodes (``rlsync.Episode``): the cost of recording a model turn of 512 tokens (versions, log-probs) per
+backend, against appending the same msgpack bytes the plain way (a Python list; ``RPUSH``), and of a resume:
+claiming an episode of 16 recorded turns whose lease ran out and replaying them."""
 
 from __future__ import annotations
 
@@ -133,6 +137,60 @@ def bench_redis(repeats: int, routes: bool = False) -> tuple[float, float]:
             proc.wait()
 
 
+TURN_TOKENS, RESUMED_TURNS = 512, 16
+
+
+def _episode_costs(log: Any, plain_append: Callable[[bytes], object], repeats: int) -> dict[str, float]:
+    """Seconds per recorded turn (rlsync and plain) and per resume of a RESUMED_TURNS-turn episode, best of ``repeats``."""
+    import msgspec
+
+    from rlsync import Episode, Turn
+
+    turn = Turn(list(range(TURN_TOKENS)), [3] * TURN_TOKENS, [-0.5] * TURN_TOKENS)
+    best = {"turn_s": float("inf"), "plain_turn_s": float("inf"), "resume_s": float("inf")}
+    for r in range(repeats):
+        log.add(f"bench-{r}", b"")
+        episode = Episode.next(log, "bench", lease_seconds=0)  # the lease runs out at once: a resume can follow
+        assert episode is not None
+        started = time.perf_counter()
+        for _ in range(RESUMED_TURNS):
+            episode.turn(lambda: turn)
+        best["turn_s"] = min(best["turn_s"], (time.perf_counter() - started) / RESUMED_TURNS)
+        started = time.perf_counter()
+        for _ in range(RESUMED_TURNS):
+            plain_append(msgspec.msgpack.encode(turn))
+        best["plain_turn_s"] = min(best["plain_turn_s"], (time.perf_counter() - started) / RESUMED_TURNS)
+        started = time.perf_counter()
+        resumed = Episode.next(log, "other", lease_seconds=60)
+        assert resumed is not None and resumed.recorded == RESUMED_TURNS
+        for _ in range(RESUMED_TURNS):
+            resumed.turn(lambda: turn)  # replayed from the record
+        best["resume_s"] = min(best["resume_s"], time.perf_counter() - started)
+    return best
+
+
+def episodes_memory(repeats: int) -> dict[str, float]:
+    from rlsync import MemoryEpisodes
+
+    plain: list[bytes] = []
+    return _episode_costs(MemoryEpisodes(lambda samples: None), plain.append, repeats)
+
+
+def episodes_redis(repeats: int) -> dict[str, float]:
+    import redis
+
+    from rlsync.plugins import RedisEpisodes
+
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, url = _redis_server(tmp)
+        try:
+            r = redis.Redis.from_url(url)
+            return _episode_costs(RedisEpisodes(url, name="bench"), lambda entry: r.rpush("plain-turns", entry), repeats)
+        finally:
+            proc.kill()
+            proc.wait()
+
+
 def backends() -> tuple[list[tuple[str, Callable[[int], tuple[float, float]]]], list[dict[str, str]]]:
     """The backends that run here, and the ones skipped with why (Ray and Redis are extras, redis-server a program)."""
     import importlib.util
@@ -163,7 +221,10 @@ def measure(repeats: int, progress: Any = None, chosen: Any = None) -> dict[str,
         results.append({"name": name, "kind": "backend", "samples_per_s": ours})
         results.append({"name": f"{name}-baseline", "kind": "baseline", "samples_per_s": base})
         say(name)
-    return {"sample_tokens": 1024, "batch": BATCH, "routes": list(ROUTES), "results": results, "skipped": skipped}
+    episodes = [{"name": name, **fn(max(repeats, 3))} for name, fn in
+                (("memory", episodes_memory), ("redis", episodes_redis)) if any(n == name for n, _ in runs)]
+    return {"sample_tokens": 1024, "batch": BATCH, "routes": list(ROUTES), "results": results, "skipped": skipped,
+            "episodes": episodes, "turn_tokens": TURN_TOKENS, "resumed_turns": RESUMED_TURNS}
 
 
 def run(*, json_output: bool, repeats: int) -> None:
@@ -190,3 +251,10 @@ def run(*, json_output: bool, repeats: int) -> None:
                           "redis": "XADD/XREADGROUP"}[r["name"].split("+")[0]], f"{b['samples_per_s']:,.0f}",
                           f"{r['samples_per_s'] / b['samples_per_s']:.2f}x")
     Console().print(table)
+    turns = Table(title=f"episodes: recording a {TURN_TOKENS}-token turn; resuming an episode of {RESUMED_TURNS} turns")
+    for col in ("backend", "ms per turn", "plain append", "ms per turn", "ratio", "ms per resume"):
+        turns.add_column(col, overflow="fold")
+    for e in report["episodes"]:
+        turns.add_row(e["name"], f"{e['turn_s'] * 1e3:.3f}", {"memory": "list.append", "redis": "RPUSH"}[e["name"]],
+                      f"{e['plain_turn_s'] * 1e3:.3f}", f"{e['plain_turn_s'] / e['turn_s']:.2f}x", f"{e['resume_s'] * 1e3:.2f}")
+    Console().print(turns)

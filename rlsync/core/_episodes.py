@@ -109,7 +109,10 @@ class Episode:
         self.episode_id = claim.episode_id
         self.epoch = claim.epoch
         self.prompt = claim.prompt
-        self._steps = [_decode(entry) for entry in claim.steps]
+        try:
+            self._steps = [_decode(entry) for entry in claim.steps]
+        except msgspec.MsgspecError as exc:  # the log holds steps no rlsync Episode recorded: named, not replayed
+            raise RolloutBufferError(f"episode {claim.episode_id}: a recorded step is not an rlsync step ({exc})") from None
         self.recorded = len(self._steps)  # steps recorded before this claim
         self.resumed = bool(self._steps)
         self.replayed = 0

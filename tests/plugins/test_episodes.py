@@ -53,6 +53,18 @@ def test_a_resumed_agent_that_takes_other_steps_is_told_so() -> None:
         again.tool("search", lambda key: None)
 
 
+def test_a_step_that_no_episode_recorded_is_refused_by_name() -> None:
+    from rlsync import Episode
+
+    log = MemoryEpisodes(MemoryStorage().append)
+    log.add("e", b"")
+    claim = log.claim("a", 0)
+    assert claim is not None
+    log.record("e", claim.epoch, 0, b"\xc1 not msgpack", 0)  # a log is bytes: something else wrote this one
+    with pytest.raises(RolloutBufferError, match="episode e: a recorded step is not an rlsync step"):
+        Episode.next(log, "b")
+
+
 @pytest.mark.redis
 def test_redis_episodes_keep_the_contract(tmp_path: Path) -> None:
     pytest.importorskip("redis")

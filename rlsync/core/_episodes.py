@@ -99,9 +99,8 @@ class EpisodeLog(Protocol):
 class Episode:
     """A claimed episode, run by one generator; see the module docstring. ``Episode.next(log, owner)`` claims one.
 
-    ``resumed``: whether steps were recorded before this claim (another generator started it; ``recorded``: how
-    many). ``replayed``:
-    how many recorded steps were returned from the log instead of run, so far.
+    ``recorded``: how many steps were recorded before this claim (another generator started the episode: it is
+    ``resumed``); ``replayed``: how many of them were returned from the log instead of run, so far.
     """
 
     def __init__(self, log: EpisodeLog, claim: Claim, lease_seconds: float) -> None:
@@ -113,12 +112,18 @@ class Episode:
             self._steps = [_decode(entry) for entry in claim.steps]
         except msgspec.MsgspecError as exc:  # the log holds steps no rlsync Episode recorded: named, not replayed
             raise RolloutBufferError(f"episode {claim.episode_id}: a recorded step is not an rlsync step ({exc})") from None
-        self.recorded = len(self._steps)  # steps recorded before this claim
-        self.resumed = bool(self._steps)
-        self.replayed = 0
+        self.recorded = len(self._steps)
         self._at = 0  # the next step number
         self._lease_seconds = lease_seconds
         self.turns: list[Turn] = []  # this episode's model turns so far, recorded or replayed
+
+    @property
+    def resumed(self) -> bool:
+        return self.recorded > 0
+
+    @property
+    def replayed(self) -> int:
+        return min(self._at, self.recorded)
 
     @classmethod
     def next(cls, log: EpisodeLog, owner: str, *, lease_seconds: float = 60.0) -> Episode | None:
@@ -160,12 +165,11 @@ class Episode:
         self._log.record(self.episode_id, self.epoch, -1, b"", self._lease_seconds)
 
     def finish(self, sample: Sample) -> bool:
-        """Deliver the episode's ``sample`` (its ``sample_id`` becomes the episode's id), exactly once over every
-        generator that ran it: True, or False when it was finished already."""
+        """Deliver the episode's ``sample`` (the log gives it the episode's id), exactly once over every generator that
+        ran it: True, or False when it was finished already."""
         if self._at < len(self._steps):
             raise RolloutBufferError(f"episode {self.episode_id}: finished after step {self._at} of the {len(self._steps)} "
                                      f"recorded: the agent loop must replay every recorded step before it finishes")
-        sample.sample_id = self.episode_id
         return self._log.finish(self.episode_id, self.epoch, sample)
 
     def _replay(self, kind: type[Any]) -> Any:
@@ -176,7 +180,6 @@ class Episode:
             raise RolloutBufferError(f"episode {self.episode_id}: step {self._at} was recorded as {type(step).__name__}, "
                                      f"the agent now asks for {kind.__name__}: the agent loop must take the same steps on resume")
         self._at += 1
-        self.replayed += 1
         return step
 
     def _record(self, step: _Step) -> None:

@@ -30,17 +30,25 @@ from rlsync import Claim, LeaseLostError, RolloutBufferError, Sample, decode_sam
 
 T = TypeVar("T")
 
+_NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
+# queues a sample id never seen, oldest version first then first in (the order's score kept for leases that run out)
+_QUEUE = """
+local function queue(ids, waiting, order, seq, id, version)
+  if redis.call('SADD', ids, id) == 0 then return false end
+  local score = string.format('%.0f', (tonumber(version) + 1) * 4294967296 + redis.call('INCR', seq))
+  redis.call('ZADD', waiting, score, id)
+  redis.call('HSET', order, id, score)
+  return true
+end
+"""
+
 # KEYS: ids (every id ever added), queue, payload, order, seq. ARGV: id, oldest version, ... The payloads were set
 # by HSET in the same MULTI, outside Lua (large samples, MoE routes: copying them through Lua strings cost 2.5x);
 # an id seen before keeps the payload it had, and one acknowledged already (no order) gets none back.
-_APPEND = """
+_APPEND = _QUEUE + """
 local added = 0
 for i = 1, #ARGV, 2 do
-  if redis.call('SADD', KEYS[1], ARGV[i]) == 1 then
-    local seq = redis.call('INCR', KEYS[5])
-    local score = string.format('%.0f', (tonumber(ARGV[i + 1]) + 1) * 4294967296 + seq)
-    redis.call('ZADD', KEYS[2], score, ARGV[i])
-    redis.call('HSET', KEYS[4], ARGV[i], score)
+  if queue(KEYS[1], KEYS[2], KEYS[4], KEYS[5], ARGV[i], ARGV[i + 1]) then
     added = added + 1
   elseif redis.call('HEXISTS', KEYS[4], ARGV[i]) == 0 then
     redis.call('HDEL', KEYS[3], ARGV[i])
@@ -51,11 +59,9 @@ return added
 
 # KEYS: queue, leased, payload, order, this request's record. ARGV: count, lease ms, held ids... Returns the ids
 # leased (a retry: the first attempt's; the record's first entry is an empty marker); the payloads are read after.
-_TAKE = """
+_TAKE = _NOW + """
 local done = redis.call('LRANGE', KEYS[5], 0, -1)
 if redis.call('EXISTS', KEYS[5]) == 1 then return done end  -- a retry: the same samples
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local deadline = now + tonumber(ARGV[2])
 for i = 3, #ARGV do redis.call('ZADD', KEYS[2], 'XX', deadline, ARGV[i]) end  -- renew what this client holds
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) do  -- leases that ran out come back
@@ -85,7 +91,6 @@ return #ARGV
 """
 
 _NEW_BELOW: Final = 2**40  # episode scores: below, the order new ones were added; above, a lease's deadline (ms)
-_NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
 
 # KEYS: the episode's hash, claimable set, unfinished count, seq. ARGV: id, prompt
 _EP_ADD = """
@@ -126,7 +131,7 @@ return 1
 
 # KEYS: the episode's hash, its steps, claimable set, unfinished count, then the samples' ids, queue, payload, order,
 # seq. ARGV: id, epoch, oldest version, payload
-_EP_FINISH = """
+_EP_FINISH = _QUEUE + """
 local e = redis.call('HMGET', KEYS[1], 'epoch', 'done')
 if not e[1] then return -3 end
 if e[2] == '1' then return 0 end
@@ -135,13 +140,7 @@ redis.call('HSET', KEYS[1], 'done', 1)
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('DECR', KEYS[4])
-if redis.call('SADD', KEYS[5], ARGV[1]) == 1 then
-  local seq = redis.call('INCR', KEYS[9])
-  local score = string.format('%.0f', (tonumber(ARGV[3]) + 1) * 4294967296 + seq)
-  redis.call('ZADD', KEYS[6], score, ARGV[1])
-  redis.call('HSET', KEYS[7], ARGV[1], ARGV[4])
-  redis.call('HSET', KEYS[8], ARGV[1], score)
-end
+if queue(KEYS[5], KEYS[6], KEYS[8], KEYS[9], ARGV[1], ARGV[3]) then redis.call('HSET', KEYS[7], ARGV[1], ARGV[4]) end
 return 1
 """
 

@@ -22,12 +22,14 @@ is a ``BadFrame`` for that frame alone.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import ipaddress
 import os
 import secrets
 import struct
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Union
@@ -338,11 +340,25 @@ def bind_router(host: str = "127.0.0.1", port: int = 0, secret: str | None = Non
     key = new_key()
     sock = _socket(zmq.ROUTER)
     if port:
-        sock.bind(f"tcp://{host}:{port}")
+        _bind(sock, f"tcp://{host}:{port}")
     else:
         port = sock.bind_to_random_port(f"tcp://{host}")
     address = f"tcp://{host}:{port}"
     return (Channel(sock, shared), address) if shared else (Channel(sock, key.encode()), f"{address}#{key}")
+
+
+def _bind(sock: zmq.Socket[bytes], endpoint: str, wait: float = 2.0) -> None:
+    """Bind ``endpoint``, waiting up to ``wait`` seconds while it is in use: a reader this process closed a moment ago
+    on the same port (a receiver restarted in place) has its listener released by ZMQ's I/O thread, asynchronously."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
 
 
 def connect_dealer(address: str, secret: str | None = None) -> Channel:

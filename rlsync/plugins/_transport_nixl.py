@@ -2,8 +2,9 @@
 
 The reader registers its regions with a NIXL agent and describes them (agent metadata plus
 addresses) over the control plane; the writer registers its source buffers once, adds the
-reader's agent, and posts WRITEs. Initialized transfer handles are kept and re-posted for every
-later version with the same runs, so descriptor lists are built once per plan, not per step.
+reader's agent, and posts the WRITEs of a version at ``flush``, as one transfer. Initialized transfer handles
+are kept and re-posted for every later version with the same writes, so descriptor lists are built once per
+plan, not per step.
 
 Device memory: ``transport_options={"device": "cuda:N"}`` puts the reader's regions on that GPU
 (registered as VRAM: a GPU-to-GPU write, no host bounce); a writer's device tensors are registered
@@ -12,8 +13,10 @@ a trainer whose tensors come back at the same addresses every step (parameters, 
 allocator's reuse) registers once; one whose addresses change has the registrations that the last
 version did not use dropped after each flush, so they never pile up.
 
-Progress thread: off by default (``RLSYNC_NIXL_PROGRESS_THREAD=1`` to enable): on small machines
-it competes with the copy for cores (about 1.8 GB/s with it, 4.5 without, on 2 cores).
+Progress thread: a reader's agent has NIXL's progress thread where CUDA runs (a GPU writer's device memory
+into a reader's host memory needs the reader's side to progress: without it an H100 run of 4 GiB ended in
+UCX's "Endpoint timeout"), and none elsewhere: on small CPU machines it competes with the copy for cores
+(about 1.8 GB/s with it, 4.5 without, on 2 cores). ``RLSYNC_NIXL_PROGRESS_THREAD=1`` or ``0`` decides.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ import torch
 from rlsync import Landing, Link, PeerLostError, Run, Transport, TransportError
 
 _counter = itertools.count()
-_MAX_HANDLES = 1024  # prepared transfers a link keeps for reuse (a whole model's runs fit)
+_MAX_HANDLES = 64  # prepared transfers a link keeps for reuse (one per set of writes: a model's full versions share one)
 _agents: dict[str, Any] = {}
+Write = tuple[tuple[int, int, str], int, tuple[Run, ...]]  # (registration key, device id, runs) of one write
 
 
 def _agent(role: str) -> Any:
@@ -44,7 +48,11 @@ def _agent(role: str) -> Any:
 
         logging.getLogger("nixl").setLevel(logging.WARNING)  # it logs every agent and backend at INFO
 
-        threaded = os.environ.get("RLSYNC_NIXL_PROGRESS_THREAD", "0") == "1"
+        # a reader's UCX must progress for writes it does not complete alone (device memory into its host memory
+        # goes through a pipeline its side drives): on a machine with a GPU the reader's agent gets NIXL's progress
+        # thread; the writer drives its own, polling in flush, and a CPU-only reader is written into by cma alone
+        default = "1" if role == "reader" and torch.cuda.is_available() else "0"
+        threaded = os.environ.get("RLSYNC_NIXL_PROGRESS_THREAD", default) == "1"
         # one agent serves every reader (or writer) thread of the process: several readers' service threads
         # drive progress and register memory at once, a writer posts to several readers from a pool, so NIXL
         # must serialize them (without it: segfaults in get_new_notifs)
@@ -140,7 +148,9 @@ class NixlLink(Link):
         self._remote_devid = int(description.get("devid", 0))
         self._registered: dict[tuple[int, int, str], Any] = {}
         self._used: set[tuple[int, int, str]] = set()  # registrations the writes since the last flush used
-        self._handles: dict[tuple[tuple[int, int, str], tuple[Run, ...]], Any] = {}
+        self._handles: dict[tuple[Write, ...], Any] = {}  # prepared transfers, by the writes they post
+        self._writes: list[Write] = []  # gathered since the last flush
+        self._after: set[Any] = set()  # the streams that produced device sources: synchronized before posting
         self._posted: list[Any] = []
         self._held: list[Any] = []  # device sources of posted writes: alive until flush
 
@@ -153,26 +163,45 @@ class NixlLink(Link):
         return key
 
     def write(self, source: Any, runs: Sequence[Run]) -> None:
+        """Gathered, posted at ``flush`` as one transfer: one NIXL request and one wait per version, not one per
+        tensor (a per-tensor post and device synchronize cost ~90 ms for 1622 tensors on an H100)."""
         if not runs:
             return
         if isinstance(source, torch.Tensor) and source.is_cuda:
-            torch.cuda.current_stream(source.device).synchronize()  # the work that produced it, before the NIC reads
+            self._after.add(torch.cuda.current_stream(source.device))  # the work that produced it, before the NIC reads
             self._held.append(source)
         key = self._register(source)
-        handle = self._handles.get((key, tuple(runs)))
+        devid = _desc(source)[2]
+        self._writes.append((key, devid, tuple(runs)))
+
+    def _post(self) -> None:
+        """The writes gathered since the last flush, as one prepared transfer (built once per set of writes)."""
+        if not self._writes:
+            return
+        for stream in self._after:  # once per stream, not per tensor: the sources are complete before the NIC reads
+            stream.synchronize()
+        self._after = set()
+        writes, self._writes = tuple(self._writes), []
+        handle = self._handles.get(writes)
         if handle is None:
-            base, _, mem_type = key
-            devid = _desc(source)[2]
-            local = np.array([(base + s, n, devid) for s, _, _, n in runs], dtype=np.uint64)
-            remote = np.array([(self._remote[slot] + d, n, self._remote_devid) for _, slot, d, n in runs], dtype=np.uint64)
+            local = np.array([(base + s, n, devid) for (base, _, _), devid, runs in writes for s, _, _, n in runs],
+                             dtype=np.uint64).reshape(-1, 3)
+            remote = np.array([(self._remote[slot] + d, n, self._remote_devid) for _, _, runs in writes for _, slot, d, n in runs],
+                              dtype=np.uint64).reshape(-1, 3)
+            types = {key[2] for key, _, _ in writes}
+            if len(types) > 1:  # one transfer has one local memory type: VRAM and DRAM sources go as two
+                for mem_type in sorted(types):
+                    self._writes = [w for w in writes if w[0][2] == mem_type]
+                    self._post()
+                return
             with self._peer_lost("NIXL could not prepare a write"):
                 handle = self._agent.initialize_xfer(
                     "WRITE",
-                    self._agent.get_xfer_descs(local, mem_type=mem_type),
+                    self._agent.get_xfer_descs(local, mem_type=types.pop()),
                     self._agent.get_xfer_descs(remote, mem_type=self._remote_type),
                     self._peer,
                 )
-            self._handles[(key, tuple(runs))] = handle
+            self._handles[writes] = handle
         with self._peer_lost("NIXL could not post a write"):
             state = self._agent.transfer(handle)
         if state == "ERR":
@@ -190,6 +219,7 @@ class NixlLink(Link):
             raise
 
     def flush(self) -> None:
+        self._post()
         deadline = time.monotonic() + float(os.environ.get("RLSYNC_NIXL_TIMEOUT", "120"))
         for handle in self._posted:
             while True:
@@ -205,7 +235,7 @@ class NixlLink(Link):
         self._held.clear()
         stale = set(self._registered) - self._used  # sources the last version did not write from: gone or moved
         if stale:
-            for prepared in [k for k in self._handles if k[0] in stale]:
+            for prepared in [k for k in self._handles if any(w[0] in stale for w in k)]:
                 self._release(self._handles.pop(prepared))
             for key in stale:
                 self._agent.deregister_memory(self._registered.pop(key))

@@ -54,6 +54,7 @@ def _link_with(agent: Any) -> Any:
     link = NixlLink.__new__(NixlLink)
     link._agent, link._peer = agent, "rlsync-reader-1"
     link._registered, link._used, link._handles, link._posted, link._held = {}, set(), {}, [], []
+    link._writes, link._after = [], set()
     return link
 
 
@@ -63,9 +64,10 @@ def test_a_nixl_peer_that_restarted_is_a_lost_peer_not_a_raw_error() -> None:
     link = _link_with(_DisconnectedAgent())
     key = (source.ctypes.data, 64, "DRAM")
     link._registered[key] = object()  # registered and prepared already: the post is what fails
-    link._handles[(key, ((0, 0, 0, 64),))] = object()
+    link._handles[((key, 0, ((0, 0, 0, 64),)),)] = object()
+    link.write(source, [(0, 0, 0, 64)])  # gathered: the version's writes are posted at flush, as one transfer
     with pytest.raises(PeerLostError, match="restarted or died"):
-        link.write(source, [(0, 0, 0, 64)])
+        link.flush()
     link._posted = [object()]
     with pytest.raises(PeerLostError, match="restarted or died"):
         link.flush()

@@ -126,6 +126,10 @@ if "limits" in bench:
         d = bench["delta"]
         print(f"  delta find+encode {d['find_encode_gbps']:.1f} GB/s, apply {d['apply_seconds'] * 1e3:.2f} ms, "
               f"{d['delta_bytes'] / d['full_bytes']:.1%} of the bytes")
+        if d.get("zstd"):
+            z = d["zstd"]
+            print(f"  delta zstd (tcp) find+encode {z['find_encode_gbps']:.1f} GB/s, apply {z['apply_seconds'] * 1e3:.2f} ms, "
+                  f"{z['delta_bytes'] / z['full_bytes']:.1%} of the bytes")
 else:
     print(f"bench: {bench.get('error')}")
 missing = report["env"]["missing"]

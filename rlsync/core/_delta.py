@@ -10,16 +10,19 @@ Huffman stage squeezes the planes to about their entropy: about 1.3 bytes per ch
 (measured on AdamW steps: docs/benchmarks.md), against 6 for raw positions and values.
 
 Finding the changes, the XOR, the gaps and the planes are torch ops on whatever device the bytes live
-on (a GPU trainer does them on the GPU; CPU tests run the same lines); zstd runs on the host over the
+on (a GPU trainer does them on the GPU; CPU tests run the same lines). zstd runs on the host over the
 already small planes, and so does its decoding on the reader, whose positions and values then go back
-to the region's device.
+to the region's device: worth it on a slow link (``Transport.compress_deltas``: tcp), not on a fast one,
+where the planes go as they are (about 6 bytes per changed bf16 value) and never leave the device (an
+H100 compressed 4 GiB at 2 % changed in 1.9 s, while cuda_ipc sends all 4 GiB in 23 ms).
 
 The encoding: ``int64 S``, then ``S`` segment headers ``int64 [base, itemsize, count, mode, nbytes]``,
 then each segment's zstd frame (``nbytes``, padded to 8). A frame holds, before compression, ``count``
 uint32 gaps (the first from element ``base`` of the reader's region; each later one from the previous
 position, at least 1) as 4 byte planes, then ``count`` values of ``itemsize`` bytes as ``itemsize``
-planes: the new bits (mode 0) or their XOR with the bits the reader's slot holds (mode 1, one step
-after the base: the XOR needs the base's bits, which the writer kept). Equal bits, not equal floats: a
+planes: the new bits (mode bit 1 clear) or their XOR with the bits the reader's slot holds (mode bit 1 set,
+one step after the base: the XOR needs the base's bits, which the writer kept). Mode bit 2 set: the frame
+is those planes as they are (``nbytes`` is exactly ``count * (4 + itemsize)``), not compressed. Equal bits, not equal floats: a
 value is "changed" when its bytes differ, so the reader ends bit-exact (NaN payloads and -0.0 included).
 """
 
@@ -107,10 +110,12 @@ def _changes(now: torch.Tensor, shadow: torch.Tensor) -> tuple[torch.Tensor, tor
     """The elements where ``now`` and ``shadow`` (same-size integer tensors) differ, sorted, and their old bits XOR
     new; ``shadow`` takes the new bits. Compared as 64-bit words first, so the full-size compare and ``nonzero``
     run over a quarter (bf16) of the elements and only changed words are looked at element by element, in chunks
-    whose gathers stay in cache (1 GB of bf16 at 2 % changed: 0.6 s on two host cores, was 1.0 s)."""
+    whose gathers stay in cache (1 GB of bf16 at 2 % changed: 0.6 s on two host cores, was 1.0 s). On a GPU, whose
+    bandwidth the compare does not exhaust but whose every ``nonzero`` waits for the device, element by element:
+    one wait per buffer."""
     per = 8 // now.element_size()
     whole = now.numel() // per * per
-    if per == 1 or not whole or now.storage_offset() % per or shadow.storage_offset() % per:
+    if per == 1 or not whole or now.is_cuda or now.storage_offset() % per or shadow.storage_offset() % per:
         changed = torch.nonzero(now != shadow).flatten()
         new = now[changed]
         flips = torch.bitwise_xor(shadow[changed], new)
@@ -132,11 +137,13 @@ def _changes(now: torch.Tensor, shadow: torch.Tensor) -> tuple[torch.Tensor, tor
     return torch.cat([c for c, _ in found]), torch.cat([f for _, f in found])
 
 
-def _elements(idx: torch.Tensor, runs: Sequence[tuple[int, int, int]], itemsize: int) -> tuple[Any, torch.Tensor]:
+def _elements(idx: torch.Tensor, runs: Sequence[tuple[int, int, int]], itemsize: int, nbytes: int) -> tuple[Any, torch.Tensor]:
     """Which of the changed source elements ``idx`` ``runs`` ``(src_off, region_off, nbytes)`` send (a selector of
-    ``idx``), and the region elements they land on."""
+    ``idx``), and the region elements they land on; ``nbytes``: the source buffer's size."""
     if len(runs) == 1:  # the usual whole-tensor buffer: one run, positions shift by a constant
         (s0, d0, n0), = runs
+        if s0 == 0 and n0 >= nbytes // itemsize * itemsize:  # all of the buffer: every change, no search
+            return slice(None), idx + d0 // itemsize if d0 else idx
         bounds = torch.tensor([s0 // itemsize, (s0 + n0) // itemsize], dtype=idx.dtype, device=idx.device)
         lo, hi = torch.searchsorted(idx, bounds).tolist()
         return slice(lo, hi), idx[lo:hi] + (d0 - s0) // itemsize
@@ -176,14 +183,16 @@ def encode(
     itemsizes: Mapping[str, int],
     capacity: int,
     flips: Mapping[str, torch.Tensor | None] | None = None,
+    compress: bool = True,
 ) -> torch.Tensor | None:
-    """The delta of one writer's part for one reader, a host ``uint8`` tensor: ``groups`` are its ``(source
-    buffer, [(src_off, region_off, nbytes), ...])`` runs; ``changed`` the changed elements per source buffer;
-    ``flips`` (``ChangeLog.flips``), where given, their old bits XOR new (sent instead of the new bits). None when
-    a buffer's changes are unknown or the encoding would exceed ``capacity`` bytes (send in full then)."""
-    compress = _zstd().compress
+    """The delta of one writer's part for one reader, a ``uint8`` tensor (on the host when ``compress``, else on
+    the sources' device): ``groups`` are its ``(source buffer, [(src_off, region_off, nbytes), ...])`` runs;
+    ``changed`` the changed elements per source buffer; ``flips`` (``ChangeLog.flips``), where given, their old
+    bits XOR new (sent instead of the new bits); ``compress``: zstd the frames (a slow link). None when a buffer's
+    changes are unknown or the encoding would exceed ``capacity`` bytes (send in full then). On a GPU it waits for
+    the device only where a run or a span needs it (the usual whole-tensor run of under 2**32 elements: never)."""
     headers: list[int] = []
-    frames = bytearray()  # each frame padded to 8, back to back
+    frames: list[torch.Tensor] = []  # each frame, then its padding to 8, back to back
     size = 8
     for name, runs in groups:
         idx = changed.get(name)
@@ -193,34 +202,47 @@ def encode(
             continue
         itemsize = itemsizes[name]
         flipped = None if flips is None else flips.get(name)
-        chosen, element = _elements(idx, runs, itemsize)
+        chosen, element = _elements(idx, runs, itemsize, sources[name].numel())
         if not element.numel():
             continue
         values = flipped[chosen] if flipped is not None else typed(sources[name], itemsize)[idx[chosen]]
         if len(runs) > 1:  # runs may land out of order: gaps need the positions sorted
             element, order = torch.sort(element, stable=True)
             values = values[order]
-        start, count_all = 0, element.numel()
-        high = int(element[-1])
-        while start < count_all:  # segments whose positions fit in uint32
-            low = int(element[start])
-            stop = count_all if high - low < _SPAN else int(torch.searchsorted(element, low + _SPAN))
+        mode = (0 if flipped is None else 1) | (0 if compress else 2)
+        for low, start, stop in _segments(element, runs, itemsize):
             count = stop - start
             positions = element[start:stop] - low
             gaps = torch.diff(positions, prepend=positions.new_zeros(1)).to(torch.int32)  # < 2**32: the low word kept
-            planes = torch.cat([_planes(gaps, 4), _planes(values[start:stop], itemsize)]).cpu()
-            frame = compress(planes.numpy(), level=1)  # the array's own buffer: no bytes copy of the planes
-            size += 40 + len(frame) + _pad8(len(frame))
+            planes = torch.cat([_planes(gaps, 4), _planes(values[start:stop], itemsize)])
+            frame = torch.frombuffer(bytearray(_zstd().compress(planes.cpu().numpy(), level=1)), dtype=torch.uint8) \
+                if compress else planes
+            size += 40 + frame.numel() + _pad8(frame.numel())
             if size > capacity:
                 return None
-            headers += [low, itemsize, count, 0 if flipped is None else 1, len(frame)]
-            frames += frame
-            frames += bytes(_pad8(len(frame)))
-            start = stop
+            headers += [low, itemsize, count, mode, frame.numel()]
+            frames += [frame, frame.new_zeros(_pad8(frame.numel()))]
     if not headers:
         return torch.empty(0, dtype=torch.uint8)
     head = torch.tensor([len(headers) // 5, *headers], dtype=torch.int64).view(torch.uint8)
-    return torch.cat([head, torch.frombuffer(frames, dtype=torch.uint8)])
+    return torch.cat([head.to(frames[0].device), *frames])
+
+
+def _segments(element: torch.Tensor, runs: Sequence[tuple[int, int, int]], itemsize: int) -> list[tuple[int, int, int]]:
+    """``(low, start, stop)``: ``element[start:stop]`` (sorted region elements) in segments whose positions from
+    ``low`` fit in uint32. The runs bound the elements: a span under 2**32 is one segment from its first element,
+    found without reading ``element`` (no wait for the device)."""
+    first = min(d for _, d, _ in runs) // itemsize
+    if max(d + n for _, d, n in runs) // itemsize - first < _SPAN:
+        return [(first, 0, element.numel())]
+    out, start, count = [], 0, element.numel()
+    high = int(element[-1])
+    while start < count:
+        low = int(element[start])
+        stop = count if high - low < _SPAN else int(torch.searchsorted(element, low + _SPAN))
+        out.append((low, start, stop))
+        start = stop
+    return out
 
 
 def _zstd() -> Any:
@@ -233,50 +255,65 @@ def _zstd() -> Any:
 
 
 def apply(payload: torch.Tensor, region: torch.Tensor) -> int:
-    """Write an ``encode``-d delta into ``region`` (``uint8``, any device; mode-1 segments XOR into the bits it
+    """Write an ``encode``-d delta into ``region`` (``uint8``, any device; XOR segments XOR into the bits it
     holds); the number of values written. Decodes and checks every segment against the region before writing any
-    (a bad delta raises ``ValueError`` and changes nothing)."""
-    zstd = _zstd()
+    (a bad delta raises ``ValueError`` and changes nothing). Uncompressed frames are decoded where the payload is
+    (on a GPU: on the device, one wait for all the checks)."""
     if not payload.numel():
         return 0
     if payload.numel() < 8:
         raise ValueError(f"a {payload.numel()}-byte delta has no segment count")
-    data = payload.cpu()
-    segments = int(data[:8].view(torch.int64))
-    if segments < 0 or 8 + 40 * segments > data.numel():
-        raise ValueError(f"a {data.numel()}-byte delta cannot hold {segments} segment headers")
-    headers = data[8 : 8 + 40 * segments].view(torch.int64).reshape(-1, 5).tolist()
+    segments = int(payload[:8].cpu().view(torch.int64))
+    if segments < 0 or 8 + 40 * segments > payload.numel():
+        raise ValueError(f"a {payload.numel()}-byte delta cannot hold {segments} segment headers")
+    headers = payload[8 : 8 + 40 * segments].cpu().view(torch.int64).reshape(-1, 5).tolist()
     at = 8 + 40 * segments
-    parts: list[tuple[torch.Tensor, torch.Tensor, int, int]] = []
+    parts: list[tuple[int, torch.Tensor, torch.Tensor, int, int]] = []
     for base, itemsize, count, mode, nbytes in headers:
-        if itemsize not in _WORD or count < 1 or base < 0 or mode not in (0, 1) or nbytes < 0:
+        if itemsize not in _WORD or count < 1 or base < 0 or mode not in (0, 1, 2, 3) or nbytes < 0:
             raise ValueError(f"delta segment header [{base}, {itemsize}, {count}, {mode}, {nbytes}] is not a segment")
         end = at + nbytes + _pad8(nbytes)
-        if end > data.numel():
-            raise ValueError(f"delta segment at element {base} ({count} values) runs past the {data.numel()}-byte delta")
+        if end > payload.numel():
+            raise ValueError(f"delta segment at element {base} ({count} values) runs past the {payload.numel()}-byte delta")
         if count * itemsize > region.numel():  # unique positions: at most one value per element of the region
             raise ValueError(f"a delta segment ({count} values) reaches past the {region.numel()}-byte region")
         expected = count * (4 + itemsize)
-        frame = data[at : at + nbytes].numpy().tobytes()
-        try:  # one frame that says its size and is exactly that: a lying frame cannot make the reader allocate more
-            if zstd.get_frame_info(frame).decompressed_size != expected or zstd.get_frame_size(frame) != nbytes:
-                raise ValueError("another size")
-            unpack = zstd.ZstdDecompressor()
-            planes = unpack.decompress(frame, max_length=expected)
-            if len(planes) != expected or not unpack.eof:
-                raise ValueError("another size")
-        except (zstd.ZstdError, ValueError) as exc:
-            raise ValueError(f"delta segment at element {base}: not a zstd frame of {expected} bytes ({exc})") from None
-        raw = torch.frombuffer(bytearray(planes), dtype=torch.uint8).to(region.device)
+        if mode & 2:  # the planes as they are
+            if nbytes != expected:
+                raise ValueError(f"delta segment at element {base}: {nbytes} bytes of planes, {expected} for {count} values")
+            raw = payload[at : at + nbytes].to(region.device)
+        else:
+            raw = torch.frombuffer(bytearray(_decompress(payload[at : at + nbytes], base, expected)), dtype=torch.uint8)
+            raw = raw.to(region.device)
         gaps = _unplanes(raw[: 4 * count], 4).to(torch.int64) & 0xFFFFFFFF
-        if count > 1 and int(gaps[1:].min()) < 1:  # strictly increasing: unique positions, no write races on a GPU
-            raise ValueError(f"delta segment at element {base}: positions are not increasing")
-        parts.append((torch.cumsum(gaps, 0).add_(base), _unplanes(raw[4 * count :], itemsize), itemsize, mode))
+        parts.append((base, torch.cumsum(gaps, 0).add_(base), _unplanes(raw[4 * count :], itemsize), itemsize, mode & 1))
         at = end
-    for positions, values, itemsize, _ in parts:  # the last position is the largest
-        if (int(positions[-1]) + 1) * itemsize > region.numel():
+    if not parts:
+        return 0
+    # strictly increasing positions (unique: no write races on a GPU), the last within the region: one read
+    checks = torch.stack([torch.stack([p[1:].le(p[:-1]).any().to(torch.int64), p[-1]]) for _, p, _, _, _ in parts]).tolist()
+    for (base, positions, values, itemsize, _), (repeats, last) in zip(parts, checks):
+        if repeats:
+            raise ValueError(f"delta segment at element {base}: positions are not increasing")
+        if (last + 1) * itemsize > region.numel():
             raise ValueError(f"a delta segment ({values.numel()} values) reaches past the {region.numel()}-byte region")
-    for positions, values, itemsize, mode in parts:
+    for _, positions, values, itemsize, xor in parts:
         target = typed(region, itemsize)
-        target.index_copy_(0, positions, torch.bitwise_xor(target[positions], values) if mode else values)
-    return sum(v.numel() for _, v, _, _ in parts)
+        target.index_copy_(0, positions, torch.bitwise_xor(target[positions], values) if xor else values)
+    return sum(v.numel() for _, _, v, _, _ in parts)
+
+
+def _decompress(frame: torch.Tensor, base: int, expected: int) -> bytes:
+    """A segment's zstd frame, decompressed: exactly ``expected`` bytes, or ``ValueError``."""
+    zstd = _zstd()
+    data = frame.cpu().numpy().tobytes()
+    try:  # one frame that says its size and is exactly that: a lying frame cannot make the reader allocate more
+        if zstd.get_frame_info(data).decompressed_size != expected or zstd.get_frame_size(data) != len(data):
+            raise ValueError("another size")
+        unpack = zstd.ZstdDecompressor()
+        planes: bytes = unpack.decompress(data, max_length=expected)
+        if len(planes) != expected or not unpack.eof:
+            raise ValueError("another size")
+    except (zstd.ZstdError, ValueError) as exc:
+        raise ValueError(f"delta segment at element {base}: not a zstd frame of {expected} bytes ({exc})") from None
+    return planes

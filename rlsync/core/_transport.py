@@ -140,6 +140,10 @@ class Transport(ABC):
     landing: ClassVar[type[Landing]]
     #: ``Link.write`` takes sources in device memory (torch tensors) as well as host numpy arrays
     device_sources: ClassVar[bool] = False
+    #: the link is slow next to the host (a network socket): a delta's planes are zstd-compressed on the host
+    #: before they go (~1.3 instead of ~6 bytes per changed bf16 value); False: they go as they are, and never
+    #: leave the device they were found on (compressing costs more than it saves on a memory-speed link)
+    compress_deltas: ClassVar[bool] = False
 
     @classmethod
     def available(cls) -> bool:

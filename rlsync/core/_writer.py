@@ -402,7 +402,8 @@ class WeightsWriter:
         flips = {name: self._changes.flips(base, name) for name, _ in groups}
         capacity = min(self._inboxes[dst_rank][2], self._part_bytes[dst_rank] - 1)  # smaller than a full send, or none
         started = time.perf_counter()
-        payload = encode_delta(groups, changed, self._sources, self._itemsizes, capacity, flips)
+        payload = encode_delta(groups, changed, self._sources, self._itemsizes, capacity, flips,
+                               self._transport.compress_deltas)
         self.last_delta_seconds += time.perf_counter() - started  # summed over readers (pool threads: an upper bound)
         return None if payload is None else (base, payload)
 

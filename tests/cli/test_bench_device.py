@@ -31,6 +31,8 @@ def test_bench_device_cpu_reports_limits_baseline_paths_and_delta_all_exact() ->
     delta = report["delta"]
     assert delta["changed"] == 0.02 and 0 < delta["delta_bytes"] < 0.1 * delta["full_bytes"]
     assert delta["find_encode_gbps"] > 0 and delta["pays_below_gbps"] > 0
+    zstd = delta["zstd"]  # as a slow link (tcp) sends it: smaller than the planes as they are
+    assert 0 < zstd["delta_bytes"] < delta["delta_bytes"] and zstd["find_encode_gbps"] > 0
 
 
 def test_bench_device_cuda_without_a_gpu_says_so() -> None:

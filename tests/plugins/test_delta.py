@@ -125,10 +125,11 @@ def test_encode_apply_round_trip_over_strided_runs_and_segments() -> None:
     assert encode([("x", runs)], {"x": None}, sources, {"x": 2}, capacity=10_000) is None
 
 
+@pytest.mark.parametrize("compress", [True, False], ids=["zstd", "planes"])
 @pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
-def test_encode_apply_round_trip_for_every_item_size_in_both_modes(itemsize: int) -> None:
+def test_encode_apply_round_trip_for_every_item_size_in_both_modes(itemsize: int, compress: bool) -> None:
     """New bits (mode 0) and old-XOR-new bits (mode 1) of 1-, 2-, 4- and 8-byte values, every bit pattern
-    (negative, all ones), land bit-exact."""
+    (negative, all ones), land bit-exact, compressed (a slow link) or not (a fast one: mode bit 2)."""
     import torch
 
     word = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
@@ -142,8 +143,10 @@ def test_encode_apply_round_trip_for_every_item_size_in_both_modes(itemsize: int
     runs = [(0, 0, new.numel())]
     flips = old.view(word)[changed] ^ new.view(word)[changed]
     for mode_flips in (None, {"w": flips}):
-        payload = encode([("w", runs)], {"w": changed}, {"w": new}, {"w": itemsize}, 1 << 20, mode_flips)
+        payload = encode([("w", runs)], {"w": changed}, {"w": new}, {"w": itemsize}, 1 << 20, mode_flips, compress)
         assert payload is not None
+        mode = int(payload[8:48].view(torch.int64)[3])
+        assert mode == (0 if mode_flips is None else 1) | (0 if compress else 2)
         region = old.clone() if mode_flips else torch.zeros_like(old)
         assert apply(payload, region) == changed.numel()
         assert torch.equal(region.view(word)[changed], new.view(word)[changed])
@@ -316,5 +319,34 @@ def test_a_delta_that_lies_is_refused_and_writes_nothing() -> None:
     with pytest.raises(ValueError, match="reaches past"):
         apply(_payload(0, 40, bytes(40 * 6)), region)  # 40 values of 2 bytes: more than 64 bytes hold
     with pytest.raises(ValueError, match="is not a segment"):
-        apply(_payload(0, 2, gaps + values, mode=2), region)
+        apply(_payload(0, 2, gaps + values, mode=4), region)
+    assert not region.any()
+
+
+def _raw_payload(base: int, count: int, planes: bytes, *, itemsize: int = 2) -> Any:
+    """A delta of one uncompressed segment (mode bit 2): ``planes`` as they are."""
+    import torch
+
+    head = torch.tensor([1, base, itemsize, count, 2, len(planes)], dtype=torch.int64).view(torch.uint8)
+    return torch.cat([head, torch.frombuffer(bytearray(planes + bytes(-len(planes) % 8)), dtype=torch.uint8)])
+
+
+def test_an_uncompressed_delta_that_lies_is_refused_and_writes_nothing() -> None:
+    """The planes of a fast link's delta go as they are: a frame of another size than its values need, positions
+    that repeat, a position past the region: ``ValueError``, and the region is unchanged."""
+    import torch
+
+    region = torch.zeros(64, dtype=torch.uint8)
+    gaps = np.array([1, 2], np.uint32).view(np.uint8).reshape(2, 4).T.tobytes()
+    values = np.array([7, 8], np.int16).view(np.uint8).reshape(2, 2).T.tobytes()
+    assert apply(_raw_payload(0, 2, gaps + values), region) == 2 and region.view(torch.int16)[[1, 3]].tolist() == [7, 8]
+    region.zero_()
+    with pytest.raises(ValueError, match="13 bytes of planes, 12 for 2 values"):
+        apply(_raw_payload(0, 2, gaps + values + b"x"), region)
+    repeated = np.array([1, 0], np.uint32).view(np.uint8).reshape(2, 4).T.tobytes()
+    with pytest.raises(ValueError, match="not increasing"):
+        apply(_raw_payload(0, 2, repeated + values), region)
+    far = np.array([1, 40], np.uint32).view(np.uint8).reshape(2, 4).T.tobytes()
+    with pytest.raises(ValueError, match="reaches past"):
+        apply(_raw_payload(0, 2, far + values), region)
     assert not region.any()

@@ -61,7 +61,7 @@ from rlsync.core._options import SyncOptions
 from rlsync.core._planner import build_plan
 from rlsync.core._plugins import default_plugin_manager, resolve_transport, wire_codecs
 from rlsync.core._regions import PairRuns, as_bytes, region_offsets, runs_by_pair
-from rlsync.core._transport import Link
+from rlsync.core._transport import Link, Run
 from rlsync.core._wire import WireCodec
 
 _log = logging.getLogger("rlsync")
@@ -140,6 +140,7 @@ class WeightsWriter:
             self._runs[dst_rank] = runs_by_pair((t for t in mine if t.dst_rank == dst_rank), offsets)[(rank, dst_rank)]
         self._specs = {b.name: b for b in src.buffers if b.rank == rank}
         self._needed = {name for groups in self._runs.values() for name, _ in groups}
+        self._slot_runs: dict[tuple[int, int], list[list[Run]]] = {}  # (reader, slot) -> its runs as written there
         self._transport = resolve_transport(options.transport, self._plugins)
         self._options = options.link_options
         self._secret = secret
@@ -422,13 +423,12 @@ class WeightsWriter:
                     return refused
             checksums = Checksums(self._algorithms[dst_rank]) if self._checksum else None
             wait_ready(self._ready)  # this thread's stream after the trainer's, on which the device sources were made
+            into = placed if placed is not None else self._slotted(dst_rank, slot)  # each group's runs, as written
             for group, (name, runs) in enumerate(self._runs[dst_rank]):
                 self._staging.wait(name)  # its device-to-host copy, if put() issued one
                 source = self._sources[name]
-                if delta is None and placed is not None:
-                    link.write(self._link_source(source), placed[group])
-                elif delta is None:
-                    link.write(self._link_source(source), [(s, slot, d, n) for s, d, n in runs])
+                if delta is None:
+                    link.write(self._link_source(source), into[group])
                 if checksums is not None:  # over the whole part: what the slot must hold, however it got there
                     checksums.add(name, (source[s : s + n] for s, _, n in runs))
                 if progress is not None:
@@ -450,6 +450,14 @@ class WeightsWriter:
             self._drop(dst_rank)
             return str(exc)
         return None
+
+    def _slotted(self, dst_rank: int, slot: int) -> list[list[Run]]:
+        """``dst_rank``'s runs, group by group, as written into ``slot``: built once per slot, not per version (a
+        model's 1600 tensors cost a millisecond a version to rebuild them)."""
+        key = (dst_rank, slot)
+        if key not in self._slot_runs:
+            self._slot_runs[key] = [[(s, slot, d, n) for s, d, n in runs] for _, runs in self._runs[dst_rank]]
+        return self._slot_runs[key]
 
     def _ask_to_begin(self, dst_rank: int, version: int) -> str | None:
         """An in-place reader pauses its engine before a byte lands: ask, and wait for its go."""

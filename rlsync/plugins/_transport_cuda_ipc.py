@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from rlsync import Landing, Link, Run, Transport, TransportError
+from rlsync.plugins._streams import CurrentStreams
 
 # A storage's IPC share names the caching allocator's whole segment (the handle) plus where in it the storage starts
 # (torch's CUDACachingAllocator::shareIpcHandle): every storage of one segment has the same handle, so a storage is
@@ -136,7 +137,7 @@ class CudaIpcLink(Link):
         self._views: dict[tuple[int, int, int], torch.Tensor] = {}  # (slot, offset, n) -> that part of the region
         self._targets: list[torch.Tensor] = []  # the copies gathered since the last flush: targets, sources
         self._sources: list[torch.Tensor] = []
-        self._after: set[Any] = set()  # the streams the sources were written from: the copies wait for them
+        self._after = CurrentStreams()  # the streams the sources were written from: the copies wait for them
         self._held: list[torch.Tensor] = []  # sources of copies in flight: alive until flush
 
     def _target(self, slot: int, offset: int, n: int) -> torch.Tensor:
@@ -152,7 +153,7 @@ class CudaIpcLink(Link):
         if isinstance(source, np.ndarray):
             source = torch.from_numpy(source)
         # the copies wait for the work queued so far on this thread's current stream of the source's device
-        self._after.add(torch.cuda.current_stream(source.device if source.is_cuda else self._index))
+        self._after.note(source.get_device() if source.is_cuda else self._index)
         whole = source.numel()
         for src, slot, dst, n in runs:
             self._targets.append(self._target(slot, dst, n))
@@ -161,7 +162,7 @@ class CudaIpcLink(Link):
 
     def flush(self) -> None:
         if self._targets:
-            for stream in self._after:
+            for stream in self._after.streams():
                 self._stream.wait_stream(stream)
             with torch.cuda.stream(self._stream):
                 torch._foreach_copy_(self._targets, self._sources, non_blocking=True)
@@ -169,7 +170,7 @@ class CudaIpcLink(Link):
         event.record(self._stream)
         event.synchronize()
         self._targets, self._sources, self._held = [], [], []
-        self._after = set()
+        self._after.clear()
 
     def close(self) -> None:
         self.flush()

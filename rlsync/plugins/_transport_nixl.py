@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from rlsync import Landing, Link, PeerLostError, Run, Transport, TransportError
+from rlsync.plugins._streams import CurrentStreams
 
 _counter = itertools.count()
 _MAX_HANDLES = 64  # prepared transfers a link keeps for reuse (one per set of writes: a model's full versions share one)
@@ -150,7 +151,7 @@ class NixlLink(Link):
         self._used: set[tuple[int, int, str]] = set()  # registrations the writes since the last flush used
         self._handles: dict[tuple[Write, ...], Any] = {}  # prepared transfers, by the writes they post
         self._writes: list[Write] = []  # gathered since the last flush
-        self._after: set[Any] = set()  # the streams that produced device sources: synchronized before posting
+        self._after = CurrentStreams()  # the streams that produced device sources: synchronized before posting
         self._posted: list[Any] = []
         self._held: list[Any] = []  # device sources of posted writes: alive until flush
 
@@ -168,7 +169,7 @@ class NixlLink(Link):
         if not runs:
             return
         if isinstance(source, torch.Tensor) and source.is_cuda:
-            self._after.add(torch.cuda.current_stream(source.device))  # the work that produced it, before the NIC reads
+            self._after.note(source.get_device())  # the work that produced it, before the NIC reads
             self._held.append(source)
         key = self._register(source)
         devid = _desc(source)[2]
@@ -178,9 +179,9 @@ class NixlLink(Link):
         """The writes gathered since the last flush, as one prepared transfer (built once per set of writes)."""
         if not self._writes:
             return
-        for stream in self._after:  # once per stream, not per tensor: the sources are complete before the NIC reads
+        for stream in self._after.streams():  # once per stream, not per tensor: the sources are complete before the NIC reads
             stream.synchronize()
-        self._after = set()
+        self._after.clear()
         writes, self._writes = tuple(self._writes), []
         handle = self._handles.get(writes)
         if handle is None:

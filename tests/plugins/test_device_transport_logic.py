@@ -49,12 +49,13 @@ class _DisconnectedAgent:
 
 
 def _link_with(agent: Any) -> Any:
+    from rlsync.plugins._streams import CurrentStreams
     from rlsync.plugins._transport_nixl import NixlLink
 
     link = NixlLink.__new__(NixlLink)
     link._agent, link._peer = agent, "rlsync-reader-1"
     link._registered, link._used, link._handles, link._posted, link._held = {}, set(), {}, [], []
-    link._writes, link._after = [], set()
+    link._writes, link._after = [], CurrentStreams()
     return link
 
 

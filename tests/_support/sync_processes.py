@@ -148,13 +148,15 @@ def reader_main(args: argparse.Namespace) -> None:
             refused = reader.refusal
             print(json.dumps({"refused": refused}), flush=True)
         if reader.version != seen:
-            seen = reader.version
-            report: dict[str, object] = {"version": seen}
-            if args.check and seen > 0:  # every byte that landed, against the values the writer sent for it
-                expected = values(src if args.replicas else dst, seen)
-                got = {name: np.empty_like(array) for name, array in expected.items()}
-                reader.multi_get(got)
-                report["exact"] = all(np.array_equal(got[n], expected[n]) for n in expected)
+            report: dict[str, object] = {}
+            with reader.lock:  # the version and its bytes together: the next may go live between two reads
+                seen = reader.version
+                report["version"] = seen
+                if args.check and seen > 0:  # every byte that landed, against the values the writer sent for it
+                    expected = values(src if args.replicas else dst, seen)
+                    got = {name: np.empty_like(array) for name, array in expected.items()}
+                    reader.multi_get(got)
+                    report["exact"] = all(np.array_equal(got[n], expected[n]) for n in expected)
             print(json.dumps(report), flush=True)
         time.sleep(0.01)
     reader.close()

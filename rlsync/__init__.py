@@ -1,7 +1,7 @@
 """rlsync: weight export, rollout buffering and staleness gating for RL post-training.
 
 Every public name is here, the extension contracts included: a transport (``Transport``, ``Landing``,
-``Link``, ``Run``, ``Region``), a buffer backend's ``Storage``, a staleness ``Gate``, a ``WireCodec``,
+``Link``, ``Run``, ``Region``, ``CurrentStreams`` for a device link), a buffer backend's ``Storage``, a staleness ``Gate``, a ``WireCodec``,
 the shared ``SyncOptions``, the engine-neutral ``StagedReceiver``, and the hooks (``hookimpl``,
 ``plugin_manager``). Layout builders and model presets are in ``rlsync.layouts``; the in-memory transport
 and the conformance checks for plugin authors in ``rlsync.testing``.
@@ -18,6 +18,7 @@ from rlsync.core import (
     Canary,
     CanaryError,
     Claim,
+    CurrentStreams,
     ConfigError,
     Decision,
     Episode,
@@ -95,6 +96,7 @@ __all__ = [
     "CanaryError",
     "Claim",
     "ConfigError",
+    "CurrentStreams",
     "DEFAULT_TIMEOUT",
     "Decision",
     "Episode",

@@ -25,7 +25,7 @@ from rlsync.core._delta import INBOX_SHARE, ChangeLog
 from rlsync.core._episodes import Claim, Episode, EpisodeLog, MemoryEpisodes, Turn
 from rlsync.core._delta import apply as apply_delta
 from rlsync.core._delta import encode as encode_delta
-from rlsync.core._device_order import synchronize_devices
+from rlsync.core._device_order import CurrentStreams, synchronize_devices
 from rlsync.core._errors import (
     CanaryError,
     ConfigError,
@@ -88,7 +88,7 @@ from rlsync.core._writer import WeightsWriter
 
 __all__ = [
     "BUILTIN_PLUGINS", "DEFAULT_TIMEOUT", "ENTRY_POINT_GROUP", "PRESETS", "SLACK", "WIRES",
-    "INBOX_SHARE", "Batch", "Box", "BufferSpec", "Canary", "CanaryError", "ChangeLog", "Claim", "Episode", "EpisodeLog", "LeaseLostError", "MemoryEpisodes", "Turn", "Checksums", "HostStaging", "ConfigError", "Decision", "Finish", "Gate", "Landing", "LandedVersions",
+    "INBOX_SHARE", "Batch", "Box", "BufferSpec", "Canary", "CanaryError", "ChangeLog", "Claim", "CurrentStreams", "Episode", "EpisodeLog", "LeaseLostError", "MemoryEpisodes", "Turn", "Checksums", "HostStaging", "ConfigError", "Decision", "Finish", "Gate", "Landing", "LandedVersions",
     "LandingMode", "Layout", "LayoutError", "Link", "MaxStaleness", "MemoryStorage", "ModelSpec", "Param",
     "PeerLostError", "Plan", "PlanError", "PlanMismatchError", "PlanStats", "PluginError", "PolicyVersionClock",
     "RankBoxes", "Region", "Registry", "RlsyncError", "RlsyncWarning", "RolloutBuffer", "RolloutBufferError", "Run",

@@ -42,7 +42,7 @@ from rlsync.core._control import (
 )
 from rlsync.core._delta import ChangeLog
 from rlsync.core._delta import encode as encode_delta
-from rlsync.core._device_order import Ready, producing_stream, ready_events, wait_ready
+from rlsync.core._device_order import CurrentStreams, Ready, ready_events, wait_ready
 from rlsync.core._errors import (
     CanaryError,
     ConfigError,
@@ -148,7 +148,7 @@ class WeightsWriter:
         self.timeout = timeout
         self._sources: dict[str, torch.Tensor] = {}  # uint8, on the host or (for a device transport) the device
         self._device_copies: dict[str, torch.Tensor] = {}  # contiguous copies of strided device sources, reused
-        self._streams: set[Any] = set()  # the streams device sources were put from, since the last version
+        self._streams = CurrentStreams()  # the streams device sources were put from, since the last version
         self._ready: Ready = []  # while a version is sent: an event on each of those streams
         self._channels: dict[int, Channel] = {}
         self._links: dict[int, Link] = {}
@@ -209,9 +209,7 @@ class WeightsWriter:
             # the transport reads device memory itself (cuda_ipc, nixl): no bounce through the host; the copy may
             # run in another thread, whose current stream is not this one: it waits for this event first
             self._sources[name] = as_bytes(name, tensor if tensor.is_contiguous() else self._contiguous_copy(name, tensor))
-            stream = producing_stream(tensor)
-            if stream is not None:
-                self._streams.add(stream)
+            self._streams.note(tensor)
         elif self._staging.needs_staging(tensor):
             # device memory or a strided view: copied (asynchronously from a GPU) into a reused host buffer;
             # each buffer is sent once its own copy is done, so PCIe and the sending overlap
@@ -324,7 +322,8 @@ class WeightsWriter:
         names = sorted(self._sources)
         self._plugins.hook.rlsync_before_export(version=version, names=names)
         started = time.perf_counter()
-        self._ready, self._streams = ready_events(self._streams), set()
+        self._ready = ready_events(self._streams.streams())
+        self._streams.clear()
         wait_ready(self._ready)  # this thread's own reads of the sources (the delta's) after the streams that made them
         self.last_delta_seconds = 0.0
         if self._changes is not None:

@@ -20,8 +20,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from rlsync import Landing, Link, Run, Transport, TransportError
-from rlsync.plugins._streams import CurrentStreams
+from rlsync import CurrentStreams, Landing, Link, Run, Transport, TransportError
 
 # A storage's IPC share names the caching allocator's whole segment (the handle) plus where in it the storage starts
 # (torch's CUDACachingAllocator::shareIpcHandle): every storage of one segment has the same handle, so a storage is
@@ -153,7 +152,7 @@ class CudaIpcLink(Link):
         if isinstance(source, np.ndarray):
             source = torch.from_numpy(source)
         # the copies wait for the work queued so far on this thread's current stream of the source's device
-        self._after.note(source.get_device() if source.is_cuda else self._index)
+        self._after.note_device(source.get_device() if source.is_cuda else self._index)
         whole = source.numel()
         for src, slot, dst, n in runs:
             self._targets.append(self._target(slot, dst, n))

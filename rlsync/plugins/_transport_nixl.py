@@ -8,7 +8,8 @@ plan, not per step.
 
 Device memory: ``transport_options={"device": "cuda:N"}`` puts the reader's regions on that GPU
 (registered as VRAM: a GPU-to-GPU write, no host bounce); a writer's device tensors are registered
-as VRAM as they are (the memory type comes from the tensor). Registrations are cached by address:
+as VRAM as they are (the memory type comes from the tensor) when they go to device memory, and copied into
+pinned host buffers first when they go to a reader's host memory. Registrations are cached by address:
 a trainer whose tensors come back at the same addresses every step (parameters, the caching
 allocator's reuse) registers once; one whose addresses change has the registrations that the last
 version did not use dropped after each flush, so they never pile up.
@@ -31,8 +32,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from rlsync import Landing, Link, PeerLostError, Run, Transport, TransportError
-from rlsync.plugins._streams import CurrentStreams
+from rlsync import CurrentStreams, Landing, Link, PeerLostError, Run, Transport, TransportError
 
 _counter = itertools.count()
 _MAX_HANDLES = 64  # prepared transfers a link keeps for reuse (one per set of writes: a model's full versions share one)
@@ -154,6 +154,8 @@ class NixlLink(Link):
         self._after = CurrentStreams()  # the streams that produced device sources: synchronized before posting
         self._posted: list[Any] = []
         self._held: list[Any] = []  # device sources of posted writes: alive until flush
+        self._host: dict[tuple[int, int], torch.Tensor] = {}  # pinned copies of device sources bound for host memory
+        self._host_used: set[tuple[int, int]] = set()
 
     def _register(self, source: Any) -> tuple[int, int, str]:
         base, nbytes, devid = _desc(source)
@@ -169,11 +171,27 @@ class NixlLink(Link):
         if not runs:
             return
         if isinstance(source, torch.Tensor) and source.is_cuda:
-            self._after.note(source.get_device())  # the work that produced it, before the NIC reads
+            self._after.note(source)  # the work that produced it, before the NIC reads
             self._held.append(source)
+            if self._remote_type == "DRAM":
+                source = self._through_host(source)
         key = self._register(source)
         devid = _desc(source)[2]
         self._writes.append((key, devid, tuple(runs)))
+
+    def _through_host(self, source: torch.Tensor) -> torch.Tensor:
+        """A device source bound for a reader's host memory, copied into a pinned host buffer first (one per source
+        address, reused every version), on the stream that produced it: UCX's own path from device memory into
+        another process's host memory never finished on an H100 (4 GiB in 1622 tensors: "Endpoint timeout" with
+        the reader polling, no end in 40 s with its progress thread), while host to host is a plain copy."""
+        key = (source.data_ptr(), source.numel())
+        host = self._host.get(key)
+        if host is None:
+            host = self._host[key] = torch.empty(source.numel(), dtype=torch.uint8, pin_memory=True)
+        with torch.cuda.device(source.device):
+            host.copy_(source.reshape(-1).view(torch.uint8), non_blocking=True)
+        self._host_used.add(key)
+        return host
 
     def _post(self) -> None:
         """The writes gathered since the last flush, as one prepared transfer (built once per set of writes)."""
@@ -241,6 +259,8 @@ class NixlLink(Link):
             for key in stale:
                 self._agent.deregister_memory(self._registered.pop(key))
         self._used = set()
+        self._host = {k: v for k, v in self._host.items() if k in self._host_used}  # deregistered above if unused
+        self._host_used = set()
         if len(self._handles) > _MAX_HANDLES:  # writes of changing shape (deltas) would add one per version
             self._release_handles()
 

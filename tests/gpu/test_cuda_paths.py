@@ -161,3 +161,20 @@ def test_strided_side_stream_deltas_to_two_engines(transport: str) -> None:
             writer.close()
         for receiver in receivers:
             receiver.close()
+
+
+def test_current_streams_notes_each_stream_a_tensor_was_put_from_once() -> None:
+    """What a device link's copies wait for: the stream current where each tensor was put, one entry per stream
+    however many tensors (the raw-pointer lookup must find the same stream the slow lookup does)."""
+    from rlsync import CurrentStreams
+
+    streams, side = CurrentStreams(), torch.cuda.Stream()
+    tensor = torch.zeros(4, device="cuda")
+    for _ in range(3):
+        streams.note(tensor)
+    with torch.cuda.stream(side):
+        streams.note(tensor)
+        streams.note(tensor)
+    assert [s.cuda_stream for s in streams.streams()] == [torch.cuda.current_stream().cuda_stream, side.cuda_stream]
+    streams.clear()
+    assert streams.streams() == []

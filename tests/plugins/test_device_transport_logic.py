@@ -49,13 +49,13 @@ class _DisconnectedAgent:
 
 
 def _link_with(agent: Any) -> Any:
-    from rlsync.plugins._streams import CurrentStreams
+    from rlsync import CurrentStreams
     from rlsync.plugins._transport_nixl import NixlLink
 
     link = NixlLink.__new__(NixlLink)
     link._agent, link._peer = agent, "rlsync-reader-1"
     link._registered, link._used, link._handles, link._posted, link._held = {}, set(), {}, [], []
-    link._writes, link._after = [], CurrentStreams()
+    link._writes, link._after, link._host, link._host_used, link._remote_type = [], CurrentStreams(), {}, set(), "DRAM"
     return link
 
 
@@ -87,3 +87,14 @@ def test_a_writer_given_an_address_per_replica_says_one_writer_per_replica() -> 
     with WeightsReader(layout, layout, 0) as one, WeightsReader(layout, layout, 0) as other:
         with pytest.raises(ConfigError, match="one WeightsWriter per engine replica"):
             WeightsWriter(layout, None, 0, [one.address, other.address], options=SyncOptions(timeout=10))
+
+
+def test_current_streams_note_nothing_for_host_tensors() -> None:
+    """Off CUDA there is no stream to wait for: a writer of host tensors orders nothing (the lines a GPU runs are
+    in tests/gpu)."""
+    from rlsync import CurrentStreams
+
+    streams = CurrentStreams()
+    streams.note(torch.zeros(4))
+    streams.note(np.zeros(4))
+    assert streams.streams() == []

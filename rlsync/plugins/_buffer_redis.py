@@ -191,9 +191,16 @@ class RedisStorage:
         payloads: dict[Any, Any] = {s.sample_id: encode_sample(s) for s in samples}  # redis-py's own key types
         k = self._keys
 
-        def append() -> None:  # one MULTI: the payloads (native HSET) and the script that queues the new ids
-            pipe = self._redis.pipeline(transaction=True)
-            pipe.hset(k["payload"], mapping=payloads)
+        def append() -> None:
+            # one round trip, not a MULTI: the payloads (native HSET, one command each), then the script that queues
+            # the new ids, in that order on this connection. Redis executes a MULTI's commands only at EXEC and then
+            # writes all their bytes to the AOF at once; pipelined, it executes each as it arrives while the rest
+            # are still on the way: 64 routed samples (12 MB) in 22 ms instead of 44. A client killed between its
+            # HSETs and the script leaves payloads no id points to (bytes, not samples: those were never queued;
+            # its retry queues them).
+            pipe = self._redis.pipeline(transaction=False)
+            for sid, payload in payloads.items():
+                pipe.hset(k["payload"], sid, payload)
             self._append(keys=[k["ids"], k["queue"], k["payload"], k["order"], k["seq"]], args=args, client=pipe)
             pipe.execute()
 

@@ -145,3 +145,25 @@ def test_the_redis_storage_keeps_the_storage_contract(redis_server: RedisServer)
 
     names = iter(range(100))
     check_storage(lambda: RedisStorage(redis_server.url, name=f"conformance-{next(names)}"))
+
+
+def test_payloads_written_by_a_client_that_died_before_queueing_them_are_never_served(redis_server: RedisServer) -> None:
+    """An append is one pipelined round trip: the payloads' HSETs, then the script that queues the ids. A client
+    killed in between leaves payloads no id points to: nothing is served from them, and the same samples appended
+    again (its retry, or another client) are queued once, with their own bytes."""
+    import redis
+
+    from rlsync import encode_sample
+    from rlsync.plugins import RedisStorage
+
+    storage = RedisStorage(redis_server.url, name="died")
+    orphan, kept = sample(1), sample(2)
+    client = redis.Redis.from_url(redis_server.url)
+    client.hset(storage._keys["payload"], mapping={orphan.sample_id: encode_sample(orphan), kept.sample_id: b"stale"})
+    assert storage.take(10) == [] and len(storage) == 0  # the HSETs alone queue nothing
+    storage.append([kept])
+    storage.append([kept])  # a retry whose first reply was lost
+    taken = storage.take(10)
+    assert [s.sample_id for s in taken] == [kept.sample_id] and taken[0].tokens.tolist() == kept.tokens.tolist()
+    storage.ack([kept.sample_id])
+    assert storage.take(10) == [] and len(storage) == 0

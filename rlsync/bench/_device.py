@@ -22,6 +22,7 @@ Every path ends with the engine's parameters compared with the trainer's tensors
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import statistics
 import subprocess
@@ -279,7 +280,8 @@ def _delta_figures(device: str, state: dict[str, Any], sources: dict[str, Any], 
 
     torch = _torch()
     total = sum(s.numel() for s in sources.values())
-    groups = [(n, [(0, 0, s.numel())]) for n, s in sources.items()]
+    starts = itertools.accumulate((s.numel() for s in sources.values()), initial=0)  # a reader's region: one after another
+    groups = [(n, [(0, at, s.numel())]) for (n, s), at in zip(sources.items(), starts)]
     best: tuple[float, float, int] | None = None
     for version in range(2, repeats + 3):
         log = ChangeLog({n: 2 for n in sources}, depth=2)
@@ -295,9 +297,8 @@ def _delta_figures(device: str, state: dict[str, Any], sources: dict[str, Any], 
 
         encode_s = _timed(find_and_encode, device)
         payload = found["payload"]
-        region = torch.zeros(max(s.numel() for s in sources.values()), dtype=torch.uint8, device=device)
-        apply_s = _timed(lambda: apply_delta(payload, region), device)  # every segment into one region: the same work
-        # (XOR into zeros here: the bytes differ from a real slot's, the work does not)
+        region = torch.zeros(total, dtype=torch.uint8, device=device)
+        apply_s = _timed(lambda: apply_delta(payload, region), device)  # XOR into zeros: other bytes, the same work
         if best is None or encode_s + apply_s < best[0] + best[1]:
             best = (encode_s, apply_s, int(payload.numel()))
     assert best is not None

@@ -28,6 +28,7 @@ value is "changed" when its bytes differ, so the reader ends bit-exact (NaN payl
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -189,11 +190,13 @@ def encode(
     the sources' device): ``groups`` are its ``(source buffer, [(src_off, region_off, nbytes), ...])`` runs;
     ``changed`` the changed elements per source buffer; ``flips`` (``ChangeLog.flips``), where given, their old
     bits XOR new (sent instead of the new bits); ``compress``: zstd the frames (a slow link). None when a buffer's
-    changes are unknown or the encoding would exceed ``capacity`` bytes (send in full then). On a GPU it waits for
-    the device only where a run or a span needs it (the usual whole-tensor run of under 2**32 elements: never)."""
-    headers: list[int] = []
-    frames: list[torch.Tensor] = []  # each frame, then its padding to 8, back to back
-    size = 8
+    changes are unknown or the encoding would exceed ``capacity`` bytes (send in full then).
+
+    The changes of every buffer of one item size go out as one segment (a model's 1600 tensors: one frame, not
+    1600: on a GPU, a few ops per tensor and the rest once, instead of twenty per tensor and a frame each; the
+    reader applies one segment, not 1600). On a GPU it waits for the device only where a run or a span needs it
+    (whole-tensor runs in a region of under 2**32 elements: never)."""
+    classes: dict[tuple[int, bool], list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
     for name, runs in groups:
         idx = changed.get(name)
         if idx is None:
@@ -209,9 +212,18 @@ def encode(
         if len(runs) > 1:  # runs may land out of order: gaps need the positions sorted
             element, order = torch.sort(element, stable=True)
             values = values[order]
-        mode = (0 if flipped is None else 1) | (0 if compress else 2)
-        for low, start, stop in _segments(element, runs, itemsize):
+        low, high = min(d for _, d, _ in runs) // itemsize, -(-max(d + n for _, d, n in runs) // itemsize)
+        classes.setdefault((itemsize, flipped is not None), []).append((low, high, element, values))
+    headers: list[int] = []
+    frames: list[torch.Tensor] = []  # each frame, then its padding to 8, back to back
+    size = 8
+    for (itemsize, xor), found in classes.items():
+        element, values = _in_region_order(found)
+        mode = (1 if xor else 0) | (0 if compress else 2)
+        for low, start, stop in _segments(element, found[0][0], max(h for _, h, _, _ in found)):
             count = stop - start
+            if not compress and size + 40 + count * (4 + itemsize) > capacity:  # known before the planes are made
+                return None
             positions = element[start:stop] - low
             gaps = torch.diff(positions, prepend=positions.new_zeros(1)).to(torch.int32)  # < 2**32: the low word kept
             planes = torch.cat([_planes(gaps, 4), _planes(values[start:stop], itemsize)])
@@ -228,12 +240,28 @@ def encode(
     return torch.cat([head.to(frames[0].device), *frames])
 
 
-def _segments(element: torch.Tensor, runs: Sequence[tuple[int, int, int]], itemsize: int) -> list[tuple[int, int, int]]:
-    """``(low, start, stop)``: ``element[start:stop]`` (sorted region elements) in segments whose positions from
-    ``low`` fit in uint32. The runs bound the elements: a span under 2**32 is one segment from its first element,
-    found without reading ``element`` (no wait for the device)."""
-    first = min(d for _, d, _ in runs) // itemsize
-    if max(d + n for _, d, n in runs) // itemsize - first < _SPAN:
+def _in_region_order(found: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions (each buffer's sorted) and values of several buffers, as one sequence sorted by position.
+    ``found``: ``(first, end, positions, values)`` per buffer, sorted here by ``first``. Buffers whose region spans
+    do not overlap (whole tensors, each its own part of the region) are joined in that order as they are; spans
+    that interleave (a buffer's runs around another's) are sorted on the device."""
+    found.sort(key=lambda part: part[0])
+    if len(found) == 1:
+        return found[0][2], found[0][3]
+    element = torch.cat([part[2] for part in found])
+    values = torch.cat([part[3] for part in found])
+    ends = itertools.accumulate((part[1] for part in found), max)  # the furthest any earlier span reaches
+    if any(part[0] < reach for part, reach in zip(found[1:], ends)):
+        element, order = torch.sort(element, stable=True)
+        values = values[order]
+    return element, values
+
+
+def _segments(element: torch.Tensor, first: int, end: int) -> list[tuple[int, int, int]]:
+    """``(low, start, stop)``: ``element[start:stop]`` (sorted region elements, all in ``[first, end)``) in segments
+    whose positions from ``low`` fit in uint32. A span under 2**32 is one segment from ``first``, found without
+    reading ``element`` (no wait for the device)."""
+    if end - first <= _SPAN:
         return [(first, 0, element.numel())]
     out, start, count = [], 0, element.numel()
     high = int(element[-1])

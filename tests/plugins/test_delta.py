@@ -350,3 +350,66 @@ def test_an_uncompressed_delta_that_lies_is_refused_and_writes_nothing() -> None
     with pytest.raises(ValueError, match="reaches past"):
         apply(_raw_payload(0, 2, far + values), region)
     assert not region.any()
+
+
+def test_many_buffers_of_one_item_size_go_as_one_segment_and_land_exact() -> None:
+    """A model's tensors, listed in another order than they sit in the reader's region, one of them fp32 and one
+    sent as new bits rather than XOR: one segment per (item size, mode), every value where it belongs. Buffers whose
+    runs interleave in the region (one's runs around another's) land exact too."""
+    import torch
+
+    gen = torch.Generator().manual_seed(5)
+    word = {2: torch.int16, 4: torch.int32}
+    sizes = {"a": 300, "b": 500, "c": 200, "f": 100}  # elements; "f" is fp32
+    itemsizes = {n: 4 if n == "f" else 2 for n in sizes}
+    old = {n: torch.randint(0, 256, (k * itemsizes[n],), dtype=torch.uint8, generator=gen) for n, k in sizes.items()}
+    new = {n: t.clone() for n, t in old.items()}
+    changed = {}
+    for n, t in new.items():
+        idx = torch.sort(torch.randperm(sizes[n], generator=gen)[: sizes[n] // 10]).values
+        t.view(word[itemsizes[n]])[idx] ^= 1 << 3  # a flipped mantissa bit: the bits differ
+        changed[n] = idx
+    flips: dict[str, Any] = {n: old[n].view(word[itemsizes[n]])[changed[n]] ^ new[n].view(word[itemsizes[n]])[changed[n]]
+                             for n in sizes}
+    flips["c"] = None  # "c" goes as new bits (mode 0), the others as XOR
+    # region: c, then a, then f, then b (bytes); groups listed a, b, c, f
+    at = {"c": 0, "a": 400, "f": 1000, "b": 1400}
+    groups = [(n, [(0, at[n], sizes[n] * itemsizes[n])]) for n in ("a", "b", "c", "f")]
+    region_old = torch.zeros(2400, dtype=torch.uint8)
+    for n in sizes:
+        region_old[at[n] : at[n] + old[n].numel()] = old[n]
+    for compress in (True, False):
+        payload = encode(groups, changed, new, itemsizes, 1 << 20, flips, compress)
+        assert payload is not None
+        headers = payload[8:].view(torch.int64)[: 5 * int(payload[:8].view(torch.int64))].reshape(-1, 5).tolist()
+        assert sorted((h[1], h[3] & 1) for h in headers) == [(2, 0), (2, 1), (4, 1)]  # (item size, XOR): 3 segments
+        region = region_old.clone()
+        assert apply(payload, region) == sum(len(i) for i in changed.values())
+        for n in sizes:
+            assert torch.equal(region[at[n] : at[n] + new[n].numel()], new[n]), (compress, n)
+    # interleaved: "a" runs at [0, 200) and [600, 1000) bytes, "b" fills [200, 600): sorted on the way
+    runs_a, runs_b = [(0, 0, 200), (200, 600, 400)], [(0, 200, 400), (400, 1000, 600)]
+    payload = encode([("a", runs_a), ("b", runs_b)], changed, new, itemsizes, 1 << 20, None, False)
+    assert payload is not None
+    region = torch.zeros(1600, dtype=torch.uint8)
+    apply(payload, region)
+    for name, runs in (("a", runs_a), ("b", runs_b)):
+        for s, d, n in runs:
+            got, want = region[d : d + n].view(torch.int16), new[name][s : s + n].view(torch.int16)
+            mask = torch.isin(torch.arange(s // 2, (s + n) // 2), changed[name])
+            assert torch.equal(got[mask], want[mask]), (name, s)
+
+
+def test_positions_spanning_more_than_2_to_the_32_elements_are_split_into_segments() -> None:
+    """Gaps are uint32: two buffers 2**32 elements apart in the reader's region go as two segments, each from its
+    first change (the region itself is not needed to encode: the runs say where the buffers land)."""
+    import torch
+
+    source = torch.arange(64, dtype=torch.int16).view(torch.uint8)
+    changed = {"a": torch.tensor([3, 9]), "b": torch.tensor([1, 60])}
+    far = 2**33 + 64  # bytes: element 2**32 + 32 of a 2-byte region
+    groups = [("a", [(0, 0, 128)]), ("b", [(0, far, 128)])]
+    payload = encode(groups, changed, {"a": source, "b": source}, {"a": 2, "b": 2}, 1 << 20, None, False)
+    assert payload is not None
+    headers = payload[8:88].view(torch.int64).reshape(2, 5).tolist()
+    assert [(base, count) for base, _, count, _, _ in headers] == [(3, 2), (far // 2 + 1, 2)]

@@ -57,21 +57,34 @@ class ChangeLog:
 
     Keeps one copy of the last recorded bytes (the writer rank's share of the model) to compare against,
     on the sources' device: a GPU trainer pays its share of the model in device memory for delta sync.
+
+    ``together`` (default: for sources on a GPU): buffers are compared all at once, in a few flat copies of at
+    most 2**28 elements each: two ops per buffer and one wait for the device per flat copy, where buffer by buffer
+    costs six ops and a wait each (an H100 found 2 % of 4 GiB in 1622 tensors in 0.7 s that way, with the
+    encoding). On the host, buffer by buffer and word by word keeps the compare in cache instead.
     """
 
-    def __init__(self, itemsizes: Mapping[str, int], depth: int = 4) -> None:
+    def __init__(self, itemsizes: Mapping[str, int], depth: int = 4, together: bool | None = None) -> None:
         self._itemsizes = dict(itemsizes)
         self._depth = depth
+        self._together = together
         self._shadow: dict[str, torch.Tensor] = {}
         self._history: list[tuple[int, dict[str, torch.Tensor | None]]] = []
         self._flips: dict[str, torch.Tensor] = {}  # of the newest version: old bits XOR new, per changed element
+        self._flat_key: tuple[Any, ...] = ()  # the buffers compared together, as last laid out
+        self._flat: list[_Flat] = []
 
     def record(self, version: int, sources: Mapping[str, torch.Tensor]) -> None:
         """Compare ``sources`` (``uint8`` tensors) with the last recorded bytes and remember what changed."""
         changes: dict[str, torch.Tensor | None] = {}
         self._flips = {}
-        for name, raw in sources.items():
-            now = typed(raw, self._itemsizes[name])
+        nows = {name: typed(raw, self._itemsizes[name]) for name, raw in sources.items()}
+        together = {n: t for n, t in nows.items() if (t.is_cuda if self._together is None else self._together)}
+        if together:
+            changes.update(self._record_together(together))
+        for name, now in nows.items():
+            if name in together:
+                continue
             shadow = self._shadow.get(name)
             if shadow is None or shadow.numel() != now.numel() or shadow.device != now.device:
                 self._shadow[name] = now.clone()
@@ -80,6 +93,20 @@ class ChangeLog:
             changed, self._flips[name] = _changes(now, shadow)
             changes[name] = changed
         self._history = [*self._history, (version, changes)][-self._depth :]
+
+    def _record_together(self, nows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+        key = tuple((name, now.numel(), now.dtype, now.device) for name, now in nows.items())
+        if key != self._flat_key:  # new buffers, or other sizes: laid out again, all of them "never seen"
+            self._flat_key, self._flat = key, _Flat.lay_out(nows)
+            for flat in self._flat:
+                for name, view in flat.views.items():
+                    self._shadow[name] = view
+            return dict.fromkeys(nows)
+        changes: dict[str, torch.Tensor | None] = {}
+        for flat in self._flat:
+            for name, (changed, flips) in flat.compare(nows).items():
+                changes[name], self._flips[name] = changed, flips
+        return changes
 
     def flips(self, base: int, name: str) -> torch.Tensor | None:
         """The XOR of old and new bits of the elements ``since(base, name)`` lists, when ``base`` is the version
@@ -105,6 +132,56 @@ class ChangeLog:
             return parts[0]
         merged: torch.Tensor = torch.unique(torch.cat(parts))  # sorted
         return merged
+
+
+_FLAT_ELEMENTS: Final = 2**28  # elements compared at once when buffers are compared together (the mask: 256 MiB)
+
+
+class _Flat:
+    """Buffers of one element type on one device, their last recorded values side by side in one flat tensor."""
+
+    def __init__(self, names: list[str], sizes: list[int], like: torch.Tensor, mask: torch.Tensor) -> None:
+        self.starts = list(itertools.accumulate(sizes, initial=0))
+        self.values = torch.empty(self.starts[-1], dtype=like.dtype, device=like.device)
+        self.views = {n: self.values[a:b] for n, a, b in zip(names, self.starts, self.starts[1:])}
+        self.mask = mask  # shared by the flats of one device: as large as the largest
+
+    @classmethod
+    def lay_out(cls, nows: dict[str, torch.Tensor]) -> list[_Flat]:
+        """Flats of at most ``_FLAT_ELEMENTS`` each (a larger buffer alone), holding the values ``nows`` hold."""
+        chunks: list[tuple[list[str], list[int], torch.Tensor]] = []
+        for name, now in nows.items():
+            last = chunks[-1] if chunks else None
+            if last is None or last[2].dtype != now.dtype or last[2].device != now.device \
+                    or sum(last[1]) + now.numel() > _FLAT_ELEMENTS:
+                chunks.append(([], [], now))
+                last = chunks[-1]
+            last[0].append(name)
+            last[1].append(now.numel())
+        masks: dict[torch.device, torch.Tensor] = {}
+        for _, sizes, like in chunks:
+            if like.device not in masks or masks[like.device].numel() < sum(sizes):
+                masks[like.device] = torch.empty(sum(sizes), dtype=torch.bool, device=like.device)
+        flats = [cls(names, sizes, like, masks[like.device]) for names, sizes, like in chunks]
+        for flat in flats:
+            torch._foreach_copy_(list(flat.views.values()), [nows[n] for n in flat.views])
+        return flats
+
+    def compare(self, nows: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per buffer, the elements that differ from the last recorded values (sorted) and their old bits XOR new;
+        the flat takes the new values."""
+        mask = self.mask[: self.starts[-1]]
+        for (name, view), at in zip(self.views.items(), self.starts):
+            torch.ne(nows[name], view, out=mask[at : at + view.numel()])
+        idx = torch.nonzero(mask).flatten()  # the one wait for the device
+        old = self.values[idx]
+        torch._foreach_copy_(list(self.views.values()), [nows[n] for n in self.views])
+        flips = torch.bitwise_xor(old, self.values[idx])
+        bounds = torch.searchsorted(idx, torch.tensor(self.starts, dtype=idx.dtype, device=idx.device)).tolist()
+        out = {}
+        for (name, at), lo, hi in zip(zip(self.views, self.starts), bounds, bounds[1:]):
+            out[name] = (idx[lo:hi] - at if at else idx[lo:hi], flips[lo:hi])
+        return out
 
 
 def _changes(now: torch.Tensor, shadow: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -177,11 +177,12 @@ def test_a_bad_delta_is_refused_before_a_byte_is_written() -> None:
     assert apply(payload, region) == 3 and region.view(torch.int16)[[1, 2, 60]].tolist() == [1, 2, 60]
 
 
-def test_change_log_unions_versions_since_a_base_and_forgets_old_ones() -> None:
+@pytest.mark.parametrize("together", [False, True], ids=["one_by_one", "together"])
+def test_change_log_unions_versions_since_a_base_and_forgets_old_ones(together: bool) -> None:
     import torch
 
     a = torch.zeros(8, dtype=torch.int16)
-    log = ChangeLog({"a": 2}, depth=3)
+    log = ChangeLog({"a": 2}, depth=3, together=together)
     log.record(1, {"a": a.view(torch.uint8)})
     assert log.since(1, "a").tolist() == [] and log.since(0, "a") is None
     a[2] = 1
@@ -195,12 +196,15 @@ def test_change_log_unions_versions_since_a_base_and_forgets_old_ones() -> None:
     assert log.since(2, "a").tolist() == [2, 5]
 
 
+@pytest.mark.parametrize("together", [False, True], ids=["one_by_one", "together"])
 @pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
 @pytest.mark.parametrize("shift", [0, 1])
-def test_change_log_finds_every_changed_element_across_words_chunks_and_the_tail(itemsize: int, shift: int) -> None:
+def test_change_log_finds_every_changed_element_across_words_chunks_and_the_tail(itemsize: int, shift: int,
+                                                                                 together: bool) -> None:
     """``record`` compares 64-bit words first, in chunks of 2**20 words, then the elements of changed words: the
     changes and flips it finds equal an element-by-element compare, across a chunk boundary, in the elements past
-    the last whole word, and in buffers that do not start on a word (``shift``: the element-by-element path)."""
+    the last whole word, and in buffers that do not start on a word (``shift``: the element-by-element path).
+    ``together`` (what a GPU's sources get): the same through one flat copy and one mask."""
     import torch
 
     word = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
@@ -209,7 +213,7 @@ def test_change_log_finds_every_changed_element_across_words_chunks_and_the_tail
     raw = storage[shift * itemsize :]  # the buffer as a writer's source: uint8, maybe starting inside a word
     gen = torch.Generator().manual_seed(itemsize)
     raw.copy_(torch.randint(0, 256, (raw.numel(),), dtype=torch.uint8, generator=gen))
-    log = ChangeLog({"w": itemsize}, depth=3)
+    log = ChangeLog({"w": itemsize}, depth=3, together=together)
     log.record(1, {"w": raw})
     before = raw.view(word).clone()
     picks = torch.randint(0, count, (5000,), generator=gen)
@@ -413,3 +417,34 @@ def test_positions_spanning_more_than_2_to_the_32_elements_are_split_into_segmen
     assert payload is not None
     headers = payload[8:88].view(torch.int64).reshape(2, 5).tolist()
     assert [(base, count) for base, _, count, _, _ in headers] == [(3, 2), (far // 2 + 1, 2)]
+
+
+def test_buffers_compared_together_find_what_one_by_one_finds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU's sources are compared together, in flat copies (here of at most 1000 elements, so that 30 buffers of
+    2- and 4-byte values need several, and a buffer larger than that gets one alone): per buffer, the same changes
+    and flips as buffer by buffer, version after version; buffers that change size are laid out again (unknown once)."""
+    import torch
+
+    monkeypatch.setattr("rlsync.core._delta._FLAT_ELEMENTS", 1000)
+    gen = torch.Generator().manual_seed(11)
+    sizes = {f"t{i}": int(torch.randint(1, 300, (1,), generator=gen)) for i in range(30)}
+    sizes["big"] = 2500
+    itemsizes = {n: 4 if i % 3 == 0 else 2 for i, n in enumerate(sizes)}
+    raw = {n: torch.randint(0, 256, (k * itemsizes[n],), dtype=torch.uint8, generator=gen) for n, k in sizes.items()}
+    together, one_by_one = ChangeLog(itemsizes, together=True), ChangeLog(itemsizes, together=False)
+    for version in range(1, 5):
+        for n, t in raw.items():
+            picks = torch.randint(0, t.numel(), (max(1, t.numel() // 20),), generator=gen)
+            t[picks] ^= torch.randint(1, 256, (picks.numel(),), dtype=torch.uint8, generator=gen)
+        together.record(version, raw)
+        one_by_one.record(version, raw)
+        for n in sizes:
+            a, b = together.since(version - 1, n), one_by_one.since(version - 1, n)
+            assert (a is None) == (b is None) == (version == 1), (version, n)
+            if a is not None:
+                assert torch.equal(a, b) and torch.equal(together.flips(version - 1, n), one_by_one.flips(version - 1, n))
+    raw["t0"] = torch.zeros(8, dtype=torch.uint8)  # another size: laid out again
+    together.record(5, raw)
+    assert together.since(4, "t0") is None and together.since(4, "t1") is None
+    together.record(6, raw)
+    assert together.since(5, "t1").numel() == 0

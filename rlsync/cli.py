@@ -54,7 +54,7 @@ def bench(
     buffer: Annotated[bool, typer.Option("--buffer", help="Benchmark the rollout buffer backends instead.")] = False,
     engine: Annotated[Optional[str], typer.Option(help="Sync into a running engine ('vllm') instead of a plain process.")] = None,
     engine_model: Annotated[str, typer.Option(help="Model for --engine: '125m' (a Qwen2 of 125M parameters) or 'tiny' (a quick check).")] = "125m",
-    wire: Annotated[Optional[str], typer.Option(help="Compare full versions with 'delta' versions over real AdamW steps, over the first of --transports (needs transformers).")] = None,
+    wire: Annotated[Optional[str], typer.Option(help="Compare full versions with 'delta' versions over real AdamW steps, over the first of --transports (default tcp: a link between hosts, where a delta's planes are zstd-compressed; over shm they go as they are) (needs transformers).")] = None,
     steps: Annotated[int, typer.Option(min=1, help="Optimizer steps (versions) for --wire.")] = 8,
     lr: Annotated[float, typer.Option(help="AdamW learning rate for --wire (RL post-training uses ~1e-6).")] = 1e-6,
     link_gbps: Annotated[Optional[float], typer.Option(help="With --wire delta: trainer and readers on two network "
@@ -76,7 +76,7 @@ def bench(
                                      f"list, see `rlsync plan --wire fp8`)")
         from rlsync.bench import run_wire
 
-        run_wire(size=size or "1GiB", steps=steps, lr=lr, transport=(transports or "shm").split(",")[0], json_output=json_output,
+        run_wire(size=size or "1GiB", steps=steps, lr=lr, transport=(transports or "tcp").split(",")[0], json_output=json_output,
                  link_gbps=link_gbps)
     elif link_gbps is not None:
         raise typer.BadParameter("--link-gbps measures full against delta versions over a slow link: add --wire delta")

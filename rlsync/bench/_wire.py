@@ -3,7 +3,7 @@
 A Qwen2-shaped model (transformers, float32 master weights) takes real AdamW steps at an RL learning
 rate (1e-6 by default) on a language-model loss over random tokens; after each step its bfloat16 copy
 is published twice, by a full writer and by a delta writer (``WeightsWriter(options=SyncOptions(wire="delta"))``), each into
-its own reader process (shm, direct landing). Per version: the share of bf16 values that changed,
+its own reader process (tcp by default, where deltas matter and are compressed; direct landing). Per version: the share of bf16 values that changed,
 bytes moved and seconds to live for both, and whether the delta reader's bytes equal the trainer's
 (CRC-32 of every tensor, computed on both sides). The machine's memcpy bandwidth is measured in the
 same run: a full version cannot go live faster than one copy of the model.
@@ -61,7 +61,7 @@ def _check(child: subprocess.Popen[str], version: int) -> tuple[dict[str, int], 
     return dict(got["crc"]), float(got["delta_seconds"])
 
 
-def measure(nbytes: int, steps: int, lr: float, transport: str = "shm", progress: Any = None) -> dict[str, Any]:
+def measure(nbytes: int, steps: int, lr: float, transport: str = "tcp", progress: Any = None) -> dict[str, Any]:
     """Run the comparison and return the ``--json`` object."""
     try:
         import torch
@@ -152,14 +152,14 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "shm", progress
     }
 
 
-def run(*, size: str, steps: int, lr: float, transport: str = "shm", json_output: bool, link_gbps: float | None = None) -> None:
+def run(*, size: str, steps: int, lr: float, transport: str = "tcp", json_output: bool, link_gbps: float | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
     from rlsync.bench._progress import progress
 
     if link_gbps is not None and Link.from_env() is None:  # make the link, run this inside the trainer's namespace
-        if transport not in ("shm", "tcp"):  # shm is only the default here; across namespaces it would cross nothing
+        if transport != "tcp":  # across namespaces shm would cross nothing
             raise ConfigError(f"--link-gbps measures over tcp (the namespaces share /dev/shm); got --transports {transport}")
         with slow_link(link_gbps) as (trainer, env):
             again = ["ip", "netns", "exec", trainer, sys.executable, "-m", "rlsync.cli", "bench", "--wire", "delta",

@@ -38,6 +38,8 @@ import torch
 #: delta is sent in full (at about 1.3 bytes per changed bf16 value: up to ~35 % of the values changed)
 INBOX_SHARE: Final = 0.25
 _SPAN: Final = 2**32
+_HOST_SEGMENT: Final = 2**18  # values per segment on the host (1.5 MB of bf16 planes), and on a device
+_DEVICE_SEGMENT: Final = 2**24
 _CHUNK: Final = 2**20  # 64-bit words compared at a time (8 MiB of each side: the gathers hit the cache)
 #: integer dtypes compared and copied as bits (signed: equal bits are equal integers either way)
 _WORD: Final = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -336,18 +338,26 @@ def _in_region_order(found: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -
 
 def _segments(element: torch.Tensor, first: int, end: int) -> list[tuple[int, int, int]]:
     """``(low, start, stop)``: ``element[start:stop]`` (sorted region elements, all in ``[first, end)``) in segments
-    whose positions from ``low`` fit in uint32. A span under 2**32 is one segment from ``first``, found without
-    reading ``element`` (no wait for the device)."""
+    whose positions from ``low`` fit in uint32, of at most ``_segment_values`` values. A span under 2**32 needs no
+    look at ``element`` (no wait for the device): every segment counts from ``first``."""
+    cap = _segment_values(element)
     if end - first <= _SPAN:
-        return [(first, 0, element.numel())]
+        return [(first, at, min(at + cap, element.numel())) for at in range(0, element.numel(), cap)]
     out, start, count = [], 0, element.numel()
     high = int(element[-1])
     while start < count:
         low = int(element[start])
         stop = count if high - low < _SPAN else int(torch.searchsorted(element, low + _SPAN))
-        out.append((low, start, stop))
+        out += [(low, at, min(at + cap, stop)) for at in range(start, stop, cap)]
         start = stop
     return out
+
+
+def _segment_values(element: torch.Tensor) -> int:
+    """Values per segment: on the host few enough that a segment's planes and positions stay in cache while a dozen
+    ops pass over them (one segment of 11 M values applied in 0.8 s where 400 small ones took 0.4 s, 2 cores); on
+    a GPU many, so that the ops per segment are few against the values."""
+    return _HOST_SEGMENT if element.device.type == "cpu" else _DEVICE_SEGMENT
 
 
 def _zstd() -> Any:

@@ -448,3 +448,21 @@ def test_buffers_compared_together_find_what_one_by_one_finds(monkeypatch: pytes
     assert together.since(4, "t0") is None and together.since(4, "t1") is None
     together.record(6, raw)
     assert together.since(5, "t1").numel() == 0
+
+
+def test_a_segment_holds_at_most_so_many_values_and_the_pieces_land_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the host a segment holds at most ``_HOST_SEGMENT`` values (cache-sized pieces; here 7): 50 changes go as
+    8 segments, each counting from the buffer's start, and land exact, compressed or not."""
+    import torch
+
+    monkeypatch.setattr("rlsync.core._delta._HOST_SEGMENT", 7)
+    new = torch.arange(300, dtype=torch.int16)
+    changed = torch.sort(torch.randperm(300, generator=torch.Generator().manual_seed(2))[:50]).values
+    for compress in (True, False):
+        payload = encode([("w", [(0, 0, 600)])], {"w": changed}, {"w": new.view(torch.uint8)}, {"w": 2}, 1 << 20,
+                         None, compress)
+        assert payload is not None and int(payload[:8].view(torch.int64)) == 8
+        region = torch.zeros(600, dtype=torch.uint8)
+        assert apply(payload, region) == 50
+        assert torch.equal(region.view(torch.int16)[changed], new[changed])
+        assert int(region.view(torch.int16).count_nonzero()) == int(new[changed].count_nonzero())

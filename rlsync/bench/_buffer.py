@@ -5,7 +5,7 @@ tokens; both sides move them in batches of 64. The ``+routes`` rows carry MoE ro
 (48 layers x top-8 expert ids, as a large MoE records them: 192 KiB per sample).
 
 Episodes (``rlsync.Episode``): the cost of recording a model turn of 512 tokens (versions, log-probs) per
-backend, against appending the same msgpack bytes the plain way (a Python list; ``RPUSH``), and of a resume:
+backend, against appending the same msgpack bytes the plain way (a Python list; a Ray actor call, ``Queue.put``; ``RPUSH``), and of a resume:
 claiming an episode of 16 recorded turns whose lease ran out and replaying them."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def bench_memory(repeats: int, routes: bool = False) -> tuple[float, float]:
     return ours, _rate(n, put, get, repeats, routes)
 
 
-def bench_ray(repeats: int) -> tuple[float, float]:
+def bench_ray(repeats: int, routes: bool = False) -> tuple[float, float]:
     import ray
     from ray.util.queue import Queue
 
@@ -75,12 +75,12 @@ def bench_ray(repeats: int) -> tuple[float, float]:
     if started_here:
         ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
-        n = BATCH * 30
+        n = BATCH * (8 if routes else 30)  # routed samples are 192 KiB each: fewer of them
         buf = RayRolloutBuffer(batch_size=BATCH, max_staleness=1 << 30, on_stale="drop")
-        ours = _rate(n, buf.put, lambda: len(buf.get()), repeats)  # type: ignore[arg-type]
+        ours = _rate(n, buf.put, lambda: len(buf.get()), repeats, routes)  # type: ignore[arg-type]
         buf.close()
         q = Queue(actor_options={"num_cpus": 0})
-        base = _rate(n, q.put_nowait_batch, lambda: len(q.get_nowait_batch(BATCH)), repeats)
+        base = _rate(n, q.put_nowait_batch, lambda: len(q.get_nowait_batch(BATCH)), repeats, routes)
         q.shutdown()
         return ours, base
     finally:
@@ -176,6 +176,30 @@ def episodes_memory(repeats: int) -> dict[str, float]:
     return _episode_costs(MemoryEpisodes(lambda samples: None), plain.append, repeats)
 
 
+def episodes_ray(repeats: int) -> dict[str, float]:
+    """The buffer actor's episode log (one actor call per turn) against the plain Ray way: one actor call that
+    appends the same bytes (``ray.util.queue.Queue.put``)."""
+    import ray
+    from ray.util.queue import Queue
+
+    from rlsync.plugins import RayRolloutBuffer
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        buf = RayRolloutBuffer(batch_size=BATCH, max_staleness=1 << 30, on_stale="drop")
+        queue = Queue(actor_options={"num_cpus": 0})
+        try:
+            return _episode_costs(buf.episodes, queue.put, repeats)
+        finally:
+            buf.close()
+            queue.shutdown()
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
 def episodes_redis(repeats: int) -> dict[str, float]:
     import redis
 
@@ -199,7 +223,7 @@ def backends() -> tuple[list[tuple[str, Callable[[int], tuple[float, float]]]], 
         ("memory", bench_memory), ("memory+routes", lambda r: bench_memory(r, routes=True))]
     skipped = []
     if importlib.util.find_spec("ray"):
-        runs.append(("ray", bench_ray))
+        runs += [("ray", bench_ray), ("ray+routes", lambda r: bench_ray(r, routes=True))]
     else:
         skipped.append({"name": "ray", "why": "Ray is not installed (pip install 'rlsync[ray]' to measure it)"})
     if not importlib.util.find_spec("redis"):
@@ -222,7 +246,8 @@ def measure(repeats: int, progress: Any = None, chosen: Any = None) -> dict[str,
         results.append({"name": f"{name}-baseline", "kind": "baseline", "samples_per_s": base})
         say(name)
     episodes = [{"name": name, **fn(max(repeats, 3))} for name, fn in
-                (("memory", episodes_memory), ("redis", episodes_redis)) if any(n == name for n, _ in runs)]
+                (("memory", episodes_memory), ("ray", episodes_ray), ("redis", episodes_redis))
+                if any(n == name for n, _ in runs)]
     return {"sample_tokens": 1024, "batch": BATCH, "routes": list(ROUTES), "results": results, "skipped": skipped,
             "episodes": episodes, "turn_tokens": TURN_TOKENS, "resumed_turns": RESUMED_TURNS}
 
@@ -255,6 +280,6 @@ def run(*, json_output: bool, repeats: int) -> None:
     for col in ("backend", "ms per turn", "plain append", "ms per turn", "ratio", "ms per resume"):
         turns.add_column(col, overflow="fold")
     for e in report["episodes"]:
-        turns.add_row(e["name"], f"{e['turn_s'] * 1e3:.3f}", {"memory": "list.append", "redis": "RPUSH"}[e["name"]],
+        turns.add_row(e["name"], f"{e['turn_s'] * 1e3:.3f}", {"memory": "list.append", "ray": "Queue.put", "redis": "RPUSH"}[e["name"]],
                       f"{e['plain_turn_s'] * 1e3:.3f}", f"{e['plain_turn_s'] / e['turn_s']:.2f}x", f"{e['resume_s'] * 1e3:.2f}")
     Console().print(turns)

@@ -25,7 +25,7 @@ def test_bench_buffer_json_shape() -> None:
             assert f"{r['name']}-baseline" in names
     assert json.loads(out.stdout)["skipped"] == []  # this session installs Ray, redis-py and redis-server
     episodes = json.loads(out.stdout)["episodes"]  # recording a turn and resuming an episode, per backend
-    assert [e["name"] for e in episodes] == ["memory", "redis"]
+    assert [e["name"] for e in episodes] == ["memory", "ray", "redis"]
     assert all(e["turn_s"] > 0 and e["plain_turn_s"] > 0 and e["resume_s"] > 0 for e in episodes)
 
 

@@ -14,10 +14,10 @@ a trainer whose tensors come back at the same addresses every step (parameters, 
 allocator's reuse) registers once; one whose addresses change has the registrations that the last
 version did not use dropped after each flush, so they never pile up.
 
-Progress thread: a reader's agent has NIXL's progress thread where CUDA runs (a GPU writer's device memory
-into a reader's host memory needs the reader's side to progress: without it an H100 run of 4 GiB ended in
-UCX's "Endpoint timeout"), and none elsewhere: on small CPU machines it competes with the copy for cores
-(about 1.8 GB/s with it, 4.5 without, on 2 cores). ``RLSYNC_NIXL_PROGRESS_THREAD=1`` or ``0`` decides.
+Progress thread: off by default (``RLSYNC_NIXL_PROGRESS_THREAD=1`` to enable): on small machines it competes
+with the copy for cores (about 1.8 GB/s with it, 4.5 without, on 2 cores), and on an H100 it did not make UCX's
+own path from device memory into another process's host memory finish (that path now goes through pinned host
+copies, see ``NixlLink._through_host``).
 """
 
 from __future__ import annotations
@@ -49,11 +49,7 @@ def _agent(role: str) -> Any:
 
         logging.getLogger("nixl").setLevel(logging.WARNING)  # it logs every agent and backend at INFO
 
-        # a reader's UCX must progress for writes it does not complete alone (device memory into its host memory
-        # goes through a pipeline its side drives): on a machine with a GPU the reader's agent gets NIXL's progress
-        # thread; the writer drives its own, polling in flush, and a CPU-only reader is written into by cma alone
-        default = "1" if role == "reader" and torch.cuda.is_available() else "0"
-        threaded = os.environ.get("RLSYNC_NIXL_PROGRESS_THREAD", default) == "1"
+        threaded = os.environ.get("RLSYNC_NIXL_PROGRESS_THREAD", "0") == "1"
         # one agent serves every reader (or writer) thread of the process: several readers' service threads
         # drive progress and register memory at once, a writer posts to several readers from a pool, so NIXL
         # must serialize them (without it: segfaults in get_new_notifs)

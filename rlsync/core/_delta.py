@@ -152,14 +152,16 @@ class _Flat:
     def lay_out(cls, nows: dict[str, torch.Tensor]) -> list[_Flat]:
         """Flats of at most ``_FLAT_ELEMENTS`` each (a larger buffer alone), holding the values ``nows`` hold."""
         chunks: list[tuple[list[str], list[int], torch.Tensor]] = []
+        kinds: dict[tuple[torch.dtype, torch.device], list[str]] = {}  # bf16 weights between fp32 norms: two flats
         for name, now in nows.items():
-            last = chunks[-1] if chunks else None
-            if last is None or last[2].dtype != now.dtype or last[2].device != now.device \
-                    or sum(last[1]) + now.numel() > _FLAT_ELEMENTS:
-                chunks.append(([], [], now))
-                last = chunks[-1]
-            last[0].append(name)
-            last[1].append(now.numel())
+            kinds.setdefault((now.dtype, now.device), []).append(name)
+        for names in kinds.values():
+            for name in names:
+                now = nows[name]
+                if name == names[0] or sum(chunks[-1][1]) + now.numel() > _FLAT_ELEMENTS:
+                    chunks.append(([], [], now))
+                chunks[-1][0].append(name)
+                chunks[-1][1].append(now.numel())
         masks: dict[torch.device, torch.Tensor] = {}
         for _, sizes, like in chunks:
             if like.device not in masks or masks[like.device].numel() < sum(sizes):
@@ -271,10 +273,10 @@ def encode(
     bits XOR new (sent instead of the new bits); ``compress``: zstd the frames (a slow link). None when a buffer's
     changes are unknown or the encoding would exceed ``capacity`` bytes (send in full then).
 
-    The changes of every buffer of one item size go out as one segment (a model's 1600 tensors: one frame, not
-    1600: on a GPU, a few ops per tensor and the rest once, instead of twenty per tensor and a frame each; the
-    reader applies one segment, not 1600). On a GPU it waits for the device only where a run or a span needs it
-    (whole-tensor runs in a region of under 2**32 elements: never)."""
+    The changes of every buffer of one item size go out as one stream of segments, cut by size, not by buffer (a
+    model's 1600 tensors: on a GPU a few ops per tensor and the rest once per 2**24 values, instead of twenty ops
+    and a frame per tensor; on the host cache-sized pieces). On a GPU it waits for the device only where a run or
+    a span needs it (whole-tensor runs in a region of under 2**32 elements: never)."""
     classes: dict[tuple[int, bool], list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
     for name, runs in groups:
         idx = changed.get(name)

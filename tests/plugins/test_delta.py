@@ -466,3 +466,18 @@ def test_a_segment_holds_at_most_so_many_values_and_the_pieces_land_exact(monkey
         assert apply(payload, region) == 50
         assert torch.equal(region.view(torch.int16)[changed], new[changed])
         assert int(region.view(torch.int16).count_nonzero()) == int(new[changed].count_nonzero())
+
+
+def test_buffers_of_alternating_types_are_compared_in_one_flat_per_type() -> None:
+    """A model's bf16 weights between fp32 norms: one flat copy (one wait for the device) per element type, not one
+    per change of type along the model."""
+    import torch
+
+    raw = {f"l{i}.{kind}": torch.zeros(64 if kind == "w" else 16, dtype=torch.uint8) for i in range(10) for kind in ("w", "norm")}
+    itemsizes = {n: 2 if n.endswith(".w") else 4 for n in raw}
+    log = ChangeLog(itemsizes, together=True)
+    log.record(1, raw)
+    assert sorted(str(flat.values.dtype) for flat in log._flat) == ["torch.int16", "torch.int32"]
+    raw["l7.norm"][4] = 1
+    log.record(2, raw)
+    assert log.since(1, "l7.norm").tolist() == [1] and all(log.since(1, n).numel() == 0 for n in raw if n != "l7.norm")

@@ -10,6 +10,7 @@ claiming an episode of 16 recorded turns whose lease ran out and replaying them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import shutil
@@ -17,7 +18,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -65,16 +66,27 @@ def bench_memory(repeats: int, routes: bool = False) -> tuple[float, float]:
     return ours, _rate(n, put, get, repeats, routes)
 
 
-def bench_ray(repeats: int, routes: bool = False) -> tuple[float, float]:
+@contextlib.contextmanager
+def _ray_running() -> Iterator[None]:
+    """Ray, started here for the measurement unless it runs already (then left running)."""
     import ray
-    from ray.util.queue import Queue
-
-    from rlsync.plugins import RayRolloutBuffer
 
     started_here = not ray.is_initialized()
     if started_here:
         ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
+        yield
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+def bench_ray(repeats: int, routes: bool = False) -> tuple[float, float]:
+    from ray.util.queue import Queue
+
+    from rlsync.plugins import RayRolloutBuffer
+
+    with _ray_running():
         n = BATCH * (8 if routes else 30)  # routed samples are 192 KiB each: fewer of them
         buf = RayRolloutBuffer(batch_size=BATCH, max_staleness=1 << 30, on_stale="drop")
         ours = _rate(n, buf.put, lambda: len(buf.get()), repeats, routes)  # type: ignore[arg-type]
@@ -83,9 +95,6 @@ def bench_ray(repeats: int, routes: bool = False) -> tuple[float, float]:
         base = _rate(n, q.put_nowait_batch, lambda: len(q.get_nowait_batch(BATCH)), repeats, routes)
         q.shutdown()
         return ours, base
-    finally:
-        if started_here:
-            ray.shutdown()
 
 
 def _redis_server(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
@@ -179,25 +188,18 @@ def episodes_memory(repeats: int) -> dict[str, float]:
 def episodes_ray(repeats: int) -> dict[str, float]:
     """The buffer actor's episode log (one actor call per turn) against the plain Ray way: one actor call that
     appends the same bytes (``ray.util.queue.Queue.put``)."""
-    import ray
     from ray.util.queue import Queue
 
     from rlsync.plugins import RayRolloutBuffer
 
-    started_here = not ray.is_initialized()
-    if started_here:
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
+    with _ray_running():
         buf = RayRolloutBuffer(batch_size=BATCH, max_staleness=1 << 30, on_stale="drop")
-        queue = Queue(actor_options={"num_cpus": 0})
+        plain = Queue(actor_options={"num_cpus": 0})
         try:
-            return _episode_costs(buf.episodes, queue.put, repeats)
+            return _episode_costs(buf.episodes, plain.put, repeats)
         finally:
             buf.close()
-            queue.shutdown()
-    finally:
-        if started_here:
-            ray.shutdown()
+            plain.shutdown()
 
 
 def episodes_redis(repeats: int) -> dict[str, float]:

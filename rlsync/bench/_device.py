@@ -269,17 +269,16 @@ def delta_on_device(device: str, config: dict[str, Any], changed: float, repeats
     sources = {n: t.reshape(-1).view(torch.uint8) for n, t in state.items()}
     total = sum(s.numel() for s in sources.values())
     report: dict[str, Any] = {"changed": changed, "full_bytes": total}
-    report.update(_delta_figures(device, state, sources, changed, repeats, compress=False))
-    report["zstd"] = _delta_figures(device, state, sources, changed, repeats, compress=True)
+    report.update(_delta_figures(device, state, sources, total, changed, repeats, compress=False))
+    report["zstd"] = _delta_figures(device, state, sources, total, changed, repeats, compress=True)
     return report
 
 
-def _delta_figures(device: str, state: dict[str, Any], sources: dict[str, Any], changed: float, repeats: int,
-                   compress: bool) -> dict[str, Any]:
+def _delta_figures(device: str, state: dict[str, Any], sources: dict[str, Any], total: int, changed: float,
+                   repeats: int, compress: bool) -> dict[str, Any]:
     from rlsync.core import ChangeLog, apply_delta, encode_delta
 
     torch = _torch()
-    total = sum(s.numel() for s in sources.values())
     starts = itertools.accumulate((s.numel() for s in sources.values()), initial=0)  # a reader's region: one after another
     groups = [(n, [(0, at, s.numel())]) for (n, s), at in zip(sources.items(), starts)]
     best: tuple[float, float, int] | None = None
@@ -452,16 +451,11 @@ def run(*, device: str, size: str | None, transports: str | None, repeats: int, 
         Console(stderr=True).print(f"[red]{r['name']} failed:[/red] {r['error']}")
     d = report["delta"]
     if d:
-        Console().print(f"delta at {d['changed']:.0%} changed: find + encode {d['find_encode_seconds'] * 1e3:.1f} ms "
-                        f"({d['find_encode_gbps']:.1f} GB/s of model bytes), apply {d['apply_seconds'] * 1e3:.1f} ms, "
-                        f"{d['delta_bytes'] / d['full_bytes']:.1%} of the bytes: pays on links slower than "
-                        f"{d['pays_below_gbps']:.1f} GB/s")
-        z = d["zstd"]
-        Console().print(f"  compressed (zstd, as over tcp): find + encode {z['find_encode_seconds'] * 1e3:.1f} ms "
-                        f"({z['find_encode_gbps']:.1f} GB/s), apply {z['apply_seconds'] * 1e3:.1f} ms, "
-                        f"{z['delta_bytes'] / z['full_bytes']:.1%} of the bytes: pays on links slower than "
-                        f"{z['pays_below_gbps']:.1f} GB/s")
-
+        for label, figures in ((f"delta at {d['changed']:.0%} changed", d), ("  compressed (zstd, as over tcp)", d["zstd"])):
+            Console().print(f"{label}: find + encode {figures['find_encode_seconds'] * 1e3:.1f} ms "
+                            f"({figures['find_encode_gbps']:.1f} GB/s of model bytes), apply "
+                            f"{figures['apply_seconds'] * 1e3:.1f} ms, {figures['delta_bytes'] / figures['full_bytes']:.1%} "
+                            f"of the bytes: pays on links slower than {figures['pays_below_gbps']:.1f} GB/s")
 
 def main() -> None:
     """A worker process: ``python -c 'from rlsync.bench._device import main; main()' ROLE ARGS...``."""

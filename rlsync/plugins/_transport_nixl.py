@@ -190,29 +190,28 @@ class NixlLink(Link):
         return host
 
     def _post(self) -> None:
-        """The writes gathered since the last flush, as one prepared transfer (built once per set of writes)."""
+        """The writes gathered since the last flush, as one prepared transfer per local memory type (a transfer has
+        one; VRAM and DRAM sources go as two), each built once per set of writes."""
         if not self._writes:
             return
         for stream in self._after.streams():  # once per stream, not per tensor: the sources are complete before the NIC reads
             stream.synchronize()
         self._after.clear()
-        writes, self._writes = tuple(self._writes), []
+        writes, self._writes = self._writes, []
+        for mem_type in sorted({key[2] for key, _, _ in writes}):
+            self._post_writes(tuple(w for w in writes if w[0][2] == mem_type), mem_type)
+
+    def _post_writes(self, writes: tuple[Write, ...], mem_type: str) -> None:
         handle = self._handles.get(writes)
         if handle is None:
             local = np.array([(base + s, n, devid) for (base, _, _), devid, runs in writes for s, _, _, n in runs],
                              dtype=np.uint64).reshape(-1, 3)
             remote = np.array([(self._remote[slot] + d, n, self._remote_devid) for _, _, runs in writes for _, slot, d, n in runs],
                               dtype=np.uint64).reshape(-1, 3)
-            types = {key[2] for key, _, _ in writes}
-            if len(types) > 1:  # one transfer has one local memory type: VRAM and DRAM sources go as two
-                for mem_type in sorted(types):
-                    self._writes = [w for w in writes if w[0][2] == mem_type]
-                    self._post()
-                return
             with self._peer_lost("NIXL could not prepare a write"):
                 handle = self._agent.initialize_xfer(
                     "WRITE",
-                    self._agent.get_xfer_descs(local, mem_type=types.pop()),
+                    self._agent.get_xfer_descs(local, mem_type=mem_type),
                     self._agent.get_xfer_descs(remote, mem_type=self._remote_type),
                     self._peer,
                 )

@@ -287,14 +287,17 @@ def test_one_step_deltas_carry_the_xor_of_old_and_new_bits() -> None:
 
 
 def _payload(base: int, count: int, planes: bytes, *, itemsize: int = 2, mode: int = 0, size: int | None = None) -> Any:
-    """A delta of one segment whose frame holds ``planes`` (and says it holds ``size`` bytes, when given)."""
+    """A delta of one segment whose frame holds ``planes``: zstd-compressed (saying it holds ``size`` bytes, when
+    given), or as they are where ``mode`` has bit 2 (an uncompressed segment)."""
     import torch
 
     try:
         from compression import zstd  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
         from backports import zstd  # type: ignore[no-redef, unused-ignore]
-    if size is None:
+    if mode & 2:
+        frame = planes
+    elif size is None:
         frame = zstd.compress(planes)
     else:  # a frame that does not say its decompressed size
         frame = zstd.ZstdCompressor(options={zstd.CompressionParameter.content_size_flag: 0}).compress(planes, zstd.ZstdCompressor.FLUSH_FRAME)
@@ -327,14 +330,6 @@ def test_a_delta_that_lies_is_refused_and_writes_nothing() -> None:
     assert not region.any()
 
 
-def _raw_payload(base: int, count: int, planes: bytes, *, itemsize: int = 2) -> Any:
-    """A delta of one uncompressed segment (mode bit 2): ``planes`` as they are."""
-    import torch
-
-    head = torch.tensor([1, base, itemsize, count, 2, len(planes)], dtype=torch.int64).view(torch.uint8)
-    return torch.cat([head, torch.frombuffer(bytearray(planes + bytes(-len(planes) % 8)), dtype=torch.uint8)])
-
-
 def test_an_uncompressed_delta_that_lies_is_refused_and_writes_nothing() -> None:
     """The planes of a fast link's delta go as they are: a frame of another size than its values need, positions
     that repeat, a position past the region: ``ValueError``, and the region is unchanged."""
@@ -343,16 +338,16 @@ def test_an_uncompressed_delta_that_lies_is_refused_and_writes_nothing() -> None
     region = torch.zeros(64, dtype=torch.uint8)
     gaps = np.array([1, 2], np.uint32).view(np.uint8).reshape(2, 4).T.tobytes()
     values = np.array([7, 8], np.int16).view(np.uint8).reshape(2, 2).T.tobytes()
-    assert apply(_raw_payload(0, 2, gaps + values), region) == 2 and region.view(torch.int16)[[1, 3]].tolist() == [7, 8]
+    assert apply(_payload(0, 2, gaps + values, mode=2), region) == 2 and region.view(torch.int16)[[1, 3]].tolist() == [7, 8]
     region.zero_()
     with pytest.raises(ValueError, match="13 bytes of planes, 12 for 2 values"):
-        apply(_raw_payload(0, 2, gaps + values + b"x"), region)
+        apply(_payload(0, 2, gaps + values + b"x", mode=2), region)
     repeated = np.array([1, 0], np.uint32).view(np.uint8).reshape(2, 4).T.tobytes()
     with pytest.raises(ValueError, match="not increasing"):
-        apply(_raw_payload(0, 2, repeated + values), region)
+        apply(_payload(0, 2, repeated + values, mode=2), region)
     far = np.array([1, 40], np.uint32).view(np.uint8).reshape(2, 4).T.tobytes()
     with pytest.raises(ValueError, match="reaches past"):
-        apply(_raw_payload(0, 2, far + values), region)
+        apply(_payload(0, 2, far + values, mode=2), region)
     assert not region.any()
 
 

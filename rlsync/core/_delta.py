@@ -37,6 +37,10 @@ import torch
 #: share of a writer's bytes to a reader that the reader's inbox holds for its deltas; a larger
 #: delta is sent in full (at about 1.3 bytes per changed bf16 value: up to ~35 % of the values changed)
 INBOX_SHARE: Final = 0.25
+#: a version with more of its elements changed than this is recorded as all of it (sent in full): its delta would not
+#: fit an inbox (``INBOX_SHARE`` of the bytes, at 1.3 bytes or more per changed bf16 value), and its positions, 8
+#: bytes each, would outgrow the model (a first step that moves every weight of 4 GiB of bf16: 16 GiB of them)
+_DENSE: Final = 0.4
 _SPAN: Final = 2**32
 _HOST_SEGMENT: Final = 2**18  # values per segment on the host (1.5 MB of bf16 planes), and on a device
 _DEVICE_SEGMENT: Final = 2**24
@@ -61,9 +65,12 @@ class ChangeLog:
     on the sources' device: a GPU trainer pays its share of the model in device memory for delta sync.
 
     ``together`` (default: for sources on a GPU): buffers are compared all at once, in a few flat copies of at
-    most 2**28 elements each: two ops per buffer and one wait for the device per flat copy, where buffer by buffer
+    most 2**28 elements each: two ops per buffer and two waits for the device per flat copy, where buffer by buffer
     costs six ops and a wait each (an H100 found 2 % of 4 GiB in 1622 tensors in 0.7 s that way, with the
     encoding). On the host, buffer by buffer and word by word keeps the compare in cache instead.
+
+    A version that moved most elements (over ``_DENSE``) is recorded as all of it, and older versions are forgotten
+    before the positions kept outgrow the copy: a step that moves every weight costs no memory beyond it.
     """
 
     def __init__(self, itemsizes: Mapping[str, int], depth: int = 4, together: bool | None = None) -> None:
@@ -77,38 +84,60 @@ class ChangeLog:
         self._flat: list[_Flat] = []
 
     def record(self, version: int, sources: Mapping[str, torch.Tensor]) -> None:
-        """Compare ``sources`` (``uint8`` tensors) with the last recorded bytes and remember what changed."""
-        changes: dict[str, torch.Tensor | None] = {}
-        self._flips = {}
+        """Compare ``sources`` (``uint8`` tensors) with the last recorded bytes and remember what changed; a version
+        that changed more than ``_DENSE`` of the elements is remembered as all of it (sent in full)."""
         nows = {name: typed(raw, self._itemsizes[name]) for name, raw in sources.items()}
         together = {n: t for n, t in nows.items() if (t.is_cuda if self._together is None else self._together)}
+        room = int(_DENSE * sum(now.numel() for now in nows.values()))  # positions kept at most
+        found: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        unseen: set[str] = set()
         if together:
-            changes.update(self._record_together(together))
+            room = self._record_together(together, found, unseen, room)
         for name, now in nows.items():
             if name in together:
                 continue
             shadow = self._shadow.get(name)
             if shadow is None or shadow.numel() != now.numel() or shadow.device != now.device:
                 self._shadow[name] = now.clone()
-                changes[name] = None  # never seen: all of it
-                continue
-            changed, self._flips[name] = _changes(now, shadow)
-            changes[name] = changed
+                unseen.add(name)  # never seen: all of it
+            elif room < 0:  # most of the model moved: only the copy takes the new bits
+                shadow.copy_(now)
+            else:
+                found[name] = _changes(now, shadow)
+                room -= found[name][0].numel()
+                if room < 0:
+                    found.clear()
+        changes = {name: None if name in unseen or name not in found else found[name][0] for name in nows}
+        self._flips = {name: flips for name, (_, flips) in found.items()}
         self._history = [*self._history, (version, changes)][-self._depth :]
+        # the oldest version is only ever a base (its changes are never read); past that, the positions kept stay
+        # below the size of the copy compared against: a reader further behind than that gets the full version
+        budget = sum(shadow.numel() * shadow.element_size() for shadow in self._shadow.values())
+        while len(self._history) > 2 and _held(self._history[1:]) > budget:
+            self._history.pop(0)
+        self._history[0] = (self._history[0][0], {})
 
-    def _record_together(self, nows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    def _record_together(self, nows: dict[str, torch.Tensor], found: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                         unseen: set[str], room: int) -> int:
+        """``record`` for the buffers compared together: their changes into ``found``, or none and a negative room
+        when more than ``room`` changed."""
         key = tuple((name, now.numel(), now.dtype, now.device) for name, now in nows.items())
         if key != self._flat_key:  # new buffers, or other sizes: laid out again, all of them "never seen"
             self._flat_key, self._flat = key, _Flat.lay_out(nows)
             for flat in self._flat:
                 for name, view in flat.views.items():
                     self._shadow[name] = view
-            return dict.fromkeys(nows)
-        changes: dict[str, torch.Tensor | None] = {}
+            unseen.update(nows)
+            return room
         for flat in self._flat:
-            for name, (changed, flips) in flat.compare(nows).items():
-                changes[name], self._flips[name] = changed, flips
-        return changes
+            changes = flat.compare(nows, room)
+            if changes is None:
+                found.clear()
+                room = -1
+                continue
+            found.update(changes)
+            room -= sum(changed.numel() for changed, _ in changes.values())
+        return room
 
     def flips(self, base: int, name: str) -> torch.Tensor | None:
         """The XOR of old and new bits of the elements ``since(base, name)`` lists, when ``base`` is the version
@@ -171,13 +200,18 @@ class _Flat:
             torch._foreach_copy_(list(flat.views.values()), [nows[n] for n in flat.views])
         return flats
 
-    def compare(self, nows: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def compare(self, nows: dict[str, torch.Tensor], room: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
         """Per buffer, the elements that differ from the last recorded values (sorted) and their old bits XOR new;
-        the flat takes the new values."""
+        None when more than ``room`` differ (counted first: no positions for a step that moved most weights). The
+        flat takes the new values either way."""
         mask = self.mask[: self.starts[-1]]
-        for (name, view), at in zip(self.views.items(), self.starts):
-            torch.ne(nows[name], view, out=mask[at : at + view.numel()])
-        idx = torch.nonzero(mask).flatten()  # the one wait for the device
+        if room >= 0:
+            for (name, view), at in zip(self.views.items(), self.starts):
+                torch.ne(nows[name], view, out=mask[at : at + view.numel()])
+        if room < 0 or int(mask.count_nonzero()) > room:  # with the positions below, the two waits for the device
+            torch._foreach_copy_(list(self.views.values()), [nows[n] for n in self.views])
+            return None
+        idx = torch.nonzero(mask).flatten()
         old = self.values[idx]
         torch._foreach_copy_(list(self.views.values()), [nows[n] for n in self.views])
         flips = torch.bitwise_xor(old, self.values[idx])
@@ -186,6 +220,11 @@ class _Flat:
         for (name, at), lo, hi in zip(zip(self.views, self.starts), bounds, bounds[1:]):
             out[name] = (idx[lo:hi] - at if at else idx[lo:hi], flips[lo:hi])
         return out
+
+
+def _held(history: Sequence[tuple[int, Mapping[str, torch.Tensor | None]]]) -> int:
+    """Bytes of the positions ``history`` keeps."""
+    return sum(t.numel() * t.element_size() for _, changes in history for t in changes.values() if t is not None)
 
 
 def _changes(now: torch.Tensor, shadow: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -476,3 +476,53 @@ def test_buffers_of_alternating_types_are_compared_in_one_flat_per_type() -> Non
     raw["l7.norm"][4] = 1
     log.record(2, raw)
     assert log.since(1, "l7.norm").tolist() == [1] and all(log.since(1, n).numel() == 0 for n in raw if n != "l7.norm")
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["one_by_one", "together"])
+@pytest.mark.parametrize("moved", ["one_buffer", "most_of_the_model"])
+def test_a_version_that_moved_most_of_the_model_is_recorded_as_all_of_it(together: bool, moved: str) -> None:
+    """A step that moves most of the model keeps no positions (8 bytes each: four times a bf16 model, per version):
+    ``since`` says unknown (sent in full) for every buffer, the copy still takes the new bits, and the next small
+    step is a delta again. A buffer that moves alone (a norm, all of whose values a first Adam step moves) keeps
+    its positions: the version's delta still fits."""
+    import torch
+
+    sizes = {"big": 4000, "small": 1000, "other": 5000}
+    raw = {n: torch.zeros(k * 2, dtype=torch.uint8) for n, k in sizes.items()}
+    words = {n: t.view(torch.int16) for n, t in raw.items()}
+    log = ChangeLog(dict.fromkeys(sizes, 2), depth=4, together=together)
+    log.record(1, raw)
+    words["small"][:] = 1  # all of it
+    words["big"][7] = 1
+    if moved == "most_of_the_model":
+        words["big"][2000:] = 1
+        words["other"][:] = 1
+    log.record(2, raw)
+    if moved == "most_of_the_model":
+        assert all(log.since(1, n) is None and log.flips(1, n) is None for n in sizes)
+    else:
+        assert log.since(1, "small").tolist() == list(range(1000)) and log.since(1, "other").numel() == 0
+        assert log.since(1, "big").tolist() == [7] and log.flips(1, "big").tolist() == [1]
+    words["big"][3] = 2
+    log.record(3, raw)
+    assert log.since(2, "big").tolist() == [3] and log.flips(2, "big").tolist() == [2]
+    assert log.since(2, "other").numel() == 0 and (log.since(1, "big") is None) == (moved == "most_of_the_model")
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["one_by_one", "together"])
+def test_the_positions_a_change_log_keeps_stay_below_the_size_of_its_copy(together: bool) -> None:
+    """Versions that each move a third of the elements: the log forgets old bases before their positions (8 bytes
+    each, 2 bytes of copy) outgrow the copy, keeping the one step a delta always needs."""
+    import torch
+
+    from rlsync.core._delta import _held
+
+    raw = torch.zeros(3000 * 2, dtype=torch.uint8)
+    log = ChangeLog({"w": 2}, depth=8, together=together)
+    log.record(1, {"w": raw})
+    for version in range(2, 8):
+        raw.view(torch.int16)[version % 3 :: 3] += 1
+        log.record(version, {"w": raw})
+        assert _held(log._history) <= raw.numel() or len(log._history) == 2
+        assert log.since(version - 1, "w").numel() == 1000
+    assert log.since(1, "w") is None and log.since(5, "w") is None  # forgotten: a reader that far behind gets it all

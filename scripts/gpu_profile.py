@@ -1,9 +1,10 @@
 """Where a trainer's time goes in one weight-sync path: ``rlsync bench --device``'s trainer, under cProfile.
 
-    python3 scripts/gpu_profile.py cuda_ipc direct [4GiB]
+    python3 scripts/gpu_profile.py cuda_ipc direct [4GiB] [0.02]
 
 Runs the bench's engine in a child process (as the bench does) and the trainer here, publishing six versions,
-and prints the seconds per version and the functions that took the most time of their own. For the figures
+and prints the seconds per version and the functions that took the most time of their own in ``complete`` (the
+optional share below 1: delta versions that change it, after two full ones). For the figures
 themselves use ``rlsync bench --device cuda``; this says why one of them is what it is.
 """
 
@@ -15,7 +16,9 @@ import io
 import json
 import pstats
 import sys
+from typing import Any
 
+from rlsync import WeightsWriter
 from rlsync.bench import _device
 from rlsync.bench._weights import bench_spec, parse_size
 
@@ -27,10 +30,19 @@ def main() -> None:
     out = io.StringIO()
     profile = cProfile.Profile()
     _device.STEP_SECONDS = 0.05  # off the clock: the trainer's sleep between versions would only pad the profile
-    with contextlib.redirect_stdout(out):
+    changed = float(sys.argv[4]) if len(sys.argv) > 4 else 1.0  # below 1: delta versions changing that share
+    complete = WeightsWriter.complete
+
+    def profiled(self: WeightsWriter, *args: Any, **kwargs: Any) -> Any:  # the versions, not the start-up
         profile.enable()
-        _device.trainer(device, bench_spec(size), transport, landing, 6, 1.0)
-        profile.disable()
+        try:
+            return complete(self, *args, **kwargs)
+        finally:
+            profile.disable()
+
+    WeightsWriter.complete = profiled  # type: ignore[method-assign]
+    with contextlib.redirect_stdout(out):
+        _device.trainer(device, bench_spec(size), transport, landing, 6, changed)
     seconds = json.loads(out.getvalue().splitlines()[-1])["seconds"]
     print(f"{transport}/{landing}: seconds per version {[round(s * 1e3, 2) for s in seconds]} ms")
     pstats.Stats(profile).sort_stats("tottime").print_stats(22)

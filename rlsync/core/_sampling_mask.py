@@ -12,12 +12,22 @@ the probability mass ranked strictly above it is below ``top_p``; the most likel
 compactly per token as the kept-set size (``kept_sizes``); the trainer rebuilds a mask of that size from its own
 logits (``kept=``), which tolerates the small logit differences between the two sides' kernels.
 
+A trainer that never materializes its logits (a fused LM head: TRL's ``GRPOTrainer``) scores through
+``head_logprobs``: the same mask from its hidden states and LM head, a few rows at a time, each chunk recomputed in the
+backward, so memory stays at one chunk's logits (``_CHUNK_ELEMENTS``) whatever the batch.
+
 Torch ops on whatever device the logits live on.
 """
 
 from __future__ import annotations
 
+from typing import Final
+
 import torch
+from torch.utils.checkpoint import checkpoint
+
+#: logits of one chunk of ``head_logprobs`` (rows x vocab): 64 MiB of float32; the top-p sort adds twice that
+_CHUNK_ELEMENTS: Final = 2**24
 
 
 def sampling_mask(logits: torch.Tensor, *, top_k: int | None = None, top_p: float | None = None,
@@ -55,3 +65,46 @@ def kept_sizes(processed_logprobs: torch.Tensor) -> torch.Tensor:
     """The kept-set size per position from an engine's processed log-probs over the whole vocabulary (or its top-N
     entries, when fewer than N survived the mask): how many are finite."""
     return torch.isfinite(processed_logprobs).sum(dim=-1)
+
+
+def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tokens: torch.Tensor, *,
+                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                  logit_scale: float = 1.0, softcap: float | None = None,
+                  entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``masked_logprobs`` of ``tokens`` ``[N]`` from ``hidden`` ``[N, H]`` and an LM head (``weight`` ``[V, H]``,
+    ``bias``), and with ``entropy`` the entropy of each position's masked distribution; differentiable. The logits
+    are ``hidden @ weight.T + bias`` (in autocast's dtype where it is on), times ``logit_scale``, soft-capped, over
+    ``temperature``: TRL's fused head's order. Each sampled token counts as kept even where the trainer's logits
+    would put it just outside the set (its kernels round differently from the engine's): a log-prob, never -inf."""
+    rows = max(1, _CHUNK_ELEMENTS // weight.shape[0])
+    logprobs, entropies = [], []
+    for start in range(0, hidden.shape[0], rows):
+        part = checkpoint(_head_chunk, hidden[start : start + rows], weight, bias, tokens[start : start + rows],
+                          temperature, top_k, top_p, logit_scale, softcap, entropy, use_reentrant=False)
+        logprobs.append(part[0])
+        entropies.append(part[1])
+    if not logprobs:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty if entropy else None
+    return torch.cat(logprobs), torch.cat(entropies) if entropy else None
+
+
+def _head_chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tokens: torch.Tensor,
+                temperature: float, top_k: int | None, top_p: float | None, logit_scale: float, softcap: float | None,
+                entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    z = torch.nn.functional.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)).float()
+    z = z * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
+    with torch.no_grad():
+        keep = sampling_mask(z, top_k=top_k, top_p=top_p)
+        keep.scatter_(-1, tokens.unsqueeze(-1), True)
+    logp = z.masked_fill(~keep, float("-inf")).log_softmax(dim=-1)
+    chosen = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    if not entropy:
+        return chosen, chosen.new_zeros(0)
+    kept_logp = logp.masked_fill(~keep, 0.0)  # a dropped token adds exp(0) * 0
+    return chosen, -(kept_logp.exp() * kept_logp).sum(-1)

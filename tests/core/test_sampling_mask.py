@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from rlsync import kept_sizes, masked_logprobs, sampling_mask
+from rlsync import head_logprobs, kept_sizes, masked_logprobs, sampling_mask
 
 
 def test_top_k_keeps_the_k_largest() -> None:
@@ -39,3 +40,36 @@ def test_masked_logprobs_renormalize_over_the_kept_set() -> None:
     assert float(masked_logprobs(logits, torch.tensor([3]), top_p=0.7)) == float("-inf")  # could not be sampled
     halved = masked_logprobs(logits, torch.tensor([0]), temperature=2.0)
     assert math.isclose(float(halved), math.log(math.sqrt(0.5) / sum(math.sqrt(p) for p in (0.5, 0.3, 0.15, 0.05))), rel_tol=1e-5)
+
+
+def test_head_logprobs_equal_the_masked_logprobs_of_the_logits_with_their_gradients_chunk_by_chunk(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """From hidden states and an LM head, a few rows at a time (here 7): the log-probs and entropies of the masked
+    distribution and the same gradients as the whole computation at once; a sampled token the mask would drop (the two
+    sides' kernels round differently) still gets a finite log-prob, under the kept set with it added."""
+    from rlsync.core import _sampling_mask
+
+    monkeypatch.setattr(_sampling_mask, "_CHUNK_ELEMENTS", 40 * 7)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(50, 16, generator=gen, requires_grad=True)
+    weight = torch.randn(40, 16, generator=gen, requires_grad=True)
+    bias = torch.randn(40, generator=gen, requires_grad=True)
+    tokens = torch.randint(0, 40, (50,), generator=gen)
+    got, entropy = head_logprobs(hidden, weight, bias, tokens, temperature=0.8, top_k=20, top_p=0.7, logit_scale=1.5,
+                                 softcap=30.0, entropy=True)
+    (got.sum() + entropy.sum()).backward()
+    grads = [t.grad.clone() for t in (hidden, weight, bias)]
+    for t in (hidden, weight, bias):
+        t.grad = None
+    z = 30.0 * torch.tanh((hidden @ weight.T + bias) * 1.5 / 30.0) / 0.8
+    expected = masked_logprobs(z * 0.8, tokens, temperature=0.8, top_k=20, top_p=0.7)
+    inside = torch.isfinite(expected)
+    assert 0 < inside.sum() < 50 and torch.isfinite(got).all()
+    assert torch.allclose(got[inside], expected[inside], atol=1e-5)
+    keep = sampling_mask(z.detach(), top_k=20, top_p=0.7).scatter(-1, tokens.unsqueeze(-1), True)
+    logp = z.masked_fill(~keep, float("-inf")).log_softmax(-1)
+    kept = logp.masked_fill(~keep, 0.0)
+    assert torch.allclose(entropy, -(kept.exp() * kept).sum(-1), atol=1e-5)
+    (logp.gather(-1, tokens.unsqueeze(-1)).sum() - (kept.exp() * kept).sum()).backward()
+    for mine, theirs in zip(grads, (hidden.grad, weight.grad, bias.grad)):
+        assert torch.allclose(mine, theirs, atol=1e-4)

@@ -27,6 +27,10 @@ MoE models: with a server that records routes (``--worker-extension-cls rlsync.a
 sampled them (routing replay, ``rlsync.adapters.trl._routes``); ``routes=False`` turns it off, ``routes=True``
 requires it. Logged: ``rlsync/routes_replayed``, ``rlsync/routes_differing``.
 
+Sampling mask: with ``top_k``/``top_p`` in ``GRPOConfig``, the policy's log-probs (TRL's old log-probs, its
+importance ratio against vLLM's and its loss) are those of the distribution vLLM sampled from, the kept set
+renormalized (``rlsync.adapters.trl._sampling``); ``sampling_mask=False`` keeps TRL's full-softmax log-probs.
+
 LoRA: with a PEFT model and a server started with ``--enable-lora`` (and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``),
 only the adapter's A/B matrices (and ``modules_to_save``) cross, never the base model (``VllmServer.publish_lora``):
 each version is served as adapter ``policy@V`` and TRL's client generates with the newest; the previous
@@ -44,6 +48,7 @@ from transformers import TrainerCallback
 
 from rlsync import Canary, ConfigError, Decision, MaxStaleness, Sample, SyncOptions, VersionError
 from rlsync.adapters.trl._routes import RouteReplay
+from rlsync.adapters.trl._sampling import SamplingMask
 from rlsync.adapters.trl._weight_transfer import choose_lora_route
 from rlsync.adapters.vllm import VllmServer
 from rlsync.patches.trl import rlsync_owns_sync
@@ -61,10 +66,12 @@ class RlsyncSyncCallback(TrainerCallback):
     changed since the last sync: a few percent of them at RL learning rates; ``rlsync/bytes`` logs what moved),
     ``verify=True`` (the engine checks a CRC per tensor of every version and refuses one whose bytes differ).
     ``routes``: routing replay for MoE models (None: wherever the server records routes; True: required; False: off).
+    ``sampling_mask``: the policy's log-probs under the top-k/top-p the tokens were sampled with (None: wherever
+    ``GRPOConfig`` sets them; True: required; False: off, TRL's full-softmax log-probs).
     """
 
     def __init__(self, trainer: Any, *, max_staleness: int | None = None, options: SyncOptions | None = None,
-                 routes: bool | None = None) -> None:
+                 routes: bool | None = None, sampling_mask: bool | None = None) -> None:
         generation = getattr(trainer, "vllm_generation", None)
         if generation is None or getattr(generation, "mode", None) != "server":
             raise ConfigError("RlsyncSyncCallback needs a GRPOTrainer generating with a vLLM server: "
@@ -85,6 +92,7 @@ class RlsyncSyncCallback(TrainerCallback):
         self._adapters_kept = (max_staleness or 1) + 1  # adapter versions served: a sample may be max_staleness versions old
         generation.sync_weights = self._sync
         self.routes = RouteReplay(trainer, self.server, routes)  # MoE: routing replay (see the module docstring)
+        self.sampling_mask = SamplingMask(trainer, sampling_mask)  # top-k/top-p: the sampler's log-probs
         self._generate = trainer._generate_and_score_completions
         trainer._generate_and_score_completions = self._generate_and_stamp
         self._compute_loss = trainer.compute_loss

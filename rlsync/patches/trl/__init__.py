@@ -22,6 +22,12 @@ change nothing else:
   position's version (-1 where nothing was sampled), and the row (``TrainingSequence``) carries them as
   ``rlsync_versions``. Nothing of TRL's own changes.
 
+- ``trl.trainer.utils._ChunkedLogProbFunction`` and ``trl.trainer.grpo_trainer.use_adapter``
+  (``apply_sampling_mask``, when ``RlsyncSyncCallback`` turns the sampling mask on): TRL's fused LM head scores with
+  ``rlsync.head_logprobs`` under the top-k/top-p of ``SAMPLING_MASK`` while that is set (the callback sets it around the
+  policy's log-probs, ``rlsync.adapters.trl._sampling``); inside ``use_adapter`` (the reference model of a PEFT run)
+  it is unset. Unset, TRL's own function runs.
+
 Supported TRL versions: ``SUPPORTED``, checked before anything is patched.
 Any other version raises ``ConfigError`` naming it: a patch that silently missed would bring back a hang.
 """
@@ -29,6 +35,7 @@ Any other version raises ``ConfigError`` naming it: a patch that silently missed
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -36,6 +43,9 @@ from typing import Any
 from rlsync import ConfigError
 from rlsync.patches import minor_supported
 
+#: (top_k, top_p) the policy's fused head reapplies while set (None: TRL's own log-probs)
+SAMPLING_MASK: contextvars.ContextVar[tuple[int | None, float | None] | None] = contextvars.ContextVar(
+    "rlsync_sampling_mask", default=None)
 SUPPORTED = ("1.16",)  # TRL major.minor versions whose code these patches were written against
 _APPLIED = "_rlsync_patched"
 
@@ -72,6 +82,52 @@ def apply_rollout_versions() -> None:
 
     _wrap_once(async_rollout_worker._SampleBuilder, _append=_append_versions, to_training_sequence=_row_with_versions,
                _align_to_prompt=lambda original: _align_versions(original, async_rollout_worker._common_prefix_len))
+
+
+def apply_sampling_mask() -> None:
+    """TRL's fused LM head reapplies the sampling mask while ``SAMPLING_MASK`` is set (see the module docstring)."""
+    _check_installed()
+    from trl.trainer import grpo_trainer, utils
+
+    _wrap_once(utils, _ChunkedLogProbFunction=_masked_head)
+    _wrap_once(grpo_trainer, use_adapter=_unmasked_inside)
+
+
+def _masked_head(original: Any) -> Any:
+    class MaskedOrTRL:
+        """``ChunkedLogProbFunction.apply``'s signature: rlsync's masked log-probs where a mask is set and TRL asked
+        for nothing else than log-probs and entropy; TRL's function otherwise."""
+
+        @staticmethod
+        def apply(hidden: Any, weight: Any, bias: Any, targets: Any, temperature: float, chunk_size: int,
+                  final_logit_softcapping: float | None = None, logit_scale: float = 1.0,
+                  outputs: tuple[str, ...] = ("log_probs",)) -> Any:
+            mask = SAMPLING_MASK.get()
+            if mask is None or not set(outputs) <= {"log_probs", "entropy"}:
+                return original.apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
+                                      logit_scale, outputs)
+            from rlsync.core import head_logprobs
+
+            logprobs, entropy = head_logprobs(hidden, weight, bias, targets, temperature=temperature, top_k=mask[0],
+                                              top_p=mask[1], logit_scale=logit_scale, softcap=final_logit_softcapping,
+                                              entropy="entropy" in outputs)
+            return logprobs, entropy, None, None, None
+
+    return MaskedOrTRL
+
+
+def _unmasked_inside(original: Any) -> Any:
+    @functools.wraps(original)
+    @contextlib.contextmanager
+    def use_adapter(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        token = SAMPLING_MASK.set(None)  # the reference: its own distribution, not the sampler's
+        try:
+            with original(*args, **kwargs) as inner:
+                yield inner
+        finally:
+            SAMPLING_MASK.reset(token)
+
+    return use_adapter
 
 
 def _check_installed() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from trl_helpers import PROMPTS, checkpoint, example, fresh_greedy
+from trl_helpers import PROMPTS, checkpoint, example, fresh_greedy, grpo_trainer
 
 from rlsync import SyncOptions
 
@@ -16,28 +16,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.filterwarnings("ig
               pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 
-def _trainer(model_dir: Path, server: Any, tmp_path: Path, steps: int, lr: float = 3e-3, peft_config: Any = None,
-             **config: Any) -> Any:
-    from datasets import Dataset
-    from transformers import AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
-
-    import rlsync.adapters.trl  # noqa: F401  (the patches: GRPOTrainer's constructor joins no NCCL group)
-
-    args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=steps, learning_rate=lr, per_device_train_batch_size=8,
-                      num_generations=4, max_completion_length=8, beta=0.0, logging_steps=1, save_strategy="no",
-                      report_to="none", use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url, bf16=False,
-                      use_cpu=True, seed=0, **config)
-    prompts = [f"w{i} w{(3 * i) % 24}" for i in range(64)]
-    return GRPOTrainer(model=str(model_dir), reward_funcs=example.reward_target, args=args,
-                       train_dataset=Dataset.from_dict({"prompt": prompts}), peft_config=peft_config,
-                       processing_class=AutoTokenizer.from_pretrained(model_dir.parent / "tokenizer"))
-
-
 def test_every_sync_of_a_real_grpo_run_serves_the_trainers_weights(model_dir: Path, server: Any, tmp_path: Path) -> None:
     from rlsync.adapters.trl import RlsyncSyncCallback
 
-    trainer = _trainer(model_dir, server, tmp_path, steps=4)
+    trainer = grpo_trainer(model_dir, server, tmp_path, steps=4)
     callback = RlsyncSyncCallback(trainer)
     trainer.add_callback(callback)
     rlsync_sync = trainer.vllm_generation.sync_weights
@@ -67,7 +49,7 @@ def test_a_sample_older_than_the_allowed_staleness_never_reaches_the_loss(model_
     from rlsync.adapters.trl import VERSIONS, RlsyncSyncCallback
 
     # one generation serves three optimizer steps: its samples are 0, 1 and 2 steps old when they are trained on
-    trainer = _trainer(model_dir, server, tmp_path, steps=6, steps_per_generation=3)
+    trainer = grpo_trainer(model_dir, server, tmp_path, steps=6, steps_per_generation=3)
     received: list[tuple[int, torch.Tensor, torch.Tensor]] = []
     inner = trainer._compute_loss  # what GRPOTrainer.compute_loss calls: the loss itself
 
@@ -97,7 +79,7 @@ def test_delta_syncs_at_an_rl_learning_rate_move_a_fraction_and_serve_the_traine
     tell a stale version from the new one), and greedy output equals a fresh engine's."""
     from rlsync.adapters.trl import RlsyncSyncCallback
 
-    trainer = _trainer(model_dir, server, tmp_path, steps=3, lr=1e-6)
+    trainer = grpo_trainer(model_dir, server, tmp_path, steps=3, lr=1e-6)
     trainer.add_callback(RlsyncSyncCallback(trainer, options=SyncOptions(wire="delta", verify=True)))  # the engine checks every tensor's CRC
     rlsync_sync = trainer.vllm_generation.sync_weights
     seen: list[tuple[dict[str, torch.Tensor], list[list[int]]]] = []
@@ -168,7 +150,7 @@ def test_a_peft_run_sends_the_adapter_alone_and_generates_with_each_new_version(
 
     from rlsync.adapters.trl import RlsyncSyncCallback
 
-    trainer = _trainer(model_dir, lora_server, tmp_path, steps=3, lr=5e-2,
+    trainer = grpo_trainer(model_dir, lora_server, tmp_path, steps=3, lr=5e-2,
                        peft_config=LoraConfig(r=LORA_RANK, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     callback = RlsyncSyncCallback(trainer)
     trainer.add_callback(callback)
@@ -225,7 +207,7 @@ def test_an_moe_policy_replays_the_servers_routes_in_every_forward(tokenizer_dir
     flags = ["--worker-extension-cls", "rlsync.adapters.vllm.RlsyncWorkerExtension", "--no-enable-prefix-caching"]
     server = example.Server(model_dir, tokenizer_dir, tmp_path / "moe-server.log", extra=flags)
     try:
-        trainer = _trainer(model_dir, server, tmp_path, steps=2)
+        trainer = grpo_trainer(model_dir, server, tmp_path, steps=2)
         trainer.add_callback(RlsyncSyncCallback(trainer))
         with caplog.at_level(logging.INFO, logger="rlsync"):
             trainer.train()

@@ -41,3 +41,22 @@ def fresh_greedy(model: Path) -> list[list[int]]:
     llm.llm_engine.engine_core.shutdown()
     del llm
     return got
+
+
+def grpo_trainer(model_dir: Path, server: Any, tmp_path: Path, steps: int, lr: float = 3e-3, peft_config: Any = None,
+                 **config: Any) -> Any:
+    """A real ``GRPOTrainer`` on CPU against ``server``: the example's toy task, 8 rows of 4 generations a step."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    import rlsync.adapters.trl  # noqa: F401  (the patches: GRPOTrainer's constructor joins no NCCL group)
+
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=steps, learning_rate=lr, per_device_train_batch_size=8,
+                      num_generations=4, max_completion_length=8, beta=0.0, logging_steps=1, save_strategy="no",
+                      report_to="none", use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url, bf16=False,
+                      use_cpu=True, seed=0, **config)
+    prompts = [f"w{i} w{(3 * i) % 24}" for i in range(64)]
+    return GRPOTrainer(model=str(model_dir), reward_funcs=example.reward_target, args=args,
+                       train_dataset=Dataset.from_dict({"prompt": prompts}), peft_config=peft_config,
+                       processing_class=AutoTokenizer.from_pretrained(model_dir.parent / "tokenizer"))

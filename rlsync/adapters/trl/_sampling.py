@@ -1,0 +1,65 @@
+"""The sampling mask in TRL's ``GRPOTrainer`` (``RlsyncSyncCallback(trainer, sampling_mask=...)``).
+
+With ``top_k`` or ``top_p`` set, vLLM draws each token from the renormalized kept set, and reports its log-prob under
+that set (TRL asks for ``processed_logprobs``, and its server script starts vLLM so). TRL's fused LM head scores the
+token under the full softmax (with the temperature, but no top-k/top-p), so its importance ratio against vLLM
+(``vllm_importance_sampling_correction``) and its clipped ratio are biased low by the kept mass, on every token.
+
+``SamplingMask`` makes the policy's log-probs (TRL's old log-probs and its loss alike) those of the sampler's
+distribution: while TRL computes them, the fused head scores with ``rlsync.head_logprobs`` (the same temperature,
+top-k and top-p, rows at a time, each chunk recomputed in the backward: memory of one chunk of logits); the entropy
+TRL logs and masks by is the masked distribution's. The reference model's log-probs (``beta > 0``) stay under its
+full distribution: the KL is to the reference, not to its truncation. On by default wherever the sampling truncates
+(``top_k > 0`` or ``top_p < 1``); ``sampling_mask=False`` turns it off. ``min_p`` and ``repetition_penalty`` also
+change vLLM's processed log-probs and are not reapplied: a warning says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from rlsync import ConfigError
+from rlsync.patches.trl import SAMPLING_MASK, apply_sampling_mask
+
+_log = logging.getLogger("rlsync")
+
+
+class SamplingMask:
+    """Installed on a ``GRPOTrainer`` by the callback; ``wanted``: None (wherever the sampling truncates), True
+    (required: an error where it does not), False (off)."""
+
+    def __init__(self, trainer: Any, wanted: bool | None) -> None:
+        top_k = trainer.top_k if trainer.top_k and trainer.top_k > 0 else None
+        top_p = trainer.top_p if trainer.top_p is not None and trainer.top_p < 1.0 else None
+        truncates = top_k is not None or top_p is not None
+        if wanted and not truncates:
+            raise ConfigError("sampling_mask=True, but GRPOConfig sets neither top_k nor top_p below the vocabulary: "
+                              "there is no mask to reapply (set top_k/top_p, or leave sampling_mask unset)")
+        self.mask = (top_k, top_p) if truncates and wanted is not False else None
+        if self.mask is None:
+            if truncates:
+                _log.warning("rlsync: sampling_mask=False: TRL scores tokens sampled with top_k=%s, top_p=%s under the "
+                             "full distribution (importance ratios biased low by the kept mass)", top_k, top_p)
+            return
+        unmatched = [f"{name}={value}" for name, value in (("min_p", trainer.min_p),
+                                                             ("repetition_penalty", trainer.repetition_penalty))
+                     if value is not None and value != (1.0 if name == "repetition_penalty" else 0.0)]
+        if unmatched:
+            _log.warning("rlsync: the trainer reapplies top_k/top_p but not %s, which vLLM's log-probs include: their "
+                         "importance ratios stay biased by it (leave them unset for exact ratios)", ", ".join(unmatched))
+        apply_sampling_mask()
+        self._reference = getattr(trainer, "ref_model", None)
+        self._logprobs = trainer._get_per_token_logps_and_entropies
+        trainer._get_per_token_logps_and_entropies = self.logprobs
+        _log.info("rlsync: the trainer's log-probs reapply the sampling mask (top_k=%s, top_p=%s)", top_k, top_p)
+
+    def logprobs(self, model: Any, *args: Any, **kwargs: Any) -> Any:
+        """TRL's ``_get_per_token_logps_and_entropies``, under the mask for the policy (not for the reference model)."""
+        if self._reference is not None and model is self._reference:
+            return self._logprobs(model, *args, **kwargs)
+        token = SAMPLING_MASK.set(self.mask)
+        try:
+            return self._logprobs(model, *args, **kwargs)
+        finally:
+            SAMPLING_MASK.reset(token)

@@ -52,6 +52,8 @@ def bench(
                                                        "bucketed recipe.")] = None,
     repeats: Annotated[int, typer.Option(help="Timed repetitions per path; the median is reported.")] = 3,
     buffer: Annotated[bool, typer.Option("--buffer", help="Benchmark the rollout buffer backends instead.")] = False,
+    sampling_mask: Annotated[bool, typer.Option("--sampling-mask", help="Benchmark the trainer's log-probs under a "
+                                                "top-k/top-p mask (time and memory per micro-batch; on --device).")] = False,
     engine: Annotated[Optional[str], typer.Option(help="Sync into a running engine ('vllm') instead of a plain process.")] = None,
     engine_model: Annotated[str, typer.Option(help="Model for --engine: '125m' (a Qwen2 of 125M parameters) or 'tiny' (a quick check).")] = "125m",
     wire: Annotated[Optional[str], typer.Option(help="Compare full versions with 'delta' versions over real AdamW steps, over the first of --transports (default tcp: a link between hosts, where a delta's planes are zstd-compressed; over shm they go as they are) (needs transformers).")] = None,
@@ -65,7 +67,7 @@ def bench(
                                                             "takes longer is reported as failed and the next runs.")] = 600,
 ) -> None:
     """Measure weight sync (or the rollout buffer) against the baselines, in one run."""
-    if device is not None:
+    if device is not None and not sampling_mask:
         from rlsync.bench import run_device
 
         run_device(device=device, size=size, transports=transports, repeats=repeats, json_output=json_output,
@@ -80,6 +82,10 @@ def bench(
                  link_gbps=link_gbps)
     elif link_gbps is not None:
         raise typer.BadParameter("--link-gbps measures full against delta versions over a slow link: add --wire delta")
+    elif sampling_mask:
+        from rlsync.bench import run_mask
+
+        run_mask(device=device, repeats=repeats, json_output=json_output)
     elif buffer:
         from rlsync.bench import run_buffer
 

@@ -1,6 +1,7 @@
 """Benchmarks behind ``rlsync bench``; each measures rlsync against baselines in the same run.
 
-``run_weights``, ``run_wire``, ``run_buffer``, ``run_engine``, ``run_device``: the five kinds, as the CLI calls them.
+``run_weights``, ``run_wire``, ``run_buffer``, ``run_engine``, ``run_device``, ``run_mask``: the six kinds, as the CLI
+calls them.
 Each is imported when called: the benchmark modules also run as worker scripts (``python -m rlsync.bench._weights``),
 and a package that imported them first would make runpy warn in every worker.
 """
@@ -24,6 +25,12 @@ def run_device(**options: Any) -> None:
 
 def run_engine(**options: Any) -> None:
     from rlsync.bench._engine import run
+
+    run(**options)
+
+
+def run_mask(**options: Any) -> None:
+    from rlsync.bench._mask import run
 
     run(**options)
 

@@ -21,10 +21,9 @@ Torch ops on whatever device the logits live on.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 #: logits of one chunk of ``head_logprobs`` (rows x vocab): 64 MiB of float32; the top-p sort adds twice that
 _CHUNK_ELEMENTS: Final = 2**24
@@ -75,36 +74,84 @@ def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     ``bias``), and with ``entropy`` the entropy of each position's masked distribution; differentiable. The logits
     are ``hidden @ weight.T + bias`` (in autocast's dtype where it is on), times ``logit_scale``, soft-capped, over
     ``temperature``: TRL's fused head's order. Each sampled token counts as kept even where the trainer's logits
-    would put it just outside the set (its kernels round differently from the engine's): a log-prob, never -inf."""
-    rows = max(1, _CHUNK_ELEMENTS // weight.shape[0])
-    logprobs, entropies = [], []
-    for start in range(0, hidden.shape[0], rows):
-        part = checkpoint(_head_chunk, hidden[start : start + rows], weight, bias, tokens[start : start + rows],
-                          temperature, top_k, top_p, logit_scale, softcap, entropy, use_reentrant=False)
-        logprobs.append(part[0])
-        entropies.append(part[1])
-    if not logprobs:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, empty if entropy else None
-    return torch.cat(logprobs), torch.cat(entropies) if entropy else None
+    would put it just outside the set (its kernels round differently from the engine's): a log-prob, never -inf.
 
-
-def _head_chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tokens: torch.Tensor,
-                temperature: float, top_k: int | None, top_p: float | None, logit_scale: float, softcap: float | None,
-                entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    Rows go ``_CHUNK_ELEMENTS // V`` at a time; the backward computes each chunk's logits again and their gradient
+    in closed form, into one float32 gradient of the head: memory of a chunk's logits and of that gradient."""
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-    z = torch.nn.functional.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)).float()
-    z = z * logit_scale
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    z = z / temperature
+    with torch.autocast(device, enabled=False):
+        logprobs, entropies = _MaskedHead.apply(hidden, weight, bias, tokens, dtype,  # type: ignore[no-untyped-call]
+                                                (temperature, top_k, top_p, logit_scale, softcap), entropy)
+    return logprobs, entropies if entropy else None
+
+
+class _MaskedHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tokens: torch.Tensor,
+                dtype: torch.dtype, sampler: tuple[Any, ...], entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        logprobs = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        entropies = torch.empty(hidden.shape[0] if entropy else 0, dtype=torch.float32, device=hidden.device)
+        for rows, z, keep, logp in _chunks(hidden, weight, bias, tokens, dtype, sampler):
+            logprobs[rows] = logp.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1)
+            if entropy:
+                kept = logp.masked_fill(~keep, 0.0)  # a dropped token adds exp(0) * 0
+                entropies[rows] = -(kept.exp() * kept).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, tokens, entropies)
+        ctx.dtype, ctx.sampler = dtype, sampler
+        ctx.set_materialize_grads(False)
+        return logprobs, entropies
+
+    @staticmethod
+    def backward(ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropies: torch.Tensor | None) -> Any:
+        hidden, weight, bias, tokens, entropies = ctx.saved_tensors
+        temperature, _, _, logit_scale, softcap = ctx.sampler
+        want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.zeros_like(hidden, dtype=torch.float32) if want_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if want_bias and bias is not None else None
+        for rows, z, keep, logp in _chunks(hidden, weight, bias, tokens, ctx.dtype, ctx.sampler, scaled=False):
+            p = logp.exp()  # 0 where dropped
+            grad = torch.zeros_like(p)
+            if grad_logprobs is not None:  # d log p_t / d z_j = [j = t] - p_j
+                grad -= grad_logprobs[rows].unsqueeze(-1) * p
+                grad.scatter_add_(-1, tokens[rows].unsqueeze(-1), grad_logprobs[rows].unsqueeze(-1))
+            if grad_entropies is not None and entropies.numel():  # d H / d z_j = -p_j (log p_j + H)
+                grad -= grad_entropies[rows].unsqueeze(-1) * p * (logp.masked_fill(~keep, 0.0) + entropies[rows].unsqueeze(-1))
+            grad /= temperature  # back through the temperature, the cap and the scale to the head's output
+            if softcap is not None:
+                grad *= 1 - torch.tanh(z * logit_scale / softcap) ** 2
+            grad *= logit_scale
+            if grad_hidden is not None:  # in the head's compute dtype, as its forward (no float32 copy of the head)
+                grad_hidden[rows] = grad.to(ctx.dtype) @ weight.to(ctx.dtype)
+            if grad_weight is not None:
+                grad_weight.addmm_(grad.T, hidden[rows].float())
+            if grad_bias is not None:
+                grad_bias += grad.sum(0)
+        return _as(grad_hidden, hidden), _as(grad_weight, weight), _as(grad_bias, bias), None, None, None, None
+
+
+def _as(grad: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
+    """A float32 gradient in its input's dtype."""
+    return None if grad is None or like is None else grad.to(like.dtype)
+
+
+def _chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tokens: torch.Tensor,
+            dtype: torch.dtype, sampler: tuple[Any, ...], scaled: bool = True) -> Any:
+    """Per chunk of rows: the rows, the head's output (``scaled``: after scale, cap and temperature), the kept set
+    (the sampled token in it) and the masked log-probs."""
+    temperature, top_k, top_p, logit_scale, softcap = sampler
+    step = max(1, _CHUNK_ELEMENTS // weight.shape[0])
     with torch.no_grad():
-        keep = sampling_mask(z, top_k=top_k, top_p=top_p)
-        keep.scatter_(-1, tokens.unsqueeze(-1), True)
-    logp = z.masked_fill(~keep, float("-inf")).log_softmax(dim=-1)
-    chosen = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    if not entropy:
-        return chosen, chosen.new_zeros(0)
-    kept_logp = logp.masked_fill(~keep, 0.0)  # a dropped token adds exp(0) * 0
-    return chosen, -(kept_logp.exp() * kept_logp).sum(-1)
+        for start in range(0, hidden.shape[0], step):
+            rows = slice(start, start + step)
+            y = torch.nn.functional.linear(hidden[rows].to(dtype), weight.to(dtype),
+                                           None if bias is None else bias.to(dtype)).float()
+            z = y * logit_scale
+            if softcap is not None:
+                z = softcap * torch.tanh(z / softcap)
+            z /= temperature
+            keep = sampling_mask(z, top_k=top_k, top_p=top_p)
+            keep.scatter_(-1, tokens[rows].unsqueeze(-1), True)
+            logp = z.masked_fill(~keep, float("-inf")).log_softmax(dim=-1)
+            yield rows, z if scaled else y, keep, logp

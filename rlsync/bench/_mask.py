@@ -7,6 +7,7 @@ forward and backward, each way in a child process of its own (its peak memory is
 - ``masked logits``: the same with ``rlsync.masked_logprobs`` (top-k 20, top-p 0.7), the logits whole;
 - ``chunked``: ``rlsync.head_logprobs`` without a mask (rows at a time, recomputed in the backward);
 - ``masked chunked``: ``rlsync.head_logprobs`` with top-k 20 and top-p 0.7: what TRL's trainer runs under rlsync;
+- ``top-p chunked``: the same with top-p 0.95 alone (no top-k: the whole vocabulary is sorted, row by row);
 - ``trl fused``: TRL's own fused head (``trl.kernels.ChunkedLogProbFunction``), where TRL is installed.
 
 Seconds: the median of ``repeats`` after one warm-up. Memory: the peak above what the inputs hold, the weight's
@@ -24,7 +25,8 @@ from typing import Any
 
 TOKENS, HIDDEN, VOCAB = 512, 896, 151936
 TOP_K, TOP_P = 20, 0.7
-WAYS = ("logits", "masked logits", "chunked", "masked chunked", "trl fused")
+WAYS = ("logits", "masked logits", "chunked", "masked chunked", "top-p chunked", "trl fused")
+TOP_P_ALONE = 0.95
 
 
 def _measure(way: str, device: str, repeats: int) -> dict[str, Any]:
@@ -59,9 +61,8 @@ def _measure(way: str, device: str, repeats: int) -> dict[str, Any]:
 
             logprobs = ChunkedLogProbFunction.apply(hidden, weight, None, tokens, 1.0, 32768, None, 1.0, ("log_probs",))[0]
         else:
-            masked = way == "masked chunked"
-            logprobs, _ = head_logprobs(hidden, weight, None, tokens, top_k=TOP_K if masked else None,
-                                        top_p=TOP_P if masked else None)
+            top_k, top_p = {"chunked": (None, None), "masked chunked": (TOP_K, TOP_P), "top-p chunked": (None, TOP_P_ALONE)}[way]
+            logprobs, _ = head_logprobs(hidden, weight, None, tokens, top_k=top_k, top_p=top_p)
         logprobs.sum().backward()  # type: ignore[no-untyped-call]
         hidden.grad = weight.grad = None
         if device.startswith("cuda"):
@@ -112,12 +113,12 @@ def run(device: str | None, repeats: int, json_output: bool) -> None:
         if "seconds" in row:
             row["x_chunked_seconds"] = row["seconds"] / base["seconds"]
     report = {"device": device, "tokens": TOKENS, "hidden": HIDDEN, "vocab": VOCAB, "top_k": TOP_K, "top_p": TOP_P,
-              "results": results}
+              "top_p_alone": TOP_P_ALONE, "results": results}
     if json_output:
         print(json.dumps(report))
         return
     print(f"log-probs of {TOKENS} tokens through a {HIDDEN} x {VOCAB} LM head on {device}, forward and backward "
-          f"(top-k {TOP_K}, top-p {TOP_P} where masked):")
+          f"(top-k {TOP_K}, top-p {TOP_P} where masked; top-p {TOP_P_ALONE} alone):")
     for way, row in results.items():
         if "skipped" in row:
             print(f"  {way:16s} skipped: {row['skipped']}")

@@ -40,15 +40,23 @@ def sampling_mask(logits: torch.Tensor, *, top_k: int | None = None, top_p: floa
         return ranks < kept.to(logits.device).unsqueeze(-1)
     keep = torch.ones_like(logits, dtype=torch.bool)
     if top_k is not None and 0 < top_k < logits.shape[-1]:
-        keep &= logits >= logits.topk(top_k, dim=-1).values[..., -1:]
+        values, order = logits.topk(top_k, dim=-1)  # sorted, largest first
+        keep &= logits >= values[..., -1:]
+        if top_p is not None and top_p < 1.0 and bool((keep.sum(-1) == top_k).all()):
+            # no ties at the k-th value: top-p over the k values alone, a sort of k instead of the vocabulary
+            return torch.zeros_like(keep).scatter_(-1, order, _top_p_kept(values.float().softmax(dim=-1), top_p))
     if top_p is not None and top_p < 1.0:
         probs = logits.masked_fill(~keep, float("-inf")).float().softmax(dim=-1)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        above = sorted_probs.cumsum(dim=-1) - sorted_probs  # the mass ranked strictly above each token
-        kept_sorted = above < top_p
-        kept_sorted[..., 0] = True
-        keep &= torch.zeros_like(keep).scatter_(-1, order, kept_sorted)
+        keep &= torch.zeros_like(keep).scatter_(-1, order, _top_p_kept(sorted_probs, top_p))
     return keep
+
+
+def _top_p_kept(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Of probabilities sorted largest first: kept while the mass ranked strictly above is below ``top_p``."""
+    kept = sorted_probs.cumsum(dim=-1) - sorted_probs < top_p
+    kept[..., 0] = True  # the most likely token always stays
+    return kept
 
 
 def masked_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0, top_k: int | None = None,

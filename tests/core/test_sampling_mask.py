@@ -73,3 +73,20 @@ def test_head_logprobs_equal_the_masked_logprobs_of_the_logits_with_their_gradie
     (logp.gather(-1, tokens.unsqueeze(-1)).sum() - (kept.exp() * kept).sum()).backward()
     for mine, theirs in zip(grads, (hidden.grad, weight.grad, bias.grad)):
         assert torch.allclose(mine, theirs, atol=1e-4)
+
+
+def test_top_p_after_top_k_over_the_k_values_alone_equals_it_over_the_whole_vocabulary() -> None:
+    """With top-k, top-p sorts only the k kept values (the vocabulary's sort is most of the mask's cost): the same
+    kept sets as top-p over the whole renormalized vocabulary. Ties at the k-th value (more than k kept) take the
+    whole sort: all of them stay, as vLLM keeps them."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(300, 1000, generator=gen) * 3
+    for top_k, top_p in ((20, 0.7), (50, 0.95), (5, 0.3), (999, 0.9)):
+        by_k = sampling_mask(logits, top_k=top_k)
+        whole = by_k & sampling_mask(logits.masked_fill(~by_k, float("-inf")), top_p=top_p)
+        got = sampling_mask(logits, top_k=top_k, top_p=top_p)
+        assert torch.equal(got, whole), (top_k, top_p)
+        assert 0 < got.sum(-1).min() and got.sum(-1).max() <= top_k
+    tied = logits[:1].clone()
+    tied[0, :40] = tied[0].sort(descending=True).values[10]  # the 11th largest, 40 times: the 20th is one of them
+    assert sampling_mask(tied, top_k=20).sum() == 50 and sampling_mask(tied, top_k=20, top_p=0.9999).sum() == 50

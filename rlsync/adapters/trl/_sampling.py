@@ -5,8 +5,8 @@ that set (TRL asks for ``processed_logprobs``, and its server script starts vLLM
 token under the full softmax (with the temperature, but no top-k/top-p), so its importance ratio against vLLM
 (``vllm_importance_sampling_correction``) and its clipped ratio are biased low by the kept mass, on every token.
 
-``SamplingMask`` makes the policy's log-probs (TRL's old log-probs and its loss alike) those of the sampler's
-distribution: while TRL computes them, the fused head scores with ``rlsync.head_logprobs`` (the same temperature,
+``SamplingMask`` makes the policy's log-probs (TRL's old log-probs and its loss alike; in the async trainer, whose old
+log-probs are vLLM's, its loss) those of the sampler's distribution: while TRL computes them, the fused head scores with ``rlsync.head_logprobs`` (the same temperature,
 top-k and top-p, rows at a time, each chunk recomputed in the backward: memory of one chunk of logits); the entropy
 TRL logs and masks by is the masked distribution's. The reference model's log-probs (``beta > 0``) stay under its
 full distribution: the KL is to the reference, not to its truncation. On by default wherever the sampling truncates
@@ -26,32 +26,39 @@ _log = logging.getLogger("rlsync")
 
 
 class SamplingMask:
-    """Installed on a ``GRPOTrainer`` by the callback; ``wanted``: None (wherever the sampling truncates), True
-    (required: an error where it does not), False (off)."""
+    """Installed on a ``GRPOTrainer`` by the callback, or on an ``AsyncGRPOTrainer`` by ``RlsyncWeightTransfer``
+    (``every_forward``: there every fused forward of the policy is one, its loss's); ``wanted``: None (wherever the
+    sampling truncates), True (required: an error where it does not), False (off)."""
 
-    def __init__(self, trainer: Any, wanted: bool | None) -> None:
-        top_k = trainer.top_k if trainer.top_k and trainer.top_k > 0 else None
-        top_p = trainer.top_p if trainer.top_p is not None and trainer.top_p < 1.0 else None
+    def __init__(self, trainer: Any, wanted: bool | None, *, every_forward: bool = False) -> None:
+        config = trainer.args if every_forward else trainer  # GRPOTrainer keeps them as attributes of its own
+        top_k = config.top_k if config.top_k and config.top_k > 0 else None
+        top_p = config.top_p if config.top_p is not None and config.top_p < 1.0 else None
         truncates = top_k is not None or top_p is not None
         if wanted and not truncates:
-            raise ConfigError("sampling_mask=True, but GRPOConfig sets neither top_k nor top_p below the vocabulary: "
-                              "there is no mask to reapply (set top_k/top_p, or leave sampling_mask unset)")
+            raise ConfigError("sampling_mask=True, but the trainer's config sets neither top_k nor top_p below the "
+                              "vocabulary: there is no mask to reapply (set top_k/top_p, or leave sampling_mask unset)")
         self.mask = (top_k, top_p) if truncates and wanted is not False else None
         if self.mask is None:
             if truncates:
                 _log.warning("rlsync: sampling_mask=False: TRL scores tokens sampled with top_k=%s, top_p=%s under the "
                              "full distribution (importance ratios biased low by the kept mass)", top_k, top_p)
             return
-        unmatched = [f"{name}={value}" for name, value in (("min_p", trainer.min_p),
-                                                             ("repetition_penalty", trainer.repetition_penalty))
+        unmatched = [f"{name}={value}" for name, value in (("min_p", config.min_p),
+                                                             ("repetition_penalty", config.repetition_penalty))
                      if value is not None and value != (1.0 if name == "repetition_penalty" else 0.0)]
         if unmatched:
             _log.warning("rlsync: the trainer reapplies top_k/top_p but not %s, which vLLM's log-probs include: their "
                          "importance ratios stay biased by it (leave them unset for exact ratios)", ", ".join(unmatched))
         apply_sampling_mask()
-        self._reference = getattr(trainer, "ref_model", None)
-        self._logprobs = trainer._get_per_token_logps_and_entropies
-        trainer._get_per_token_logps_and_entropies = self.logprobs
+        self._set: list[Any] = []  # per open forward: the context token to reset, or None
+        if every_forward:
+            trainer.model.register_forward_pre_hook(self._enter, with_kwargs=True)
+            trainer.model.register_forward_hook(self._leave, always_call=True)
+        else:
+            self._reference = getattr(trainer, "ref_model", None)
+            self._logprobs = trainer._get_per_token_logps_and_entropies
+            trainer._get_per_token_logps_and_entropies = self.logprobs
         _log.info("rlsync: the trainer's log-probs reapply the sampling mask (top_k=%s, top_p=%s)", top_k, top_p)
 
     def logprobs(self, model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -62,4 +69,12 @@ class SamplingMask:
         try:
             return self._logprobs(model, *args, **kwargs)
         finally:
+            SAMPLING_MASK.reset(token)
+
+    def _enter(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        self._set.append(SAMPLING_MASK.set(self.mask) if kwargs.get("fused_lm_head") else None)
+
+    def _leave(self, module: Any, args: Any, output: Any) -> None:
+        token = self._set.pop() if self._set else None
+        if token is not None:
             SAMPLING_MASK.reset(token)

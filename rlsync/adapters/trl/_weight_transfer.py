@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from rlsync import ConfigError, PeerLostError, SyncOptions
+from rlsync.adapters.trl._sampling import SamplingMask
 from rlsync.adapters.vllm import PublishStats, VllmServer
 from rlsync.patches.trl import apply_async
 from rlsync.wire import lora_state
@@ -35,10 +36,12 @@ class RlsyncWeightTransfer:
 
     ``server_url``: the vLLM server (TRL's default ``vllm_server_base_url`` unless given). ``options``
     (``rlsync.SyncOptions``): transport, timeout, ``wire="delta"`` (only the values that changed since the last
-    sync), ``verify=True`` (a CRC per tensor, checked by the engine).
+    sync), ``verify=True`` (a CRC per tensor, checked by the engine). ``sampling_mask``: the loss's log-probs under
+    the top-k/top-p the worker sampled with (None: wherever the config sets them; True: required; False: off).
     """
 
-    def __init__(self, server_url: str = "http://localhost:8000", *, options: SyncOptions | None = None) -> None:
+    def __init__(self, server_url: str = "http://localhost:8000", *, options: SyncOptions | None = None,
+                 sampling_mask: bool | None = None) -> None:
         apply_async()  # before the trainer is built: its constructor needs CUDA otherwise
         from rlsync.adapters.trl import _rollout  # trl.experimental: imported only for the async trainer
 
@@ -47,6 +50,8 @@ class RlsyncWeightTransfer:
         self.last_stats: PublishStats | None = None  # the last sync's version, bytes and seconds (TRL logs them)
         self._trainer: Any = None
         self._adapter_only: bool | None = None  # decided at the first sync
+        self._sampling_wanted = sampling_mask
+        self.sampling_mask: SamplingMask | None = None  # installed at the first sync, on every rank
 
     @property
     def adapter_only(self) -> bool:
@@ -59,6 +64,8 @@ class RlsyncWeightTransfer:
         decide the route; for adapter-only, the rollout worker (not started yet: TRL starts it after the first sync)
         is told to name the adapter versions."""
         self._trainer = trainer
+        if self.sampling_mask is None:  # the loss's log-probs under the top-k/top-p the worker sampled with
+            self.sampling_mask = SamplingMask(trainer, self._sampling_wanted, every_forward=True)
         if self._adapter_only is not None:
             return
         self._adapter_only = self._route_is_adapter_only(trainer)

@@ -111,3 +111,42 @@ def test_the_mask_is_on_where_the_sampling_truncates_and_asking_for_it_where_not
     assert SamplingMask(trainer(20, 0.7), False).mask is None
     with pytest.raises(ConfigError, match="neither top_k nor top_p"):
         SamplingMask(trainer(0, 1.0), True)
+
+
+@pytest.mark.parametrize("mask", [None, False], ids=["default", "off"])
+def test_the_async_trainers_loss_forward_scores_under_the_mask_once_bound(flat_model: Path, tmp_path: Path,
+                                                                         mask: bool | None) -> None:
+    """TRL's async trainer: its loss compares the fused head's log-probs with the worker's (vLLM's processed ones).
+    Once rlsync's weight transfer is shown the trainer (at its first sync), every fused forward of the policy scores
+    under the config's top-k/top-p; with ``sampling_mask=False`` under the full softmax, as TRL does. (Its packed
+    tree attention needs a GPU kernel: the forward here runs one sequence with PyTorch's attention.)"""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    from rlsync import masked_logprobs
+    from rlsync.adapters.trl import RlsyncWeightTransfer
+
+    transfer = RlsyncWeightTransfer("http://127.0.0.1:9", sampling_mask=mask)  # no server needed for the forward
+    args = AsyncGRPOConfig(output_dir=str(tmp_path / "run"), vllm_server_base_url=transfer.server.url, report_to="none",
+                           max_steps=1, per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+                           bf16=False, use_cpu=True, top_k=TOP_K, top_p=TOP_P)
+    trainer = AsyncGRPOTrainer(model=str(flat_model), reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                               args=args, train_dataset=Dataset.from_dict({"prompt": ["w1 w2"]}), weight_transfer=transfer,
+                               processing_class=AutoTokenizer.from_pretrained(flat_model.parent / "tokenizer"))
+    transfer.rlsync_bind(trainer)  # what rlsync's patch of TRL's _sync_weight does first
+    model = trainer.model
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():  # tokens the sampler could draw: the most likely ones
+        ids = model.generate(torch.tensor([[5, 9, 12]]), do_sample=False, max_new_tokens=7, min_new_tokens=7)
+    labels = ids.clone()
+    labels[:, :3] = -100  # the prompt
+    with torch.no_grad():
+        fused = model(input_ids=ids, labels=labels, fused_lm_head=True).log_probs[0, 2:]
+        logits = model(input_ids=ids).logits[0, 2:-1]
+    if mask is None:
+        expected = masked_logprobs(logits, ids[0, 3:], top_k=TOP_K, top_p=TOP_P)
+        assert torch.isfinite(expected).all() and (expected > logits.log_softmax(-1).max(-1).values).all()
+    else:
+        expected = logits.log_softmax(-1).gather(-1, ids[0, 3:, None]).squeeze(-1)
+    assert torch.allclose(fused, expected, atol=1e-5), (fused, expected)

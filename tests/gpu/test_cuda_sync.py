@@ -121,6 +121,30 @@ def test_fp8_quantization_on_the_gpu_equals_the_cpu() -> None:
     assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
 
 
+def test_masked_head_logprobs_on_the_gpu_equal_the_cpu_in_float32_and_run_under_bf16_autocast() -> None:
+    """``rlsync.head_logprobs`` (TRL's fused head under the sampling mask) on CUDA: float32 log-probs, entropies and
+    gradients as on the CPU; under bf16 autocast (a trainer's mixed precision) finite and within bf16's reach."""
+    from rlsync import head_logprobs
+
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(300, 64, generator=gen), torch.randn(5000, 64, generator=gen) * 0.1
+    tokens = torch.randint(0, 5000, (300,), generator=gen)
+    results = []
+    for device in ("cpu", "cuda"):
+        h, w = hidden.to(device).requires_grad_(), weight.to(device).requires_grad_()
+        logprobs, entropy = head_logprobs(h, w, None, tokens.to(device), temperature=0.9, top_k=50, top_p=0.8, entropy=True)
+        (logprobs.sum() + entropy.sum()).backward()
+        results.append([t.detach().cpu() for t in (logprobs, entropy, h.grad, w.grad)])
+    for cpu, cuda in zip(*results):
+        assert torch.allclose(cpu, cuda, atol=1e-4, rtol=1e-4)
+    h, w = hidden.cuda().requires_grad_(), weight.cuda().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logprobs, _ = head_logprobs(h, w, None, tokens.cuda(), temperature=0.9, top_k=50, top_p=0.8)
+    logprobs.sum().backward()
+    assert torch.isfinite(logprobs).all() and torch.isfinite(w.grad).all()
+    assert (logprobs.cpu() - results[0][0]).abs().max() < 0.1
+
+
 @pytest.mark.parametrize("transport", device_transports())
 def test_device_staging_lands_gpu_to_gpu_in_place_and_survives_a_killed_writer(transport: str) -> None:
     """A trainer process's CUDA tensors land in the engine's device staging (``cuda_ipc``; NIXL on VRAM) with no

@@ -103,8 +103,7 @@ class _MaskedHead(torch.autograd.Function):
         for rows, z, keep, logp in _chunks(hidden, weight, bias, tokens, dtype, sampler):
             logprobs[rows] = logp.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1)
             if entropy:
-                kept = logp.masked_fill(~keep, 0.0)  # a dropped token adds exp(0) * 0
-                entropies[rows] = -(kept.exp() * kept).sum(-1)
+                entropies[rows] = _entropy(logp, keep)
         ctx.save_for_backward(hidden, weight, bias, tokens, entropies)
         ctx.dtype, ctx.sampler = dtype, sampler
         ctx.set_materialize_grads(False)
@@ -119,13 +118,10 @@ class _MaskedHead(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if want_bias and bias is not None else None
         for rows, z, keep, logp in _chunks(hidden, weight, bias, tokens, ctx.dtype, ctx.sampler, scaled=False):
-            p = logp.exp()  # 0 where dropped
-            grad = torch.zeros_like(p)
-            if grad_logprobs is not None:  # d log p_t / d z_j = [j = t] - p_j
-                grad -= grad_logprobs[rows].unsqueeze(-1) * p
-                grad.scatter_add_(-1, tokens[rows].unsqueeze(-1), grad_logprobs[rows].unsqueeze(-1))
-            if grad_entropies is not None and entropies.numel():  # d H / d z_j = -p_j (log p_j + H)
-                grad -= grad_entropies[rows].unsqueeze(-1) * p * (logp.masked_fill(~keep, 0.0) + entropies[rows].unsqueeze(-1))
+            grad = _grad_of_logits(
+                logp, keep, tokens[rows], None if grad_logprobs is None else grad_logprobs[rows],
+                None if grad_entropies is None or not entropies.numel() else grad_entropies[rows],
+                entropies[rows] if entropies.numel() else None)
             grad /= temperature  # back through the temperature, the cap and the scale to the head's output
             if softcap is not None:
                 grad *= 1 - torch.tanh(z * logit_scale / softcap) ** 2
@@ -159,7 +155,74 @@ def _chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             if softcap is not None:
                 z = softcap * torch.tanh(z / softcap)
             z /= temperature
-            keep = sampling_mask(z, top_k=top_k, top_p=top_p)
-            keep.scatter_(-1, tokens[rows].unsqueeze(-1), True)
-            logp = z.masked_fill(~keep, float("-inf")).log_softmax(dim=-1)
-            yield rows, z if scaled else y, keep, logp
+            yield rows, z if scaled else y, *_masked(z, tokens[rows], top_k, top_p)
+
+
+def _masked(z: torch.Tensor, tokens: torch.Tensor, top_k: int | None, top_p: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept set of rows of float32 logits ``z`` (each row's sampled token in it) and their masked log-probs."""
+    keep = sampling_mask(z, top_k=top_k, top_p=top_p)
+    keep.scatter_(-1, tokens.unsqueeze(-1), True)
+    return keep, z.masked_fill(~keep, float("-inf")).log_softmax(dim=-1)
+
+
+def _grad_of_logits(logp: torch.Tensor, keep: torch.Tensor, tokens: torch.Tensor, grad_logprobs: torch.Tensor | None,
+                    grad_entropies: torch.Tensor | None, entropies: torch.Tensor | None) -> torch.Tensor:
+    """The gradient of rows' chosen log-probs (and entropies) with respect to their masked logits, in closed form."""
+    p = logp.exp()  # 0 where dropped
+    grad = torch.zeros_like(p)
+    if grad_logprobs is not None:  # d log p_t / d z_j = [j = t] - p_j
+        grad -= grad_logprobs.unsqueeze(-1) * p
+        grad.scatter_add_(-1, tokens.unsqueeze(-1), grad_logprobs.unsqueeze(-1))
+    if grad_entropies is not None and entropies is not None:  # d H / d z_j = -p_j (log p_j + H)
+        grad -= grad_entropies.unsqueeze(-1) * p * (logp.masked_fill(~keep, 0.0) + entropies.unsqueeze(-1))
+    return grad
+
+
+def _entropy(logp: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    kept = logp.masked_fill(~keep, 0.0)  # a dropped token adds exp(0) * 0
+    return -(kept.exp() * kept).sum(-1)
+
+
+def logits_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, top_k: int | None = None, top_p: float | None = None,
+                    entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What a trainer that holds its logits ``[..., V]`` (temperature already applied) scores the sampled ``tokens``
+    ``[...]`` with: their log-probs under the top-k/top-p mask, and with ``entropy`` each position's masked entropy;
+    differentiable. Unlike ``masked_logprobs``, the sampled token always counts as kept (never -inf), the mask is made
+    ``_CHUNK_ELEMENTS`` at a time and the backward recomputes it: memory of one chunk beside the logits' gradient."""
+    flat, ids = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)
+    logprobs, entropies = _MaskedLogits.apply(flat, ids, top_k, top_p, entropy)  # type: ignore[no-untyped-call]
+    return logprobs.view(tokens.shape), entropies.view(tokens.shape) if entropy else None
+
+
+class _MaskedLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, tokens: torch.Tensor, top_k: int | None, top_p: float | None,
+                entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        logprobs = torch.empty(tokens.shape[0], dtype=torch.float32, device=logits.device)
+        entropies = torch.empty(tokens.shape[0] if entropy else 0, dtype=torch.float32, device=logits.device)
+        step = max(1, _CHUNK_ELEMENTS // logits.shape[-1])
+        with torch.no_grad():
+            for start in range(0, tokens.shape[0], step):
+                rows = slice(start, start + step)
+                keep, logp = _masked(logits[rows].float(), tokens[rows], top_k, top_p)
+                logprobs[rows] = logp.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1)
+                if entropy:
+                    entropies[rows] = _entropy(logp, keep)
+        ctx.save_for_backward(logits, tokens, entropies)
+        ctx.sampler = (top_k, top_p)
+        ctx.set_materialize_grads(False)
+        return logprobs, entropies
+
+    @staticmethod
+    def backward(ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropies: torch.Tensor | None) -> Any:
+        logits, tokens, entropies = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        step = max(1, _CHUNK_ELEMENTS // logits.shape[-1])
+        for start in range(0, tokens.shape[0], step):
+            rows = slice(start, start + step)
+            keep, logp = _masked(logits[rows].float(), tokens[rows], *ctx.sampler)
+            grad_logits[rows] = _grad_of_logits(
+                logp, keep, tokens[rows], None if grad_logprobs is None else grad_logprobs[rows],
+                None if grad_entropies is None or not entropies.numel() else grad_entropies[rows],
+                entropies[rows] if entropies.numel() else None)
+        return grad_logits, None, None, None, None

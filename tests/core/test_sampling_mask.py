@@ -90,3 +90,30 @@ def test_top_p_after_top_k_over_the_k_values_alone_equals_it_over_the_whole_voca
     tied = logits[:1].clone()
     tied[0, :40] = tied[0].sort(descending=True).values[10]  # the 11th largest, 40 times: the 20th is one of them
     assert sampling_mask(tied, top_k=20).sum() == 50 and sampling_mask(tied, top_k=20, top_p=0.9999).sum() == 50
+
+
+def test_logits_logprobs_score_a_batch_chunk_by_chunk_with_the_gradients_of_the_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trainer that holds its logits ``[batch, seq, vocab]`` (OpenRLHF's actor): the masked log-probs and entropies,
+    their gradients as autograd gives them over the whole at once, a few rows at a time (here 7); a sampled token the
+    mask would drop still gets a finite log-prob."""
+    from rlsync import logits_logprobs
+    from rlsync.core import _sampling_mask
+
+    monkeypatch.setattr(_sampling_mask, "_CHUNK_ELEMENTS", 40 * 7)
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(3, 17, 40, generator=gen) * 2).requires_grad_()
+    tokens = torch.randint(0, 40, (3, 17), generator=gen)
+    got, entropy = logits_logprobs(logits, tokens, top_k=25, top_p=0.8, entropy=True)
+    assert got.shape == entropy.shape == (3, 17) and torch.isfinite(got).all()
+    (got.sum() + 0.5 * entropy.sum()).backward()
+    grad = logits.grad.clone()
+    logits.grad = None
+    expected = masked_logprobs(logits, tokens, top_k=25, top_p=0.8)
+    inside = torch.isfinite(expected)
+    assert 0 < inside.sum() < inside.numel() and torch.allclose(got[inside], expected[inside], atol=1e-5)
+    keep = sampling_mask(logits.detach(), top_k=25, top_p=0.8).scatter(-1, tokens.unsqueeze(-1), True)
+    logp = logits.masked_fill(~keep, float("-inf")).log_softmax(-1)
+    kept = logp.masked_fill(~keep, 0.0)
+    assert torch.allclose(entropy, -(kept.exp() * kept).sum(-1), atol=1e-5)
+    (logp.gather(-1, tokens.unsqueeze(-1)).sum() - 0.5 * (kept.exp() * kept).sum()).backward()
+    assert torch.allclose(grad, logits.grad, atol=1e-5)

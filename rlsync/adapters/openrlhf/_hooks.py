@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import os
 
-from rlsync.patches.openrlhf import OPTIONS_ENV, apply_engine_actor, apply_engine_side, apply_trainer_side, options
+from rlsync.patches.openrlhf import (
+    OPTIONS_ENV,
+    apply_engine_actor,
+    apply_engine_side,
+    apply_sampling_mask,
+    apply_trainer_side,
+    options,
+)
 
 
 def patch_trainer() -> None:
     """The trainer side, and OpenRLHF's engine actor (a Ray actor too: ``RolloutRayActor``)."""
-    from rlsync.adapters.openrlhf import _engine_actor, _routes, _trainer, _versions
+    from rlsync.adapters.openrlhf import _engine_actor, _routes, _sampling, _trainer, _versions
 
     apply_engine_actor(wrap_init=_engine_actor.wrap_init, wrap_update_weight=_engine_actor.wrap_update_weight,
                        wrap_generate=_routes.wrap_generate, wrap_generate_responses=_routes.wrap_generate_responses)
@@ -21,6 +28,8 @@ def patch_trainer() -> None:
                        gate_samples=lambda step: _versions.gate_samples(step, (options() or {}).get("max_staleness")),
                        trainer_init=_routes.wrap_init, training_step=_routes.wrap_training_step,
                        process_response=_routes.wrap_process_response, routes_step=_routes.wrap_train_step)
+    apply_sampling_mask(policy_init=_sampling.wrap_policy_init, actor_forward=_sampling.wrap_forward,
+                        log_probs=_sampling.masked_log_probs, entropy=_sampling.masked_entropy)
 
 
 def setup_worker() -> None:

@@ -10,6 +10,10 @@ OpenRLHF has no plugin point for weight sync. The launcher puts the options in t
   decorators;
 - OpenRLHF's engine actor (``apply_engine_actor``, in the driver that starts the engines): ``RolloutRayActor``'s
   ``__init__``, ``update_weight``, ``generate`` and ``generate_responses`` are wrapped by the given decorators;
+- the sampling mask (``apply_sampling_mask``, beside the trainer side): ``PolicyModelActor.init_model_from_pretrained``
+  and ``openrlhf.models.actor.Actor.forward`` are wrapped by the given decorators, and the actor module's
+  ``log_probs_from_logits`` and ``compute_entropy`` (names ``Actor.forward`` looks up at call time) become the given
+  functions' wrappers of them;
 - the vLLM side (``apply_engine_side``): ``openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap``, the
   ``worker_extension_cls`` OpenRLHF passes to vLLM, becomes the given class.
 
@@ -81,6 +85,23 @@ def apply_trainer_side(*, init_vllm_sync_group: Callable[..., Any], broadcast_to
     base = ppo_trainer.BasePPOTrainer
     base.train_step = gate_samples(routes_step(base.train_step))
     trainer._rlsync_patched = True
+
+
+def apply_sampling_mask(*, policy_init: Wrap, actor_forward: Wrap, log_probs: Wrap, entropy: Wrap) -> None:
+    """Wrap ``PolicyModelActor.init_model_from_pretrained`` and ``Actor.forward``, and the actor module's
+    ``log_probs_from_logits`` and ``compute_entropy`` (what ``Actor.forward`` calls), once."""
+    check_version(installed_version())
+    from openrlhf.models import actor
+    from openrlhf.trainer.ray import ppo_actor
+
+    if getattr(actor, "_rlsync_patched", False):
+        return
+    policy = ppo_actor.PolicyModelActor
+    policy.init_model_from_pretrained = policy_init(policy.init_model_from_pretrained)
+    actor.Actor.forward = actor_forward(actor.Actor.forward)
+    actor.log_probs_from_logits = log_probs(actor.log_probs_from_logits)
+    actor.compute_entropy = entropy(actor.compute_entropy)
+    actor._rlsync_patched = True
 
 
 def apply_engine_side(worker_wrap: type) -> None:

@@ -103,12 +103,17 @@ class TrainerRank:
         self.trainer.vllm_engines = engines
         self.trainer.actor = SimpleNamespace(model=SimpleNamespace(module=None), is_vlm=False)
 
-    def patched(self) -> dict[str, str]:
+    def patched(self) -> dict[str, object]:
         from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
         replaced = {name: getattr(ActorPPOTrainer, name).__module__ for name in ("_init_vllm_sync_group", "broadcast_to_vllm")}
+        from openrlhf.models import actor
+        from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
+
         wrapped = {name: hasattr(getattr(ActorPPOTrainer, name), "__wrapped__") for name in ("__init__", "training_step")}
-        return {**replaced, **wrapped}
+        masked = all(hasattr(f, "__wrapped__") for f in (actor.Actor.forward, actor.log_probs_from_logits,
+                                                          actor.compute_entropy, PolicyModelActor.init_model_from_pretrained))
+        return {**replaced, **wrapped, "sampling_mask": masked}
 
     def load(self, seed: int, nudge: bool = False, with_lora: bool = False) -> None:
         model = lora(seed) if with_lora else nudged(seed) if nudge else models.build("qwen2", seed)

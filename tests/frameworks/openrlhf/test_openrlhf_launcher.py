@@ -51,7 +51,8 @@ def test_the_launchers_hook_patches_openrlhfs_trainer_in_every_ray_worker(launch
     ranks = _ranks([], zero_stage=2)
     assert ray.get([r.patched.remote() for r in ranks]) == [
         {"_init_vllm_sync_group": "rlsync.adapters.openrlhf._trainer", "broadcast_to_vllm": "rlsync.adapters.openrlhf._trainer",
-         "__init__": True, "training_step": True}] * 2  # the last two wrapped for routing replay
+         "__init__": True, "training_step": True,  # wrapped for routing replay
+         "sampling_mask": True}] * 2
     for r in ranks:
         ray.kill(r)
 

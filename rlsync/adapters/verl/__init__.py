@@ -15,15 +15,18 @@ adapter serves it as its LoRA adapter (``rlsync.patches.verl`` hands it to the b
 MoE: verl's rollout routing replay (``actor.router_replay.mode=R3`` with ``rollout.enable_rollout_routing_replay``)
 works with an FSDP actor too (``rlsync.adapters.verl._routes``), whatever the checkpoint backend.
 
+Sampling mask: with ``rollout.top_k``/``top_p`` set, the FSDP actor's log-probs are those of the distribution vLLM
+sampled from (``rlsync.adapters.verl._sampling``); ``engine_kwargs.rlsync.sampling_mask=false`` turns it off.
+
 Importing this module imports verl (it registers into verl's registry, and patches verl's workers' ``update_weights``
 for this backend); importing ``rlsync`` does not.
 """
 
 from __future__ import annotations
 
-from rlsync.adapters.verl import _routes, _workers
+from rlsync.adapters.verl import _routes, _sampling, _workers
 from rlsync.adapters.verl._engine import RlsyncCheckpointEngine
-from rlsync.patches.verl import apply, apply_routing_replay
+from rlsync.patches.verl import apply, apply_routing_replay, apply_sampling_mask
 
 # verl's workers hand this backend an unmerged LoRA adapter and its configuration, and its manager checks the trainer's
 # canary on every replica (rlsync.patches.verl, rlsync.adapters.verl._workers)
@@ -33,5 +36,8 @@ apply(actor_update_weights=_workers.actor_update_weights, rollout_update_weights
 # verl itself implements for Megatron and VeOmni only (rlsync.adapters.verl._routes)
 apply_routing_replay(worker_init=_routes.wrap_worker_init, forward_step=_routes.wrap_forward_step,
                      forward_backward_batch=_routes.wrap_forward_backward_batch)
+# the actor's log-probs under the rollout's top-k/top-p, as vLLM reports them (rlsync.adapters.verl._sampling)
+apply_sampling_mask(worker_init=_sampling.wrap_worker_init, actor_call=_sampling.wrap_actor_call,
+                    forward_step=_sampling.wrap_forward_step, log_probs=_sampling.masked_log_probs)
 
 __all__ = ["RlsyncCheckpointEngine"]

@@ -14,6 +14,10 @@ Independently of the backend, for verl's rollout routing replay (R3) with an FSD
 ``ActorRolloutRefWorker.__init__``, ``FSDPEngineWithLMHead.forward_step`` and ``FSDPEngine.forward_backward_batch``
 (``verl.workers.engine.fsdp.transformer_impl``) are wrapped by the given decorators.
 
+For the sampling mask of an FSDP actor (``apply_sampling_mask``): ``ActorRolloutRefWorker.__init__``,
+``compute_log_prob`` and ``update_actor``, and ``FSDPEngineWithLMHead.forward_step`` are wrapped by the given
+decorators; ``transformer_impl.logprobs_from_logits`` (the name ``prepare_model_outputs`` looks up) by the given one.
+
 All are wrapped in place (``functools.wraps`` keeps verl's ``@register`` dispatch attributes), before Ray pickles the
 worker classes. Supported verl versions: ``SUPPORTED``; with another, nothing is patched (said once in the log) and
 rlsync refuses an unmerged LoRA by name, as before.
@@ -80,3 +84,27 @@ def apply_routing_replay(*, worker_init: Callable[[Any], Any], forward_step: Cal
             wrapped = wrap(method)
             wrapped._rlsync_routes = True
             setattr(cls, name, wrapped)
+
+
+def apply_sampling_mask(*, worker_init: Callable[[Any], Any], actor_call: Callable[[Any], Any],
+                        forward_step: Callable[[Any], Any], log_probs: Callable[[Any], Any]) -> None:
+    """Wrap the trainer worker's ``__init__``, ``compute_log_prob`` and ``update_actor``, the FSDP engine's
+    ``forward_step`` and its module's ``logprobs_from_logits`` (once); nothing where this verl is not a supported one or
+    they do not import here (routing replay's patch says so)."""
+    if not minor_supported(metadata.version("verl"), SUPPORTED):
+        return
+    try:
+        from verl.workers.engine.fsdp import transformer_impl
+        from verl.workers.engine_workers import ActorRolloutRefWorker
+    except ImportError:
+        return
+    if getattr(transformer_impl, "_rlsync_mask", False):
+        return
+    worker = ActorRolloutRefWorker
+    worker.__init__ = worker_init(worker.__dict__["__init__"])
+    worker.compute_log_prob = actor_call(worker.__dict__["compute_log_prob"])
+    worker.update_actor = actor_call(worker.__dict__["update_actor"])
+    engine = transformer_impl.FSDPEngineWithLMHead
+    engine.forward_step = forward_step(engine.__dict__["forward_step"])
+    transformer_impl.logprobs_from_logits = log_probs(transformer_impl.logprobs_from_logits)
+    transformer_impl._rlsync_mask = True

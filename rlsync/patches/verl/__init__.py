@@ -43,7 +43,8 @@ def apply(*, actor_update_weights: Callable[[Any], Any], rollout_update_weights:
     if not minor_supported(version, SUPPORTED):
         logging.getLogger("rlsync").warning(
             "rlsync: verl %s is not one rlsync's LoRA patches were written for (%s): an unmerged LoRA adapter is not "
-            "synced (set actor_rollout_ref.model.lora.merge=True) and no canary is checked", version,
+            "synced (set actor_rollout_ref.model.lora.merge=True), no canary is checked, and an FSDP actor's log-probs do "
+            "not reapply the rollout's top-k/top-p", version,
             ", ".join(v + ".x" for v in SUPPORTED))
         return
     from verl.checkpoint_engine.base import CheckpointEngineManager, CheckpointEngineWorker

@@ -86,6 +86,27 @@ def test_the_policy_actor_scores_under_the_rollouts_top_p_and_an_unmasked_actor_
     assert log_kept.mean() < -0.2, log_kept.mean()  # the truncation matters on this model
     assert ((plain - batch["engine"]) - log_kept).abs().max() < 1e-3
 
+    # three PPO steps of OpenRLHF's own loss with its token-level IS correction against the engine's log-probs: the
+    # masked policy trains, and its train/rollout divergence (OpenRLHF's vllm_kl) is nothing where without the mask
+    # it would be the kept mass
+    from openrlhf.models.loss import PolicyLoss
+
+    loss_fn = PolicyLoss(is_correction_level="token")
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    before = policy.model.lm_head.weight.detach().clone()
+    advantages = torch.randn(batch["action_mask"].shape, generator=torch.Generator().manual_seed(0))
+    old = masked.detach()
+    for _ in range(3):
+        log_probs = policy(batch["sequences"], batch["action_mask"], batch["attention_mask"])
+        loss, _, _, vllm_kl, filtered = loss_fn(log_probs, old, advantages, batch["action_mask"].float(), batch["engine"])
+        assert torch.isfinite(loss) and abs(float(vllm_kl)) < 1e-3 and float(filtered) == 0
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert not torch.equal(policy.model.lm_head.weight, before)
+    _, _, _, unmasked_kl, _ = loss_fn(plain, plain, advantages, batch["action_mask"].float(), batch["engine"])
+    assert float(unmasked_kl) > 0.2  # the same tokens scored without the mask: the kept mass again
+
 
 def test_the_policys_init_marks_its_actor_and_the_launcher_option_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     """``PolicyModelActor.init_model_from_pretrained``, wrapped: its actor scores under the rollouts' top-p, unless the

@@ -122,6 +122,27 @@ def test_the_actor_scores_under_the_rollouts_top_k_and_top_p_and_an_unmarked_pas
     assert log_kept.mean() < -0.2, log_kept.mean()
     assert ((plain - engine_logprobs) - log_kept).abs().max() < 1e-3
 
+    # three updates through verl's forward_step on marked batches (as update_actor marks them): gradients flow through
+    # the masked log-probs and the actor moves
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = model.lm_head.weight.detach().clone()
+    model.train()
+
+    def loss(model_output: dict[str, Any], data: Any, dp_group: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        return -model_output["log_probs"].values().sum(), {}
+
+    for _ in range(3):
+        def step(self: Any, data: Any) -> torch.Tensor:
+            value, _ = engine.forward_step(data, loss, forward_only=False)
+            return value  # type: ignore[no-any-return]
+
+        value = _sampling.wrap_actor_call(step)(worker, _batch(sampled))
+        assert torch.isfinite(value)
+        optimizer.zero_grad()
+        value.backward()
+        optimizer.step()
+    assert not torch.equal(model.lm_head.weight, before)
+
 
 def test_the_worker_keeps_the_rollouts_mask_unless_turned_off_or_the_log_probs_are_fused() -> None:
     from omegaconf import OmegaConf

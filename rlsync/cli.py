@@ -54,6 +54,7 @@ def bench(
     buffer: Annotated[bool, typer.Option("--buffer", help="Benchmark the rollout buffer backends instead.")] = False,
     sampling_mask: Annotated[bool, typer.Option("--sampling-mask", help="Benchmark the trainer's log-probs under a "
                                                 "top-k/top-p mask (time and memory per micro-batch; on --device).")] = False,
+    tokens: Annotated[int, typer.Option(min=1, help="With --sampling-mask: positions in the micro-batch.")] = 512,
     engine: Annotated[Optional[str], typer.Option(help="Sync into a running engine ('vllm') instead of a plain process.")] = None,
     engine_model: Annotated[str, typer.Option(help="Model for --engine: '125m' (a Qwen2 of 125M parameters) or 'tiny' (a quick check).")] = "125m",
     wire: Annotated[Optional[str], typer.Option(help="Compare full versions with 'delta' versions over real AdamW steps, over the first of --transports (default tcp: a link between hosts, where a delta's planes are zstd-compressed; over shm they go as they are) (needs transformers).")] = None,
@@ -85,7 +86,7 @@ def bench(
     elif sampling_mask:
         from rlsync.bench import run_mask
 
-        run_mask(device=device, repeats=repeats, json_output=json_output)
+        run_mask(device=device, repeats=repeats, json_output=json_output, tokens=tokens)
     elif buffer:
         from rlsync.bench import run_buffer
 

@@ -4,7 +4,8 @@
 # 1. installs pyzmq, msgspec, backports.zstd, nixl-cu13 and the nixl meta wheel (`import nixl`) from .whl/ beside
 #    the checkout (docs/gpu.md lists the exact wheels; a machine without a package index gets them that way);
 # 2. runs every GPU test (tests/gpu) with a per-test timeout, going on past failures;
-# 3. runs `rlsync bench --device cuda` at a size that fits beside the tests, each path bounded, failures recorded;
+# 3. runs `rlsync bench --device cuda` at a size that fits beside the tests, each path bounded, failures recorded,
+#    then `rlsync bench --sampling-mask --device cuda` where time is left;
 # 4. writes one JSON (tests by name, every bench figure and ratio, what is missing) to $OUT/gpu-check.json when
 #    OUT is set, else to gpu-check.json, and prints its summary.
 # Whatever fails, it ends within RLSYNC_GPU_CHECK_SECONDS (default 540: one 10-minute device call with room to
@@ -62,6 +63,13 @@ timeout -k 10 "$phase" python3 -m rlsync.cli bench --device cuda --size "${RLSYN
   --json > "$work/bench.json"
 echo "bench exit $?"
 
+# -- the sampling mask's cost on this GPU, with the time that is left ------------------------------------------------
+if [ "$(left)" -gt 100 ]; then
+  echo "== rlsync bench --sampling-mask --device cuda (at most $(( $(left) - 60 )) s)"
+  timeout -k 10 $(( $(left) - 60 )) python3 -m rlsync.cli bench --sampling-mask --device cuda --json > "$work/mask.json"
+  echo "mask bench exit $?"
+fi
+
 # -- optional: the device-agnostic tests on this machine -----------------------------------------------------------
 if [ "${RLSYNC_GPU_CORE:-0}" = 1 ] && [ "$(left)" -gt 60 ]; then
   echo "== tests/core tests/wire (at most $(( $(left) - 20 )) s)"
@@ -106,6 +114,10 @@ try:
     report["bench"] = json.loads((work / "bench.json").read_text())
 except Exception as exc:
     report["bench"] = {"error": f"no bench report: {exc}"}
+try:
+    report["sampling_mask"] = json.loads((work / "mask.json").read_text())
+except Exception as exc:  # optional: only with time left
+    report["sampling_mask"] = {"error": f"no sampling-mask report: {exc}"}
 out.write_text(json.dumps(report, indent=1))
 gpu = report["gpu-tests"]
 print(f"\n== {report['env']['gpu']}, torch {report['env']['torch']}: {len(gpu['passed'])} GPU tests passed, "
@@ -132,6 +144,9 @@ if "limits" in bench:
                   f"{z['delta_bytes'] / z['full_bytes']:.1%} of the bytes")
 else:
     print(f"bench: {bench.get('error')}")
+for way, row in report["sampling_mask"].get("results", {}).items():
+    if "seconds" in row:
+        print(f"  mask {way:16s} {row['seconds'] * 1e3:8.1f} ms  peak {row['peak_bytes'] / 2**20:8.1f} MiB")
 missing = report["env"]["missing"]
 if missing:
     print(f"MISSING transports that this check must cover: {missing}")

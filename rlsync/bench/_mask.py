@@ -1,6 +1,6 @@
 """``rlsync bench --sampling-mask``: what reapplying top-k/top-p in the trainer's log-probs costs, per micro-batch.
 
-One micro-batch of ``TOKENS`` positions through an LM head of Qwen2.5-0.5B's shape (hidden 896, vocabulary 151936),
+One micro-batch of ``--tokens`` positions (512) through an LM head of Qwen2.5-0.5B's shape (hidden 896, vocabulary 151936),
 forward and backward, each way in a child process of its own (its peak memory is its own):
 
 - ``logits``: the plain way, the whole ``[tokens, vocab]`` logits, ``log_softmax``, the sampled tokens' entries;
@@ -29,8 +29,8 @@ WAYS = ("logits", "masked logits", "chunked", "masked chunked", "top-p chunked",
 TOP_P_ALONE = 0.95
 
 
-def _measure(way: str, device: str, repeats: int) -> dict[str, Any]:
-    """In the child: one way's seconds and peak bytes."""
+def _measure(way: str, device: str, repeats: int, positions: int = TOKENS) -> dict[str, Any]:
+    """In the child: one way's seconds and peak bytes for a micro-batch of ``positions``."""
     import resource
 
     import torch
@@ -38,9 +38,9 @@ def _measure(way: str, device: str, repeats: int) -> dict[str, Any]:
     from rlsync import head_logprobs, masked_logprobs
 
     gen = torch.Generator(device="cpu").manual_seed(0)
-    hidden = torch.randn(TOKENS, HIDDEN, generator=gen).mul_(0.5).to(device).requires_grad_()
+    hidden = torch.randn(positions, HIDDEN, generator=gen).mul_(0.5).to(device).requires_grad_()
     weight = torch.randn(VOCAB, HIDDEN, generator=gen).mul_(0.05).to(device).requires_grad_()
-    tokens = torch.randint(0, VOCAB, (TOKENS,), generator=gen).to(device)
+    tokens = torch.randint(0, VOCAB, (positions,), generator=gen).to(device)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
@@ -90,7 +90,7 @@ def _available(way: str) -> str | None:
     return None if importlib.util.find_spec("trl") is not None else "TRL is not installed (pip install 'rlsync[trl]')"
 
 
-def run(device: str | None, repeats: int, json_output: bool) -> None:
+def run(device: str | None, repeats: int, json_output: bool, tokens: int = TOKENS) -> None:
     from rlsync.bench._progress import progress, say_skipped
 
     device = device or "cpu"
@@ -102,7 +102,7 @@ def run(device: str | None, repeats: int, json_output: bool) -> None:
                 say_skipped([{"name": way, "why": why}])
                 results[way] = {"skipped": why}
             else:
-                out = subprocess.run([sys.executable, "-m", "rlsync.bench._mask", way, device, str(repeats)],
+                out = subprocess.run([sys.executable, "-m", "rlsync.bench._mask", way, device, str(repeats), str(tokens)],
                                      capture_output=True, text=True, check=False)
                 if out.returncode != 0:
                     raise RuntimeError(f"the {way!r} measurement failed: {out.stderr[-2000:]}")
@@ -112,12 +112,12 @@ def run(device: str | None, repeats: int, json_output: bool) -> None:
     for row in results.values():
         if "seconds" in row:
             row["x_chunked_seconds"] = row["seconds"] / base["seconds"]
-    report = {"device": device, "tokens": TOKENS, "hidden": HIDDEN, "vocab": VOCAB, "top_k": TOP_K, "top_p": TOP_P,
+    report = {"device": device, "tokens": tokens, "hidden": HIDDEN, "vocab": VOCAB, "top_k": TOP_K, "top_p": TOP_P,
               "top_p_alone": TOP_P_ALONE, "results": results}
     if json_output:
         print(json.dumps(report))
         return
-    print(f"log-probs of {TOKENS} tokens through a {HIDDEN} x {VOCAB} LM head on {device}, forward and backward "
+    print(f"log-probs of {tokens} tokens through a {HIDDEN} x {VOCAB} LM head on {device}, forward and backward "
           f"(top-k {TOP_K}, top-p {TOP_P} where masked; top-p {TOP_P_ALONE} alone):")
     for way, row in results.items():
         if "skipped" in row:
@@ -128,4 +128,4 @@ def run(device: str | None, repeats: int, json_output: bool) -> None:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_measure(sys.argv[1], sys.argv[2], int(sys.argv[3]))))
+    print(json.dumps(_measure(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))

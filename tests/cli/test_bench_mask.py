@@ -30,10 +30,12 @@ def test_the_report_has_every_way_with_its_ratio_or_why_it_did_not_run(small: No
     def child(args: list[str], **_: Any) -> Any:  # the child's work, in this process (the shape patched above)
         from types import SimpleNamespace
 
-        return SimpleNamespace(returncode=0, stdout=json.dumps(_mask._measure(args[3], args[4], int(args[5]))), stderr="")
+        return SimpleNamespace(returncode=0, stdout=json.dumps(_mask._measure(args[3], args[4], int(args[5]), int(args[6]))),
+                               stderr="")
 
     monkeypatch.setattr(_mask.subprocess, "run", child)
-    _mask.run(device=None, repeats=1, json_output=True)
+    _mask.run(device=None, repeats=1, json_output=True, tokens=16)
     report = json.loads(capsys.readouterr().out)
+    assert report["tokens"] == 16
     assert list(report["results"]) == list(_mask.WAYS) and report["results"]["chunked"]["x_chunked_seconds"] == 1.0
     assert all("x_chunked_seconds" in row or "skipped" in row for row in report["results"].values())

@@ -7,7 +7,10 @@ forward and backward, each way in a child process of its own (its peak memory is
 - ``masked logits``: the same with ``rlsync.masked_logprobs`` (top-k 20, top-p 0.7), the logits whole;
 - ``chunked``: ``rlsync.head_logprobs`` without a mask (rows at a time, recomputed in the backward);
 - ``masked chunked``: ``rlsync.head_logprobs`` with top-k 20 and top-p 0.7: what TRL's trainer runs under rlsync;
-- ``top-p chunked``: the same with top-p 0.95 alone (no top-k: the whole vocabulary is sorted, row by row);
+- ``top-p chunked``: the same with top-p 0.95 alone, over these nearly flat logits (no top-k: every row's set reaches
+  past the most likely 1024 tokens, so the whole vocabulary is sorted, row by row: the worst case);
+- ``top-p peaked``: top-p 0.95 alone over a head whose first 2000 rows are 12x the rest (as a trained head puts most
+  of the mass on a few thousand tokens): rows whose set ends among the most likely 1024 skip the sort;
 - ``trl fused``: TRL's own fused head (``trl.kernels.ChunkedLogProbFunction``), where TRL is installed.
 
 Seconds: the median of ``repeats`` after one warm-up. Memory: the peak above what the inputs hold, the weight's
@@ -25,7 +28,7 @@ from typing import Any
 
 TOKENS, HIDDEN, VOCAB = 512, 896, 151936
 TOP_K, TOP_P = 20, 0.7
-WAYS = ("logits", "masked logits", "chunked", "masked chunked", "top-p chunked", "trl fused")
+WAYS = ("logits", "masked logits", "chunked", "masked chunked", "top-p chunked", "top-p peaked", "trl fused")
 TOP_P_ALONE = 0.95
 
 
@@ -39,7 +42,10 @@ def _measure(way: str, device: str, repeats: int, positions: int = TOKENS) -> di
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     hidden = torch.randn(positions, HIDDEN, generator=gen).mul_(0.5).to(device).requires_grad_()
-    weight = torch.randn(VOCAB, HIDDEN, generator=gen).mul_(0.05).to(device).requires_grad_()
+    weight = torch.randn(VOCAB, HIDDEN, generator=gen).mul_(0.05)
+    if way == "top-p peaked":
+        weight[:2000] *= 12
+    weight = weight.to(device).requires_grad_()
     tokens = torch.randint(0, VOCAB, (positions,), generator=gen).to(device)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
@@ -61,7 +67,8 @@ def _measure(way: str, device: str, repeats: int, positions: int = TOKENS) -> di
 
             logprobs = ChunkedLogProbFunction.apply(hidden, weight, None, tokens, 1.0, 32768, None, 1.0, ("log_probs",))[0]
         else:
-            top_k, top_p = {"chunked": (None, None), "masked chunked": (TOP_K, TOP_P), "top-p chunked": (None, TOP_P_ALONE)}[way]
+            top_k, top_p = {"chunked": (None, None), "masked chunked": (TOP_K, TOP_P), "top-p chunked": (None, TOP_P_ALONE),
+                            "top-p peaked": (None, TOP_P_ALONE)}[way]
             logprobs, _ = head_logprobs(hidden, weight, None, tokens, top_k=top_k, top_p=top_p)
         logprobs.sum().backward()  # type: ignore[no-untyped-call]
         hidden.grad = weight.grad = None

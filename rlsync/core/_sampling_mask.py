@@ -27,6 +27,8 @@ import torch
 
 #: logits of one chunk of ``head_logprobs`` (rows x vocab): 64 MiB of float32; the top-p sort adds twice that
 _CHUNK_ELEMENTS: Final = 2**24
+#: the most likely tokens top-p looks at before it sorts a whole row
+_TOP_P_PREFIX: Final = 1024
 
 
 def sampling_mask(logits: torch.Tensor, *, top_k: int | None = None, top_p: float | None = None,
@@ -47,8 +49,24 @@ def sampling_mask(logits: torch.Tensor, *, top_k: int | None = None, top_p: floa
             return torch.zeros_like(keep).scatter_(-1, order, _top_p_kept(values.float().softmax(dim=-1), top_p))
     if top_p is not None and top_p < 1.0:
         probs = logits.masked_fill(~keep, float("-inf")).float().softmax(dim=-1)
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        keep &= torch.zeros_like(keep).scatter_(-1, order, _top_p_kept(sorted_probs, top_p))
+        keep &= _top_p_mask(probs.reshape(-1, probs.shape[-1]), top_p).view(keep.shape)
+    return keep
+
+
+def _top_p_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p over rows of probabilities ``[rows, V]``. A trained model's top-p set is usually a few hundred tokens:
+    the ``_TOP_P_PREFIX`` most likely first, and the whole sort only for rows whose set reaches past them."""
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    rows = torch.arange(probs.shape[0], device=probs.device)
+    if _TOP_P_PREFIX < probs.shape[-1]:
+        top, order = probs.topk(_TOP_P_PREFIX, dim=-1)  # sorted, largest first
+        kept = _top_p_kept(top, top_p)
+        inside = ~kept[:, -1]  # the set ends before the prefix does: the prefix decides the row
+        keep[inside] = torch.zeros_like(keep[inside]).scatter_(-1, order[inside], kept[inside])
+        rows = rows[~inside]
+    if rows.numel():
+        sorted_probs, order = probs[rows].sort(dim=-1, descending=True)
+        keep[rows] = torch.zeros_like(keep[rows]).scatter_(-1, order, _top_p_kept(sorted_probs, top_p))
     return keep
 
 

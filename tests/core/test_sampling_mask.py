@@ -4,6 +4,7 @@ recorded kept-set size, on hand-checked cases."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -117,3 +118,28 @@ def test_logits_logprobs_score_a_batch_chunk_by_chunk_with_the_gradients_of_the_
     assert torch.allclose(entropy, -(kept.exp() * kept).sum(-1), atol=1e-5)
     (logp.gather(-1, tokens.unsqueeze(-1)).sum() - 0.5 * (kept.exp() * kept).sum()).backward()
     assert torch.allclose(grad, logits.grad, atol=1e-5)
+
+
+def test_top_p_alone_decides_from_the_most_likely_tokens_where_its_set_ends_among_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Top-p without top-k looks at the ``_TOP_P_PREFIX`` most likely tokens first (here 16) and sorts a whole row only
+    where the set reaches past them: the same kept sets as the whole sort, for peaked rows (decided by the prefix) and
+    flat ones (sorted) in one batch."""
+    from rlsync.core import _sampling_mask
+
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(64, 1000, generator=gen)
+    logits[::2] *= 8  # peaked rows: top-p 0.9 keeps a few tokens
+    whole = {p: _sampling_mask._top_p_mask(logits.softmax(-1), p) for p in (0.5, 0.9, 0.99)}
+    monkeypatch.setattr(_sampling_mask, "_TOP_P_PREFIX", 16)
+    sorted_rows: list[int] = []
+    sort = torch.Tensor.sort
+
+    def counting_sort(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sorted_rows.append(self.shape[0])
+        return sort(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "sort", counting_sort)
+    for top_p, expected in whole.items():
+        sorted_rows.clear()
+        assert torch.equal(sampling_mask(logits, top_p=top_p), expected), top_p
+        assert 0 < sum(sorted_rows) < 64 or top_p == 0.99, (top_p, sorted_rows)

@@ -89,17 +89,15 @@ class ChangeLog:
         nows = {name: typed(raw, self._itemsizes[name]) for name, raw in sources.items()}
         together = {n: t for n, t in nows.items() if (t.is_cuda if self._together is None else self._together)}
         room = int(_DENSE * sum(now.numel() for now in nows.values()))  # positions kept at most
-        found: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        unseen: set[str] = set()
+        found: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # a buffer not in it: all of it (unseen, or most moved)
         if together:
-            room = self._record_together(together, found, unseen, room)
+            room = self._record_together(together, found, room)
         for name, now in nows.items():
             if name in together:
                 continue
             shadow = self._shadow.get(name)
             if shadow is None or shadow.numel() != now.numel() or shadow.device != now.device:
-                self._shadow[name] = now.clone()
-                unseen.add(name)  # never seen: all of it
+                self._shadow[name] = now.clone()  # never seen: all of it
             elif room < 0:  # most of the model moved: only the copy takes the new bits
                 shadow.copy_(now)
             else:
@@ -107,7 +105,7 @@ class ChangeLog:
                 room -= found[name][0].numel()
                 if room < 0:
                     found.clear()
-        changes = {name: None if name in unseen or name not in found else found[name][0] for name in nows}
+        changes = {name: found[name][0] if name in found else None for name in nows}
         self._flips = {name: flips for name, (_, flips) in found.items()}
         self._history = [*self._history, (version, changes)][-self._depth :]
         # the oldest version is only ever a base (its changes are never read); past that, the positions kept stay
@@ -118,7 +116,7 @@ class ChangeLog:
         self._history[0] = (self._history[0][0], {})
 
     def _record_together(self, nows: dict[str, torch.Tensor], found: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                         unseen: set[str], room: int) -> int:
+                         room: int) -> int:
         """``record`` for the buffers compared together: their changes into ``found``, or none and a negative room
         when more than ``room`` changed."""
         key = tuple((name, now.numel(), now.dtype, now.device) for name, now in nows.items())
@@ -127,7 +125,6 @@ class ChangeLog:
             for flat in self._flat:
                 for name, view in flat.views.items():
                     self._shadow[name] = view
-            unseen.update(nows)
             return room
         for flat in self._flat:
             changes = flat.compare(nows, room)

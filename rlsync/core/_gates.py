@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import Enum
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -47,7 +47,12 @@ class MaxStaleness:
         self.max_staleness = max_staleness
 
     def __call__(self, sample: Sample, trainer_version: int) -> Decision:
-        return Decision.DROP if trainer_version - sample.oldest_version > self.max_staleness else Decision.TRAIN
+        return Decision.TRAIN if self.keeps(sample.oldest_version, trainer_version) else Decision.DROP
+
+    def keeps(self, oldest: Any, trainer_version: int) -> Any:
+        """The verdict on oldest-token versions as they are: an int, or a numpy array or torch tensor of them (on
+        whatever device: a trainer's batch is judged where it lives, without a copy to the host)."""
+        return trainer_version - oldest <= self.max_staleness
 
 
 def freshest_per_group(samples: Sequence[Sample], group_size: int) -> list[Sample]:

@@ -118,10 +118,8 @@ class _MaskedHead(torch.autograd.Function):
                 dtype: torch.dtype, sampler: tuple[Any, ...], entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         logprobs = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         entropies = torch.empty(hidden.shape[0] if entropy else 0, dtype=torch.float32, device=hidden.device)
-        for rows, z, keep, logp in _chunks(hidden, weight, bias, tokens, dtype, sampler):
-            logprobs[rows] = logp.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1)
-            if entropy:
-                entropies[rows] = _entropy(logp, keep)
+        for rows, _, keep, logp in _chunks(hidden, weight, bias, tokens, dtype, sampler):
+            _outputs(rows, keep, logp, tokens, logprobs, entropies)
         ctx.save_for_backward(hidden, weight, bias, tokens, entropies)
         ctx.dtype, ctx.sampler = dtype, sampler
         ctx.set_materialize_grads(False)
@@ -135,14 +133,11 @@ class _MaskedHead(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden, dtype=torch.float32) if want_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if want_bias and bias is not None else None
-        for rows, z, keep, logp in _chunks(hidden, weight, bias, tokens, ctx.dtype, ctx.sampler, scaled=False):
-            grad = _grad_of_logits(
-                logp, keep, tokens[rows], None if grad_logprobs is None else grad_logprobs[rows],
-                None if grad_entropies is None or not entropies.numel() else grad_entropies[rows],
-                entropies[rows] if entropies.numel() else None)
+        for rows, y, keep, logp in _chunks(hidden, weight, bias, tokens, ctx.dtype, ctx.sampler):
+            grad = _grad_of_logits(rows, keep, logp, tokens, grad_logprobs, grad_entropies, entropies)
             grad /= temperature  # back through the temperature, the cap and the scale to the head's output
             if softcap is not None:
-                grad *= 1 - torch.tanh(z * logit_scale / softcap) ** 2
+                grad *= 1 - torch.tanh(y * logit_scale / softcap) ** 2
             grad *= logit_scale
             if grad_hidden is not None:  # in the head's compute dtype, as its forward (no float32 copy of the head)
                 grad_hidden[rows] = grad.to(ctx.dtype) @ weight.to(ctx.dtype)
@@ -159,21 +154,19 @@ def _as(grad: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | 
 
 
 def _chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tokens: torch.Tensor,
-            dtype: torch.dtype, sampler: tuple[Any, ...], scaled: bool = True) -> Any:
-    """Per chunk of rows: the rows, the head's output (``scaled``: after scale, cap and temperature), the kept set
-    (the sampled token in it) and the masked log-probs."""
+            dtype: torch.dtype, sampler: tuple[Any, ...]) -> Any:
+    """Per chunk of rows: the rows, the head's output (float32, before scale, cap and temperature), the kept set (the
+    sampled token in it) and the masked log-probs."""
     temperature, top_k, top_p, logit_scale, softcap = sampler
-    step = max(1, _CHUNK_ELEMENTS // weight.shape[0])
     with torch.no_grad():
-        for start in range(0, hidden.shape[0], step):
-            rows = slice(start, start + step)
+        for rows in _row_chunks(hidden.shape[0], weight.shape[0]):
             y = torch.nn.functional.linear(hidden[rows].to(dtype), weight.to(dtype),
                                            None if bias is None else bias.to(dtype)).float()
             z = y * logit_scale
             if softcap is not None:
                 z = softcap * torch.tanh(z / softcap)
             z /= temperature
-            yield rows, z if scaled else y, *_masked(z, tokens[rows], top_k, top_p)
+            yield rows, y, *_masked(z, tokens[rows], top_k, top_p)
 
 
 def _masked(z: torch.Tensor, tokens: torch.Tensor, top_k: int | None, top_p: float | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,22 +176,35 @@ def _masked(z: torch.Tensor, tokens: torch.Tensor, top_k: int | None, top_p: flo
     return keep, z.masked_fill(~keep, float("-inf")).log_softmax(dim=-1)
 
 
-def _grad_of_logits(logp: torch.Tensor, keep: torch.Tensor, tokens: torch.Tensor, grad_logprobs: torch.Tensor | None,
-                    grad_entropies: torch.Tensor | None, entropies: torch.Tensor | None) -> torch.Tensor:
-    """The gradient of rows' chosen log-probs (and entropies) with respect to their masked logits, in closed form."""
+def _row_chunks(count: int, vocab: int) -> Any:
+    """Slices of ``count`` rows, ``_CHUNK_ELEMENTS // vocab`` at a time."""
+    step = max(1, _CHUNK_ELEMENTS // vocab)
+    return (slice(start, start + step) for start in range(0, count, step))
+
+
+def _outputs(rows: slice, keep: torch.Tensor, logp: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,
+             entropies: torch.Tensor) -> None:
+    """A chunk's chosen log-probs into ``logprobs``, and its entropies into ``entropies`` where they are wanted."""
+    logprobs[rows] = logp.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1)
+    if entropies.numel():
+        kept = logp.masked_fill(~keep, 0.0)  # a dropped token adds exp(0) * 0
+        entropies[rows] = -(kept.exp() * kept).sum(-1)
+
+
+def _grad_of_logits(rows: slice, keep: torch.Tensor, logp: torch.Tensor, tokens: torch.Tensor,
+                    grad_logprobs: torch.Tensor | None, grad_entropies: torch.Tensor | None,
+                    entropies: torch.Tensor) -> torch.Tensor:
+    """The gradient of a chunk's chosen log-probs (and entropies, where computed) with respect to its masked logits,
+    in closed form; the other arguments whole, ``rows`` the chunk's."""
     p = logp.exp()  # 0 where dropped
     grad = torch.zeros_like(p)
     if grad_logprobs is not None:  # d log p_t / d z_j = [j = t] - p_j
-        grad -= grad_logprobs.unsqueeze(-1) * p
-        grad.scatter_add_(-1, tokens.unsqueeze(-1), grad_logprobs.unsqueeze(-1))
-    if grad_entropies is not None and entropies is not None:  # d H / d z_j = -p_j (log p_j + H)
-        grad -= grad_entropies.unsqueeze(-1) * p * (logp.masked_fill(~keep, 0.0) + entropies.unsqueeze(-1))
+        g = grad_logprobs[rows].unsqueeze(-1)
+        grad -= g * p
+        grad.scatter_add_(-1, tokens[rows].unsqueeze(-1), g)
+    if grad_entropies is not None and entropies.numel():  # d H / d z_j = -p_j (log p_j + H)
+        grad -= grad_entropies[rows].unsqueeze(-1) * p * (logp.masked_fill(~keep, 0.0) + entropies[rows].unsqueeze(-1))
     return grad
-
-
-def _entropy(logp: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    kept = logp.masked_fill(~keep, 0.0)  # a dropped token adds exp(0) * 0
-    return -(kept.exp() * kept).sum(-1)
 
 
 def logits_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, top_k: int | None = None, top_p: float | None = None,
@@ -218,14 +224,9 @@ class _MaskedLogits(torch.autograd.Function):
                 entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         logprobs = torch.empty(tokens.shape[0], dtype=torch.float32, device=logits.device)
         entropies = torch.empty(tokens.shape[0] if entropy else 0, dtype=torch.float32, device=logits.device)
-        step = max(1, _CHUNK_ELEMENTS // logits.shape[-1])
         with torch.no_grad():
-            for start in range(0, tokens.shape[0], step):
-                rows = slice(start, start + step)
-                keep, logp = _masked(logits[rows].float(), tokens[rows], top_k, top_p)
-                logprobs[rows] = logp.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1)
-                if entropy:
-                    entropies[rows] = _entropy(logp, keep)
+            for rows in _row_chunks(tokens.shape[0], logits.shape[-1]):
+                _outputs(rows, *_masked(logits[rows].float(), tokens[rows], top_k, top_p), tokens, logprobs, entropies)
         ctx.save_for_backward(logits, tokens, entropies)
         ctx.sampler = (top_k, top_p)
         ctx.set_materialize_grads(False)
@@ -235,12 +236,7 @@ class _MaskedLogits(torch.autograd.Function):
     def backward(ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropies: torch.Tensor | None) -> Any:
         logits, tokens, entropies = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
-        step = max(1, _CHUNK_ELEMENTS // logits.shape[-1])
-        for start in range(0, tokens.shape[0], step):
-            rows = slice(start, start + step)
+        for rows in _row_chunks(tokens.shape[0], logits.shape[-1]):
             keep, logp = _masked(logits[rows].float(), tokens[rows], *ctx.sampler)
-            grad_logits[rows] = _grad_of_logits(
-                logp, keep, tokens[rows], None if grad_logprobs is None else grad_logprobs[rows],
-                None if grad_entropies is None or not entropies.numel() else grad_entropies[rows],
-                entropies[rows] if entropies.numel() else None)
+            grad_logits[rows] = _grad_of_logits(rows, keep, logp, tokens, grad_logprobs, grad_entropies, entropies)
         return grad_logits, None, None, None, None

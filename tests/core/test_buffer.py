@@ -235,3 +235,20 @@ def test_telemetry_counts_token_lags_and_reaches_report_hooks() -> None:
     line = buf.report()
     assert seen[0]["kind"] == "buffer" and seen[0]["token_lag_histogram"] == [3, 1, 1, 0, 0, 0, 0, 0]
     assert "token lag 0:3 1:1 2:1" in line
+
+
+def test_max_staleness_judges_a_sample_or_a_batch_of_oldest_versions_alike() -> None:
+    """``MaxStaleness.keeps`` takes an int, a numpy array or a torch tensor (a trainer's batch where it lives): the
+    same verdicts as the gate on samples, the lag of exactly ``max_staleness`` kept."""
+    import torch
+
+    from rlsync import Decision, MaxStaleness
+
+    gate = MaxStaleness(2)
+    oldest = [7, 8, 5, 10, 6]
+    verdicts = [gate(Sample("p", np.arange(4, dtype=np.int32), 2, np.zeros(2, np.float32), np.full(2, v, np.int64)), 10)
+                is Decision.TRAIN for v in oldest]
+    assert verdicts == [False, True, False, True, False]
+    assert [bool(gate.keeps(v, 10)) for v in oldest] == verdicts
+    assert gate.keeps(np.array(oldest), 10).tolist() == verdicts
+    assert gate.keeps(torch.tensor(oldest), 10).tolist() == verdicts

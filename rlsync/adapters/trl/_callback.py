@@ -42,11 +42,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from rlsync import Canary, ConfigError, Decision, MaxStaleness, Sample, SyncOptions, VersionError
+from rlsync import Canary, ConfigError, MaxStaleness, SyncOptions, VersionError
 from rlsync.adapters.trl._routes import RouteReplay
 from rlsync.adapters.trl._sampling import SamplingMask
 from rlsync.adapters.trl._weight_transfer import choose_lora_route
@@ -174,20 +173,16 @@ class RlsyncSyncCallback(TrainerCallback):
         if versions is not None:
             trainer_version = self._version_of(self.trainer.state.global_step)
             mask = inputs["completion_mask"]
-            keep = [True] * len(versions) if self.gate is None else [  # on the host in one copy, not one per sample
-                self._keep(v, m, trainer_version) for v, m in zip(versions.cpu(), mask.cpu())]
-            kept = torch.tensor(keep, dtype=mask.dtype, device=mask.device)
-            inputs = {**inputs, "completion_mask": mask * kept[:, None]}  # a dropped sample adds nothing to the loss
-            oldest = versions.min(dim=1).values.float()
-            lag = (trainer_version - oldest)[kept.bool()]
+            # per row, its oldest generated token's version (a row with no generated token: its oldest), judged on
+            # the batch's device: no copy of the batch to the host
+            real = mask.bool()
+            generated = real | ~real.any(dim=1, keepdim=True)
+            oldest = versions.masked_fill(~generated, torch.iinfo(versions.dtype).max).min(dim=1).values
+            keep = torch.ones_like(oldest, dtype=torch.bool) if self.gate is None else self.gate.keeps(oldest, trainer_version)
+            inputs = {**inputs, "completion_mask": mask * keep[:, None].to(mask.dtype)}  # a dropped one adds nothing
+            lag = (trainer_version - oldest).float() * keep  # the kept rows' (0/0: nan when none is kept)
+            mean, dropped = torch.stack([lag.sum() / keep.sum(), (~keep).sum().float()]).tolist()  # one wait
             metrics = self.trainer._metrics["train"]
-            metrics["rlsync/staleness_mean"].append(float(lag.mean()) if len(lag) else float("nan"))
-            metrics["rlsync/dropped_stale"].append(float(len(keep) - sum(keep)))
+            metrics["rlsync/staleness_mean"].append(mean)
+            metrics["rlsync/dropped_stale"].append(dropped)
         return self._compute_loss(model, inputs, *args, **kwargs)
-
-    def _keep(self, versions: torch.Tensor, mask: torch.Tensor, trainer_version: int) -> bool:
-        """The gate's verdict on one sample (``versions`` and ``mask`` on the host)."""
-        assert self.gate is not None
-        generated = (versions[mask.bool()] if mask.any() else versions).numpy()
-        sample = Sample("", np.zeros(len(generated), np.int64), 0, np.zeros(len(generated), np.float32), generated)
-        return self.gate(sample, trainer_version) is Decision.TRAIN

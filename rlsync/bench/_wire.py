@@ -27,6 +27,10 @@ from rlsync.bench._link import Link, slow_link
 from rlsync.bench._weights import _read, bench_spec, memcpy_gbps, parse_size
 
 
+#: engine ranks on the far host behind one ``NodeRelay`` (``--link-gbps``)
+FANOUT = 4
+
+
 def _crcs(buffers: dict[str, Any]) -> dict[str, int]:
     return {name: zlib.crc32(np.asarray(buf).data) for name, buf in sorted(buffers.items())}
 
@@ -44,11 +48,31 @@ def reader(transport: str, host: str = "127.0.0.1") -> None:
             print(json.dumps({"version": r.version, "crc": _crcs(r.buffers()), "delta_seconds": r.delta_seconds}), flush=True)
 
 
-def _spawn_reader(transport: str, link: Link | None) -> subprocess.Popen[str]:
-    """A reader process; across ``link``, in the engine's namespace, listening on its address."""
+def relay(transport: str, host: str, ranks: str) -> None:
+    """A host of ``ranks`` engine ranks (each a whole copy, over shared memory) behind one ``NodeRelay``; answers
+    ``check`` with the CRCs of the first rank's tensors if every rank holds the same bytes, else with none."""
+    from rlsync import NodeRelay, WeightsReader
+
+    local = SyncOptions(transport="shm", timeout=600)
+    engines = [WeightsReader(None, None, 0, replicas=1, landing="direct", options=local) for _ in range(int(ranks))]
+    with NodeRelay([[e.address] for e in engines], options=SyncOptions(transport=transport, host=host, timeout=600),
+                   local=local) as node:
+        print(json.dumps({"address": node.address}), flush=True)
+        for line in sys.stdin:
+            version = int(line)
+            node.wait_for_version(version, timeout=600)
+            crcs = [_crcs(e.buffers()) for e in engines]
+            same = all(c == crcs[0] for c in crcs) and all(e.version == version for e in engines)
+            print(json.dumps({"version": node.version, "crc": crcs[0] if same else {}, "delta_seconds": 0.0}), flush=True)
+    for engine in engines:
+        engine.close()
+
+
+def _spawn_reader(transport: str, link: Link | None, role: str = "reader", *extra: str) -> subprocess.Popen[str]:
+    """A reader (or relay) process; across ``link``, in the engine's namespace, listening on its address."""
     where = [] if link is None else ["ip", "netns", "exec", link.engine_namespace]
-    host = [] if link is None else [link.engine_address]
-    return subprocess.Popen([*where, sys.executable, "-m", "rlsync.bench._wire", "reader", transport, *host],
+    host = ["127.0.0.1"] if link is None else [link.engine_address]
+    return subprocess.Popen([*where, sys.executable, "-m", "rlsync.bench._wire", role, transport, *host, *extra],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
@@ -83,11 +107,13 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "tcp", progress
     mem = memcpy_gbps(total)
     link = Link.from_env()  # run inside the trainer's namespace by `--link-gbps`: the readers are across the link
     readers = {"full": _spawn_reader(transport, link), "delta": _spawn_reader(transport, link)}
+    if link is not None:  # and a host of FANOUT engine ranks behind one relay, sent deltas: the link carries one copy
+        readers["fanout"] = _spawn_reader(transport, link, "relay", str(FANOUT))
     rows: list[dict[str, Any]] = []
     try:
         addresses = {kind: _read(child)["address"] for kind, child in readers.items()}
-        writers = {kind: WeightsWriter(layout, None, 0, [addresses[kind]], options=SyncOptions(transport=transport, timeout=600, wire=kind))
-                   for kind in readers}
+        writers = {kind: WeightsWriter(layout, None, 0, [addresses[kind]], options=SyncOptions(
+            transport=transport, timeout=600, wire="full" if kind == "full" else "delta")) for kind in readers}
         previous = {name: t.clone() for name, t in state.items()}
         applying = dict.fromkeys(readers, 0.0)  # each reader's delta seconds so far
         for version in range(1, steps + 1):
@@ -145,7 +171,11 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "tcp", progress
             "apply_seconds_median": statistics.median(r["delta"]["apply_seconds"] for r in later),
             **({} if link is None else {
                 "full_link_bytes_median": statistics.median(r["full"]["link_bytes"] for r in later),
-                "delta_link_bytes_median": statistics.median(r["delta"]["link_bytes"] for r in later)}),
+                "delta_link_bytes_median": statistics.median(r["delta"]["link_bytes"] for r in later),
+                "fanout_ranks": FANOUT,
+                "fanout_link_bytes": [r["fanout"]["link_bytes"] for r in rows],
+                "fanout_seconds_median": statistics.median(r["fanout"]["seconds"] for r in later),
+                "fanout_bit_exact": all(r["fanout"]["bit_exact"] for r in rows)}),
             "delta_bit_exact": all(r["delta"]["bit_exact"] for r in rows),
             "full_bit_exact": all(r["full"]["bit_exact"] for r in rows),
         },
@@ -192,9 +222,13 @@ def run(*, size: str, steps: int, lr: float, transport: str = "tcp", json_output
                   f"put {summary['full_link_bytes_median'] / 1e6:.1f} MB on it in {summary['full_seconds_median']:.3f} s, "
                   f"a delta {summary['delta_link_bytes_median'] / 1e6:.2f} MB in {summary['delta_seconds_median']:.3f} s "
                   f"({summary['speedup']:.1f}x sooner)")
+            print(f"a host of {summary['fanout_ranks']} engine ranks behind one relay (deltas): "
+                  f"{', '.join(f'{b / 1e6:.2f}' for b in summary['fanout_link_bytes'])} MB on the link per version, "
+                  f"{summary['fanout_seconds_median']:.3f} s per version, bit-exact on every rank: "
+                  f"{'yes' if summary['fanout_bit_exact'] else 'NO'}")
     if not report["summary"]["delta_bit_exact"]:
         raise SystemExit("rlsync bench: the delta reader's bytes differ from the trainer's (a bug: please report it)")
 
 
 if __name__ == "__main__":
-    reader(*sys.argv[2:4])
+    (relay if sys.argv[1] == "relay" else reader)(*sys.argv[2:])

@@ -77,6 +77,7 @@ from rlsync.core._presets import PRESETS, ModelSpec, Param, load_model_spec, mod
 from rlsync.core._reader import LandingMode, WeightsReader
 from rlsync.core._regions import region_offsets
 from rlsync.core._registry import Registry
+from rlsync.core._relay import NodeRelay
 from rlsync.core._samples import PolicyVersionClock, Sample, decode_sample, encode_sample
 from rlsync.core._sampling_mask import head_logprobs, kept_sizes, logits_logprobs, masked_logprobs, sampling_mask
 from rlsync.core._staging import SLACK, RankBoxes, StagedReceiver, engine_layout, tensor_metas, whole_tensor_view
@@ -89,7 +90,7 @@ from rlsync.core._writer import WeightsWriter
 __all__ = [
     "BUILTIN_PLUGINS", "DEFAULT_TIMEOUT", "ENTRY_POINT_GROUP", "PRESETS", "SLACK", "WIRES",
     "INBOX_SHARE", "Batch", "Box", "BufferSpec", "Canary", "CanaryError", "ChangeLog", "Claim", "CurrentStreams", "Episode", "EpisodeLog", "LeaseLostError", "MemoryEpisodes", "Turn", "Checksums", "HostStaging", "ConfigError", "Decision", "Finish", "Gate", "Landing", "LandedVersions",
-    "LandingMode", "Layout", "LayoutError", "Link", "MaxStaleness", "MemoryStorage", "ModelSpec", "Param",
+    "LandingMode", "Layout", "LayoutError", "Link", "MaxStaleness", "MemoryStorage", "ModelSpec", "NodeRelay", "Param",
     "PeerLostError", "Plan", "PlanError", "PlanMismatchError", "PlanStats", "PluginError", "PolicyVersionClock",
     "RankBoxes", "Region", "Registry", "RlsyncError", "RlsyncWarning", "RolloutBuffer", "RolloutBufferError", "Run",
     "Sample", "Shard", "StagedReceiver", "Storage", "SyncOptions", "TensorMeta", "Ticket", "Transfer",

@@ -630,13 +630,19 @@ class WeightsReader:
     # -- in place: pause, save, undo ---------------------------------------------------------
 
     def _begin(self, identity: bytes, msg: Begin) -> None:
-        """A writer is about to write ``msg.version`` into the engine's tensors: pause the engine, then say go."""
-        if self.landing_mode != "in_place" or msg.writer_rank not in self._sessions:
-            self._channel.send(Refuse("Begin is for in-place readers, after a Hello"), identity)
+        """A writer is about to write ``msg.version`` into the engine's tensors: pause the engine, then say go. To a
+        reader that lands off to the side, a Begin asks only whether it would take ``msg.version`` (a node relay asks
+        every reader of its host after writing their bytes and before telling any: one that died or would refuse
+        is found while every rank still serves the previous version)."""
+        if msg.writer_rank not in self._sessions:
+            self._channel.send(Refuse("a Begin before a Hello"), identity)
             return
         refused = self._refused_version(msg.version)
         if refused is not None:
             self._channel.send(Refuse(refused, "version"), identity)
+            return
+        if self.landing_mode != "in_place":
+            self._channel.send(Go(msg.version), identity)
             return
         if self._paused_at is None:
             self._mirror.wait()  # the last version is saved before a byte of the next lands

@@ -171,6 +171,7 @@ class WeightsWriter:
         #: with verify: per reader rank, the digest of this writer's checksums of the last version (what the reader
         #: reports back; ``rlsync.version_label`` of them, in reader order, is the label a one-writer engine shows)
         self.last_digests: dict[int, str] = {}
+        self._unsent: dict[int, Done] = {}  # reader rank -> its Done, written but not yet sent (a relay's barrier)
 
     def put(self, name: str, tensor: Any) -> None:
         """Bind this rank's buffer ``name`` (for plain and FSDP layouts: the parameter name) to ``tensor``.
@@ -316,12 +317,20 @@ class WeightsWriter:
         ``canary`` (``rlsync.Canary.of(model)``, the weights being sent): every engine checks it before the version
         serves and refuses the version (``CanaryError`` here) when its own log-probs deviate; the largest deviation
         an engine reported is ``last_canary_deviation`` afterwards."""
+        started = time.perf_counter()
+        sent, failed = self._write_parts(version, progress, canary, notify=True)
+        self._confirm(version, progress, canary, sent, failed, started)
+
+    def _write_parts(self, version: int, progress: Callable[[int], None] | None, canary: Canary | None, *,
+                     notify: bool) -> tuple[list[int], dict[int, str]]:
+        """Write this rank's part of ``version`` to every reader (at once); with ``notify``, each reader's Done follows
+        its bytes, else the Dones wait in ``_unsent`` for ``_notify`` (a relay that makes every reader of a host take
+        its bytes before any reader hears of the version). The readers written to, and why the others failed."""
         missing = sorted(self._needed - self._sources.keys())
         if missing:
             raise WeightMismatchError(f"writer rank {self.rank}: no tensor was put for {missing[:5]} (and {max(0, len(missing) - 5)} more)")
         names = sorted(self._sources)
         self._plugins.hook.rlsync_before_export(version=version, names=names)
-        started = time.perf_counter()
         self._ready = ready_events(self._streams.streams())
         self._streams.clear()
         wait_ready(self._ready)  # this thread's own reads of the sources (the delta's) after the streams that made them
@@ -333,16 +342,28 @@ class WeightsWriter:
             self.last_delta_seconds += time.perf_counter() - found
         self._sent = {}
         self.last_digests = {}
-        deviations: list[float] = []
         failed: dict[int, str] = {}
+        self._unsent = {}
         if len(self._runs) > 1:  # readers get their parts at once: publishing to N readers costs ~one reader
             with ThreadPoolExecutor(len(self._runs), thread_name_prefix=f"rlsync-writer-{self.rank}") as pool:
-                outcomes = list(pool.map(lambda r: self._post(r, version, progress, canary), self._runs))
+                outcomes = list(pool.map(lambda r: self._post(r, version, progress, canary, notify=notify), self._runs))
         else:
-            outcomes = [self._post(r, version, progress, canary) for r in self._runs]
+            outcomes = [self._post(r, version, progress, canary, notify=notify) for r in self._runs]
         self._staging.wait()
         sent = [r for r, error in zip(self._runs, outcomes) if error is None]
         failed.update({r: error for r, error in zip(self._runs, outcomes) if error is not None})
+        return sent, failed
+
+    def _notify(self) -> None:
+        """Send the Dones ``_write_parts(notify=False)`` kept back."""
+        unsent, self._unsent = self._unsent, {}
+        for dst_rank, done in unsent.items():
+            self._channels[dst_rank].send(done)
+
+    def _confirm(self, version: int, progress: Callable[[int], None] | None, canary: Canary | None, sent: list[int],
+                 failed: dict[int, str], started: float) -> None:
+        """Wait for every notified reader's answer; raise unless ``version`` is live on all of them."""
+        deviations: list[float] = []
         deadline = time.monotonic() + self.timeout
         for dst_rank in sent:
             channel = self._channels[dst_rank]
@@ -408,7 +429,7 @@ class WeightsWriter:
         return None if payload is None else (base, payload)
 
     def _post(self, dst_rank: int, version: int, progress: Callable[[int], None] | None, canary: Canary | None,
-              full: bool = False) -> str | None:
+              full: bool = False, notify: bool = True) -> str | None:
         """Write this rank's part of ``version`` to one reader and notify it; the error, if any."""
         try:
             self._connect(dst_rank)
@@ -442,9 +463,12 @@ class WeightsWriter:
             self._sent[dst_rank] = nbytes if delta is not None else self._part_bytes[dst_rank]
             if checksums is not None:
                 self.last_digests[dst_rank] = digest({self.rank: checksums.values})
-            self._channels[dst_rank].send(Done(self.rank, version, slot, None if checksums is None else checksums.values,
-                                               delta_base=None if delta is None else delta[0], delta_nbytes=nbytes,
-                                               canary=canary))
+            done = Done(self.rank, version, slot, None if checksums is None else checksums.values,
+                        delta_base=None if delta is None else delta[0], delta_nbytes=nbytes, canary=canary)
+            if notify:
+                self._channels[dst_rank].send(done)
+            else:
+                self._unsent[dst_rank] = done
         except TransportError as exc:
             self._drop(dst_rank)
             return str(exc)

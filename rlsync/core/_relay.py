@@ -1,0 +1,155 @@
+"""``NodeRelay``: one landing per host for the engine ranks on it, so that a byte several of them need crosses the
+host's link once.
+
+Several engine ranks on one host often need the same bytes: engine replicas (data parallel) each hold the whole
+model, tensor-parallel ranks each hold the norms and routers. Sent by the trainer's writers to each rank, those bytes
+cross the host's link once per rank. A relay receives every tensor the host's engines hold, once (a
+``WeightsReader`` of one rank holding each such tensor whole: the trainer's writers connect to ``address`` as to an
+engine of one rank, ``dst=None`` learns that layout), and forwards each engine rank its part over the host's own
+transport (shared memory; ``cuda_ipc`` on a GPU node), planned from the relay's layout to each engine's as the
+trainer's writers plan theirs.
+
+The version goes live on every rank of the host or on none: the relay writes every local reader's bytes first, then
+asks each whether it takes the version (``Begin``: a shared-memory write to a dead reader succeeds, only an answer
+shows it is there), and only then tells any of them. A local reader that died or would refuse by then leaves every
+rank on the previous version, and the relay refuses the version to the trainer's writers, which name it. One that
+dies in the milliseconds between its answer and its confirmation leaves the others on the new version, named in the
+error, as a writer's readers are today. The relay's own version goes live after every local reader confirmed. What crosses the slow link is the relay's inbound version, so
+``wire="delta"`` from the trainer applies there; locally every version goes whole.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import pluggy
+import torch
+
+from rlsync.core._builders import replicated
+from rlsync.core._errors import ConfigError, PeerLostError, RlsyncError, WeightMismatchError
+from rlsync.core._layout import Layout, TensorMeta
+from rlsync.core._layout_exchange import reader_layout
+from rlsync.core._options import SyncOptions
+from rlsync.core._reader import WeightsReader
+from rlsync.core._regions import as_tensor
+from rlsync.core._transport import Region
+from rlsync.core._writer import WeightsWriter
+
+
+class NodeRelay:
+    """One host's landing for its engines (see the module docstring).
+
+    ``engines``: per engine on this host, the addresses of its readers, one per rank (what each engine's readers
+    say, as a trainer would be given them). ``options``: the relay's side of the trainer's link (transport, ``host``
+    and ``port`` to listen on, ``secret``, ``verify``, ``timeout``); ``local``: the host's own transport, to the
+    engines' readers (default: shared memory). ``address`` is what the trainer's writers connect to, as to one
+    engine of one rank. Engines whose readers learn their layout from their writer (``replicas=N``) learn it from
+    the relay, which learns it from the trainer's writers. ``last_forward_seconds``: the last version's local forwarding, from its first local byte
+    to every local reader's confirmation.
+    """
+
+    def __init__(self, engines: Sequence[Sequence[str]], *, options: SyncOptions | None = None,
+                 local: SyncOptions | None = None, plugins: pluggy.PluginManager | None = None) -> None:
+        if not engines or any(not addresses for addresses in engines):
+            raise ConfigError("NodeRelay needs, per engine on this host, the addresses of its readers (one per rank)")
+        self._engines, self._local, self._plugins = [list(a) for a in engines], local or SyncOptions(transport="shm"), plugins
+        layouts = [_layout_of(addresses[0], self._local) for addresses in engines]
+        self._writers: list[WeightsWriter] = []
+        self.last_forward_seconds = 0.0
+        if all(layout is None for layout in layouts):  # replica engines, which learn their layout from their writer:
+            # so does the relay, from the trainer's, and its own writers teach the engines theirs at the first version
+            self._reader = WeightsReader(None, None, 0, replicas=1, options=options, landing="direct",
+                                         on_version=self._forward, plugins=plugins)
+        elif any(layout is None for layout in layouts):
+            raise ConfigError("NodeRelay: some engines know their layout and some learn it from their writers (replicas):"
+                              " relay engines of one kind")
+        else:  # rank 0 holds, whole, every tensor any engine here holds
+            union = replicated(_union([layout for layout in layouts if layout is not None]))
+            self._writers = [WeightsWriter(union, dst, 0, addresses, options=self._local, plugins=plugins)
+                             for dst, addresses in zip(layouts, self._engines)]
+            self._reader = WeightsReader(None, union, 0, options=options, landing="direct", on_version=self._forward,
+                                         plugins=plugins)
+        self.address = self._reader.address
+
+    @property
+    def version(self) -> int:
+        """The newest version live on every engine rank of this host (-1: none yet)."""
+        return self._reader.version
+
+    def wait_for_version(self, version: int | None = None, timeout: float | None = None) -> int:
+        return self._reader.wait_for_version(version, timeout)
+
+    def _forward(self, version: int, buffers: dict[str, Region]) -> None:
+        """The relay's version has landed: every local reader takes its bytes, then all are told at once."""
+        started = time.perf_counter()
+        layout = self._reader.dst
+        assert layout is not None  # a version landed: the relay knows its layout
+        if not self._writers:
+            self._writers = [WeightsWriter(layout, None, 0, addresses, options=self._local, plugins=self._plugins)
+                             for addresses in self._engines]
+        dtypes = {t.name: getattr(torch, t.dtype) for t in layout.tensors}
+        tensors = {name: as_tensor(raw).view(dtypes[name]) for name, raw in buffers.items()}
+        for writer in self._writers:
+            writer.multi_put(tensors)
+        with ThreadPoolExecutor(len(self._writers), thread_name_prefix="rlsync-relay") as pool:
+            written = list(pool.map(lambda w: w._write_parts(version, None, None, notify=False), self._writers))
+        failed = {f"engine {e} reader rank {r}": why for e, (_, bad) in enumerate(written) for r, why in bad.items()}
+        for engine, (writer, (sent, _)) in enumerate(zip(self._writers, written)):  # alive, and would take it?
+            for rank in sent:  # (a shared-memory write to a dead reader succeeds: only an answer shows it is there)
+                try:
+                    why = writer._ask_to_begin(rank, version)
+                except RlsyncError as exc:  # it refuses the version: so does the host
+                    why = str(exc)
+                if why is not None:
+                    failed[f"engine {engine} reader rank {rank}"] = why
+        if failed:  # no local reader hears of this version: every rank of the host stays on the one it serves
+            for writer in self._writers:
+                writer._unsent = {}
+            detail = "; ".join(f"{who}: {why}" for who, why in sorted(failed.items()))
+            raise PeerLostError(f"the node relay could not forward version {version} to every engine rank of its host "
+                                f"({detail}); every rank stays on version {self.version}")
+        for writer in self._writers:
+            writer._notify()
+        for writer, (sent, _) in zip(self._writers, written):
+            writer._confirm(version, None, None, sent, {}, started)
+        self.last_forward_seconds = time.perf_counter() - started
+
+    def close(self) -> None:
+        self._reader.close()
+        for writer in self._writers:
+            writer.close()
+
+    def __enter__(self) -> NodeRelay:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _layout_of(address: str, local: SyncOptions) -> Layout | None:
+    """The layout of the engine whose first reader is at ``address``; None for one that learns it from its writer."""
+    try:
+        return reader_layout(address, secret=local.secret, timeout=local.timeout)
+    except WeightMismatchError as exc:
+        if "learns its layout from the writers" in str(exc):
+            return None
+        raise
+
+
+def _union(layouts: Sequence[Layout]) -> list[TensorMeta]:
+    """Every tensor the engines hold, once; an engine that disagrees with another on a tensor's dtype or shape is
+    not an engine of the same model."""
+    seen: dict[str, TensorMeta] = {}
+    for engine, layout in enumerate(layouts):
+        held = {s.tensor for s in layout.shards}
+        for meta in layout.tensors:
+            if meta.name not in held:
+                continue
+            other = seen.setdefault(meta.name, meta)
+            if other != meta:
+                raise ConfigError(f"NodeRelay: engine {engine} holds {meta.name!r} as {meta.dtype}{list(meta.shape)}, an "
+                                  f"earlier engine as {other.dtype}{list(other.shape)}: relay engines of one model only")
+    return list(seen.values())
+

@@ -1,0 +1,103 @@
+"""``NodeRelay``: the trainer's writer sends a host's distinct bytes once, over tcp, to the host's relay, which forwards
+each engine rank its part over shared memory; every rank bit-exact, and a rank that is gone when a version is
+forwarded leaves every rank of the host on the previous version."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from typing import Any
+
+import pytest
+
+from rlsync import NodeRelay, SyncOptions, WeightsReader, build_plan
+
+pytestmark = pytest.mark.multiproc
+
+LOCAL = SyncOptions(transport="shm", timeout=10)
+
+
+def _reports(child: Any) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in child.stdout_text.splitlines() if line.startswith("{")]
+
+
+def test_the_host_takes_its_distinct_bytes_once_and_every_engine_rank_lands_them(sync: Any) -> None:
+    src, whole = sync.layouts("plain")
+    _, tp2 = sync.layouts("boxes_tp2")  # two ranks: row and column halves, the norm on both, layer5 on rank 1 only
+    tp_ranks = [WeightsReader(None, tp2, r, options=LOCAL) for r in (0, 1)]
+    replica = WeightsReader(None, whole, 0, options=LOCAL)  # a second engine on the host, holding the whole model
+    relay = NodeRelay([[r.address for r in tp_ranks], [replica.address]], options=SyncOptions(transport="tcp"), local=LOCAL)
+    try:
+        writer = sync.writer("plain", "tcp", {0: relay.address}, [1, 2], extra=("--replicas", "1"))  # dst=None: asks
+        assert writer.returncode == 0, writer.stderr_text
+        distinct = sum(t.nbytes for t in whole.tensors)
+        per_rank = sum(build_plan(src, engine).stats.bytes_sent for engine in (tp2, whole))
+        assert per_rank > 1.9 * distinct  # what a writer sending to each rank moves
+        sent = [r["bytes"] for r in _reports(writer) if "completed" in r]
+        assert sent == [distinct, distinct]  # each byte the host needs crossed its link once
+        assert relay.version == 2 and relay.last_forward_seconds > 0
+        for rank in tp_ranks:
+            assert rank.version == 2
+            sync.assert_landed("boxes_tp2", rank, 2)
+        assert replica.version == 2
+        sync.assert_landed("plain", replica, 2)
+    finally:
+        relay.close()
+        for reader in (*tp_ranks, replica):
+            reader.close()
+
+
+def test_a_rank_gone_when_a_version_is_forwarded_leaves_every_rank_on_the_previous_version(sync: Any) -> None:
+    _, fanout = sync.layouts("fanout")  # one engine of two ranks, each holding the whole model
+    here = WeightsReader(None, fanout, 0, options=LOCAL)
+    child, address = sync.reader("fanout", "shm", 1, timeout=120)
+    relay = NodeRelay([[here.address, address]], options=SyncOptions(transport="tcp"), local=LOCAL)
+    try:
+        first = sync.writer("fanout", "tcp", {0: relay.address}, [1], extra=("--replicas", "1"))
+        assert first.returncode == 0, first.stderr_text
+        assert here.version == 1 and relay.version == 1
+        os.kill(child.pid, signal.SIGKILL)  # rank 1's engine dies; its shared memory stays writable to the relay
+        child.wait(timeout=10)
+        second = sync.writer("fanout", "tcp", {0: relay.address}, [2], extra=("--replicas", "1"))
+        assert second.returncode != 0
+        assert "reader rank 1" in second.stderr_text and "every rank stays on version 1" in second.stderr_text
+        assert here.version == 1 and relay.version == 1  # rank 0 heard nothing of version 2
+        sync.assert_landed("fanout", here, 1)
+    finally:
+        relay.close()
+        here.close()
+
+
+def test_engines_that_disagree_on_a_tensor_are_refused_by_name(sync: Any) -> None:
+    from rlsync import ConfigError, TensorMeta
+    from rlsync.layouts import from_state_dict
+
+    _, whole = sync.layouts("plain")
+    other = from_state_dict([TensorMeta(t.name, "float32", t.shape) for t in whole.tensors])
+    a, b = WeightsReader(None, whole, 0, options=LOCAL), WeightsReader(None, other, 0, options=LOCAL)
+    try:
+        with pytest.raises(ConfigError, match="layer0.weight"):
+            NodeRelay([[a.address], [b.address]], local=LOCAL)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_replica_engines_learn_their_layout_through_the_relay_from_the_trainers_writer(sync: Any) -> None:
+    """Engines whose readers hold a whole copy of what their writer sends (``replicas=1``) know no layout before a
+    writer comes: the relay learns it from the trainer's writer, and teaches them at the first version."""
+    replicas = [WeightsReader(None, None, 0, replicas=1, options=LOCAL) for _ in range(3)]
+    relay = NodeRelay([[r.address] for r in replicas], options=SyncOptions(transport="tcp"), local=LOCAL)
+    try:
+        writer = sync.writer("plain", "tcp", {0: relay.address}, [1, 2], extra=("--replicas", "1"))
+        assert writer.returncode == 0, writer.stderr_text
+        _, whole = sync.layouts("plain")
+        assert [r["bytes"] for r in _reports(writer) if "completed" in r] == [sum(t.nbytes for t in whole.tensors)] * 2
+        for replica in replicas:
+            assert replica.version == 2
+            sync.assert_landed("plain", replica, 2)
+    finally:
+        relay.close()
+        for replica in replicas:
+            replica.close()

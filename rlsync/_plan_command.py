@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import time
 
 from rich.console import Console
@@ -11,7 +10,7 @@ from rich.table import Table
 
 from rlsync import Box, ConfigError, Layout, build_plan
 from rlsync.core import INBOX_SHARE
-from rlsync.layouts import PRESETS, ModelSpec, dtype_size, engine_tp, fsdp, load_model_spec, megatron, replicated, zero3
+from rlsync.layouts import PRESETS, ModelSpec, engine_tp, fsdp, load_model_spec, make_layout, megatron, own_buffer_shard, replicated, zero3
 from rlsync.wire import fp8_model_spec
 
 TRAINERS = {"fsdp": ("dp",), "zero3": ("dp",), "megatron": ("tp", "pp", "dp", "ep", "etp")}
@@ -69,47 +68,45 @@ def parse_wire(wire: str) -> tuple[str, float]:
                       f"'delta=FRACTION' (the share of values that changed since the last version, e.g. delta=0.02)")
 
 
-def receiver_nic_bytes(dst: Layout, gpus_per_node: int) -> dict[int, int]:
-    """Bytes each destination rank takes in over its NIC when a piece that several ranks of one node
-    hold (a TP-replicated norm, router or MLA down projection) crosses the node's NICs once, a share
-    through each holder, and reaches the other holders over NVLink. Nodes are consecutive ranks."""
-    holders: dict[tuple[int, str, Box], list[int]] = {}
+def relay_layout(dst: Layout, ranks_per_node: int) -> Layout:
+    """What the trainer's writers send to when each node of ``ranks_per_node`` consecutive engine ranks lands its
+    versions in one ``rlsync.NodeRelay``: one rank per node, holding whole every tensor a rank of that node holds."""
+    held: dict[int, set[str]] = {}
     for s in dst.shards:
-        holders.setdefault((s.rank // gpus_per_node, s.tensor, s.box), []).append(s.rank)
-    itemsize = {t.name: dtype_size(t.dtype) for t in dst.tensors}
-    out = dict.fromkeys(sorted({s.rank for s in dst.shards}), 0)
-    for (_, tensor, box), ranks in holders.items():
-        nbytes = math.prod(box.sizes) * itemsize[tensor]
-        for i, rank in enumerate(ranks):  # an even split, the remainder to the first holders
-            out[rank] += nbytes // len(ranks) + (i < nbytes % len(ranks))
-    return out
+        held.setdefault(s.rank // ranks_per_node, set()).add(s.tensor)
+    shards = [own_buffer_shard(t, Box.full(t.shape), node) for node, names in sorted(held.items())
+              for t in dst.tensors if t.name in names]
+    return make_layout(dst.tensors, shards)
 
 
 def plan_report(model: str, train: str, infer: str, nic_gbps: float, rank: int | None = None, wire: str = "bf16",
-                gpus_per_node: int = 1) -> dict[str, object]:
+                relay_per_node: int = 0) -> dict[str, object]:
     """Everything ``rlsync plan`` prints, as a dict (the ``--json`` output).
 
     ``wire``: ``fp8`` plans for an engine that serves the fp8 block-quantized checkpoint format
     (the trainer quantizes, half the bytes plus scales); ``delta=F`` scales the plan's bytes by
     what an index+value delta of a changed share ``F`` costs, capped at a full send (what the writer does).
-    ``gpus_per_node`` 1 (the default): every engine rank takes all its bytes over its own NIC, as rlsync's writers
-    send them; > 1: the prediction counts a receiver's NIC bytes with a node fan-out of shared pieces
-    (``receiver_nic_bytes``), which the writers do not do yet."""
+    ``relay_per_node`` 0 (the default): every engine rank takes its bytes over its own NIC, as the trainer's writers
+    send them to each rank; N: each node of N engine ranks takes them through one ``rlsync.NodeRelay`` (its NIC
+    takes every tensor the node holds, whole and once: ``relay_bytes``; the forwarding inside the node is not
+    counted). Either way the prediction is what rlsync's writers do in that setup."""
     kind, fraction = parse_wire(wire)
     spec = load_model_spec(model)
     if kind == "fp8":
         spec = fp8_model_spec(spec)
     started = time.perf_counter()
     src, dst = trainer_layout(spec, train), engine_layout(spec, infer)
+    if relay_per_node:
+        if rank is not None:
+            raise ConfigError("--relay-per-node plans whole nodes: leave out --rank")
+        dst = relay_layout(dst, relay_per_node)
     layouts_done = time.perf_counter()
     plan = build_plan(src, dst, dst_ranks=None if rank is None else [rank])
     done = time.perf_counter()
     st = plan.stats
     factor = fraction * DELTA_BYTES_PER_CHANGE if kind == "delta" else 1.0
     factor = 1.0 if factor > INBOX_SHARE else factor  # as the writer: a delta its reader's inbox cannot hold goes in full
-    nic = receiver_nic_bytes(dst, gpus_per_node)
-    max_nic = max(nic[r] for r in ([rank] if rank is not None else nic))
-    seconds = max(st.max_sender_bytes, max_nic) * factor * 8 / (nic_gbps * 1e9)
+    seconds = max(st.max_sender_bytes, st.max_receiver_bytes) * factor * 8 / (nic_gbps * 1e9)
     return {
         "model": spec.name,
         "train": train,
@@ -125,8 +122,7 @@ def plan_report(model: str, train: str, infer: str, nic_gbps: float, rank: int |
         "receivers": st.receivers,
         "max_sender_bytes": st.max_sender_bytes,
         "max_receiver_bytes": st.max_receiver_bytes,
-        "gpus_per_node": gpus_per_node,
-        "max_receiver_nic_bytes": max_nic,
+        "relay_per_node": relay_per_node,
         "sender_lower_bound": st.sender_lower_bound,
         "redundancy": st.redundancy,
         "imbalance": st.imbalance if rank is None else None,
@@ -145,14 +141,14 @@ def _gb(n: object) -> str:
 
 
 def run(*, model: str, train: str, infer: str, nic_gbps: float, rank: int | None, list_models: bool, json_output: bool,
-        wire: str = "bf16", gpus_per_node: int = 1) -> None:
+        wire: str = "bf16", relay_per_node: int = 0) -> None:
     console = Console()
     if list_models:
         for name in sorted(PRESETS):
             s = load_model_spec(name)
             console.print(f"{name:16} {s.numel / 1e9:8.2f}B parameters  {len(s.params):5} tensors")
         return
-    report = plan_report(model, train, infer, nic_gbps, rank, wire, gpus_per_node)
+    report = plan_report(model, train, infer, nic_gbps, rank, wire, relay_per_node)
     if json_output:
         print(json.dumps(report))
         return
@@ -165,9 +161,9 @@ def run(*, model: str, train: str, infer: str, nic_gbps: float, rank: int | None
         ("transfers", f"{report['transfers']:,}"),
         ("senders / receivers", f"{report['senders']} / {report['receivers']}"),
         ("max per sender", _gb(report["max_sender_bytes"])),
-        ("max per receiver", f"{_gb(report['max_receiver_bytes'])}" + (
-            f" ({_gb(report['max_receiver_nic_bytes'])} over its NIC with a node fan-out over NVLink, {gpus_per_node} GPUs "
-            f"per node: predicted, not yet done by rlsync)" if gpus_per_node > 1 else "")),
+        ("max per receiver", _gb(report["max_receiver_bytes"]) + (
+            f" (a node's NodeRelay: every tensor its {relay_per_node} engine ranks hold, whole, once)" if relay_per_node else
+            " (an engine rank)")),
     ]
     if report["imbalance"] is not None:
         rows.append(("sender lower bound", f"{_gb(report['sender_lower_bound'])} (imbalance {report['imbalance']:.3f})"))

@@ -27,8 +27,7 @@ def plan(
     nic_gbps: Annotated[float, typer.Option(help="Per-rank NIC rate in Gbit/s for the predicted time.")] = 400.0,
     rank: Annotated[Optional[int], typer.Option(help="Plan only this destination rank's part.")] = None,
     wire: Annotated[str, typer.Option(help="What crosses the wire: 'bf16' (the model's dtype), 'fp8' (an fp8 block-quantized engine) or 'delta=FRACTION' (changed values only).")] = "bf16",
-    gpus_per_node: Annotated[int, typer.Option(min=1, help="1 (the default): predict what rlsync's writers do, every engine rank's bytes over its own NIC. N > 1: "
-                                                                       "what a node fan-out they do not do yet would give (a piece N GPUs of a node hold crossing its NICs once, then NVLink).")] = 1,
+    relay_per_node: Annotated[int, typer.Option(min=0, help="0 (the default): the trainer's writers send each engine rank its bytes over its own NIC. N: each node of N engine ranks lands versions in one rlsync.NodeRelay (every tensor the node holds crosses its NIC once, whole).")] = 0,
     list_models: Annotated[bool, typer.Option("--list-models", help="List the model presets and exit.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
@@ -37,7 +36,7 @@ def plan(
 
     _plan_command.run(
         model=model, train=train, infer=infer, nic_gbps=nic_gbps, rank=rank,
-        list_models=list_models, json_output=json_output, wire=wire, gpus_per_node=gpus_per_node,
+        list_models=list_models, json_output=json_output, wire=wire, relay_per_node=relay_per_node,
     )
 
 

@@ -51,15 +51,27 @@ def test_fp8_wire_puts_the_1t_moe_at_1_3_seconds() -> None:
     assert fp8["imbalance"] <= 1.05 and fp8["redundancy"] == 1.0
     # fp8 weights + fp32 block scales + the bf16 embedding, head, router and norms: a bit over half
     assert 0.5 < fp8["max_receiver_bytes"] / bf16["max_receiver_bytes"] < 0.51
-    # a node fan-out (not done by the writers yet): the TP-replicated pieces cross a node's NICs once
-    fanned = _report("--wire", "fp8", "--gpus-per-node", "8")
-    assert fanned["max_receiver_nic_bytes"] < fp8["max_receiver_bytes"] and fanned["predicted_seconds"] <= 1.3
+    # a NodeRelay per node of 8 ranks (half a TP16 replica): every tensor the node holds, whole, into one NIC
+    relayed = _report("--wire", "fp8", "--relay-per-node", "8")
+    assert relayed["relay_per_node"] == 8 and relayed["receivers"] == 16  # 128 engine ranks, 16 nodes
+    assert relayed["max_receiver_bytes"] > 15 * fp8["max_receiver_bytes"] and relayed["predicted_seconds"] > 15
 
 
 def test_by_default_every_byte_crosses_the_rank_nic_as_the_writers_send_it() -> None:
     report = _report()
-    assert report["gpus_per_node"] == 1 and report["max_receiver_nic_bytes"] == report["max_receiver_bytes"]
+    assert report["relay_per_node"] == 0
     assert report["predicted_seconds"] == max(report["max_receiver_bytes"], report["max_sender_bytes"]) * 8 / 400e9
+
+
+def test_a_relay_per_node_of_replicas_takes_the_model_once() -> None:
+    """Eight one-rank engines on a node: sent to each, the model crosses eight times; through the node's relay,
+    once (what ``rlsync.NodeRelay`` lands)."""
+    args = ["--model", "qwen2.5-7b", "--train", "fsdp:dp=8", "--infer", "vllm:tp=1,replicas=8", "--nic-gbps", "25"]
+    plain = json.loads(CliRunner().invoke(app, ["plan", *args, "--json"]).output)
+    relayed = json.loads(CliRunner().invoke(app, ["plan", *args, "--relay-per-node", "8", "--json"]).output)
+    assert plain["bytes_sent"] == 8 * plain["model_bytes"] and plain["receivers"] == 8
+    assert relayed["bytes_sent"] == relayed["model_bytes"] and relayed["receivers"] == 1
+    assert relayed["max_receiver_bytes"] == plain["max_receiver_bytes"]
 
 
 def test_delta_wire_scales_the_bytes_and_caps_at_a_full_send() -> None:

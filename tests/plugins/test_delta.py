@@ -526,3 +526,15 @@ def test_the_positions_a_change_log_keeps_stay_below_the_size_of_its_copy(togeth
         assert _held(log._history) <= raw.numel() or len(log._history) == 2
         assert log.since(version - 1, "w").numel() == 1000
     assert log.since(1, "w") is None and log.since(5, "w") is None  # forgotten: a reader that far behind gets it all
+
+
+@pytest.mark.parametrize("over,said", [("shm", True), ("tcp", False)])
+def test_a_delta_over_a_transport_where_full_versions_land_sooner_is_named(caplog: pytest.LogCaptureFixture,
+                                                                          over: str, said: bool) -> None:
+    """Delta over shared memory (or cuda_ipc) is slower than sending everything: the writer says so and names
+    ``wire='full'``; over tcp, where it pays below a few Gbit/s, it says nothing."""
+    layout = from_state_dict([TensorMeta("w", "bfloat16", (64, 64))])
+    with caplog.at_level("WARNING", logger="rlsync"):
+        WeightsWriter(layout, layout, 0, {0: "tcp://127.0.0.1:9"}, options=SyncOptions(transport=over, wire="delta")).close()
+    named = [r.getMessage() for r in caplog.records if "wire='delta'" in r.getMessage()]
+    assert bool(named) == said and all("wire='full' here" in m for m in named)

@@ -6,16 +6,18 @@ model, tensor-parallel ranks each hold the norms and routers. Sent by the traine
 cross the host's link once per rank. A relay receives every tensor the host's engines hold, once (a
 ``WeightsReader`` of one rank holding each such tensor whole: the trainer's writers connect to ``address`` as to an
 engine of one rank, ``dst=None`` learns that layout), and forwards each engine rank its part over the host's own
-transport (shared memory; ``cuda_ipc`` on a GPU node), planned from the relay's layout to each engine's as the
-trainer's writers plan theirs.
+transport (shared memory, tested; a GPU node's engines would take ``cuda_ipc`` from the relay's host landing, which
+has not run yet), planned from the relay's layout to each engine's as the trainer's writers plan theirs.
 
 The version goes live on every rank of the host or on none: the relay writes every local reader's bytes first, then
 asks each whether it takes the version (``Begin``: a shared-memory write to a dead reader succeeds, only an answer
 shows it is there), and only then tells any of them. A local reader that died or would refuse by then leaves every
 rank on the previous version, and the relay refuses the version to the trainer's writers, which name it. One that
 dies in the milliseconds between its answer and its confirmation leaves the others on the new version, named in the
-error, as a writer's readers are today. The relay's own version goes live after every local reader confirmed. What crosses the slow link is the relay's inbound version, so
-``wire="delta"`` from the trainer applies there; locally every version goes whole.
+error, as a writer's readers are today. The relay's own version goes live after every local reader confirmed.
+
+What crosses the slow link is the relay's inbound version, so ``wire="delta"`` from the trainer applies there;
+locally every version goes whole.
 """
 
 from __future__ import annotations
@@ -46,15 +48,16 @@ class NodeRelay:
     and ``port`` to listen on, ``secret``, ``verify``, ``timeout``); ``local``: the host's own transport, to the
     engines' readers (default: shared memory). ``address`` is what the trainer's writers connect to, as to one
     engine of one rank. Engines whose readers learn their layout from their writer (``replicas=N``) learn it from
-    the relay, which learns it from the trainer's writers. ``last_forward_seconds``: the last version's local forwarding, from its first local byte
-    to every local reader's confirmation.
+    the relay, which learns it from the trainer's writers. ``last_forward_seconds``: the last version's local
+    forwarding, from its first local byte to every local reader's confirmation.
     """
 
     def __init__(self, engines: Sequence[Sequence[str]], *, options: SyncOptions | None = None,
                  local: SyncOptions | None = None, plugins: pluggy.PluginManager | None = None) -> None:
         if not engines or any(not addresses for addresses in engines):
             raise ConfigError("NodeRelay needs, per engine on this host, the addresses of its readers (one per rank)")
-        self._engines, self._local, self._plugins = [list(a) for a in engines], local or SyncOptions(transport="shm"), plugins
+        self._engines = [list(addresses) for addresses in engines]
+        self._local, self._plugins = local or SyncOptions(transport="shm"), plugins
         layouts = [_layout_of(addresses[0], self._local) for addresses in engines]
         self._writers: list[WeightsWriter] = []
         self.last_forward_seconds = 0.0

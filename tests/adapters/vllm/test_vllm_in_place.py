@@ -87,7 +87,7 @@ def test_versions_commit_in_place_and_generate_like_fresh_engines(arch: str, lay
         if child.poll() is None:
             child.kill()
     assert len({json.dumps(o) for o in outputs.values()}) > 1
-    for version, seed in zip((1, 2, 3), seeds):
+    for version, seed in ((1, seeds[0]), (3, seeds[2])):  # the first commit over the loaded weights, and the last
         fresh = engine(save(arch, seed, tmp_path / f"v{version}"))
         assert generate(fresh) == outputs[version], f"version {version}"
         del fresh

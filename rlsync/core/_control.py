@@ -121,13 +121,10 @@ class Done(msgspec.Struct, tag=True):
 
 
 class Begin(msgspec.Struct, tag=True):
-    """Writer -> reader: about to write ``version``; answered with ``Go`` (an in-place reader: once the engine has
-    paused). ``base`` (a delta writer, to a reader landing off to the side): first bring this writer's part of the
-    target slot up to version ``base``, from the live slot, locally, while the writer finds the changes."""
+    """Writer -> in-place reader: about to write ``version``; answered with ``Go`` once the engine has paused."""
 
     writer_rank: int
     version: int
-    base: int | None = None
 
 
 class Go(msgspec.Struct, tag=True):

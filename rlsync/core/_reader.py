@@ -169,8 +169,6 @@ class WeightsReader:
         self._epoch = 0  # counts writer restarts
         self.discarded: list[int] = []  # unfinished versions given up because a writer restarted
         self.delta_seconds = 0.0  # copying live parts and applying deltas, over every version so far
-        #: writers' parts brought up to a delta's base at the writer's Begin, while it found the changes (not after)
-        self.parts_copied_ahead = 0
         self._held: dict[int, dict[int, int]] = {}  # writer rank -> {slot: the version its part of that slot holds}
         self._inbox: Landing | None = None  # where delta writers put their deltas
         self._inbox_parts: dict[int, tuple[int, int]] = {}  # writer rank -> (offset, capacity) in the inbox
@@ -589,40 +587,21 @@ class WeightsReader:
     def _copy_and_apply(self, msg: Done, held: int | None, offset: int) -> str | None:
         assert self._landing is not None and self._inbox is not None
         if held != msg.delta_base:  # one step from the live slot: copy this writer's part of it here first, locally
-            if not self._copy_part(msg.writer_rank, msg.slot, msg.delta_base):
+            source = next((slot for slot, version in self._held.get(msg.writer_rank, {}).items()
+                           if version == msg.delta_base and slot != msg.slot), None)
+            if source is None:
                 return (f"writer rank {msg.writer_rank} sent a delta against version {msg.delta_base}, but reader rank "
                         f"{self.rank} holds its part of that version in no slot (slot {msg.slot}: "
                         f"{'unknown bytes' if held is None else f'version {held}'}): send in full")
+            into, out_of = as_tensor(self._landing.regions[msg.slot]), as_tensor(self._landing.regions[source])
+            for _, runs in self._pair_runs.get((msg.writer_rank, self.rank), []):
+                for _, at, nbytes in runs:
+                    into[at : at + nbytes].copy_(out_of[at : at + nbytes])
         try:
             apply_delta(as_tensor(self._inbox.regions[0][offset : offset + msg.delta_nbytes]), as_tensor(self._landing.regions[msg.slot]))
         except ValueError as exc:
             return f"reader rank {self.rank}: a bad delta from writer rank {msg.writer_rank} ({exc}): send in full"
         return None
-
-    def _copy_part(self, writer_rank: int, slot: int, version: int | None) -> bool:
-        """Copy ``writer_rank``'s part of ``version`` from the other slot that holds it into ``slot``; False if none."""
-        assert self._landing is not None
-        source = next((other for other, held in self._held.get(writer_rank, {}).items()
-                       if held == version and other != slot), None)
-        if source is None:
-            return False
-        into, out_of = as_tensor(self._landing.regions[slot]), as_tensor(self._landing.regions[source])
-        for _, runs in self._pair_runs.get((writer_rank, self.rank), []):
-            for _, at, nbytes in runs:
-                into[at : at + nbytes].copy_(out_of[at : at + nbytes])
-        return True
-
-    def _bring_up(self, writer_rank: int, base: int) -> None:
-        """A delta writer's ``Begin``: its part of the target slot becomes version ``base`` now, while it finds the
-        changes, so that its delta applies on arrival (a copy it cannot make here is made, or refused, at its Done)."""
-        held = self._held.setdefault(writer_rank, {})
-        if held.get(self._target_slot) == base:
-            return
-        started = time.perf_counter()
-        if self._copy_part(writer_rank, self._target_slot, base):
-            held[self._target_slot] = base
-            self.parts_copied_ahead += 1
-        self.delta_seconds += time.perf_counter() - started
 
     def _verify(self, done: Mapping[int, tuple[bytes, Done]]) -> str | None:
         """Each writer's per-buffer CRC-32 against the bytes that landed; the first mismatch, named."""
@@ -663,8 +642,6 @@ class WeightsReader:
             self._channel.send(Refuse(refused, "version"), identity)
             return
         if self.landing_mode != "in_place":
-            if msg.base is not None and self._inbox is not None:
-                self._bring_up(msg.writer_rank, msg.base)
             self._channel.send(Go(msg.version), identity)
             return
         if self._paused_at is None:

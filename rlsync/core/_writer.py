@@ -178,7 +178,6 @@ class WeightsWriter:
         #: reports back; ``rlsync.version_label`` of them, in reader order, is the label a one-writer engine shows)
         self.last_digests: dict[int, str] = {}
         self._unsent: dict[int, Done] = {}  # reader rank -> its Done, written but not yet sent (a relay's barrier)
-        self._asked: set[int] = set()  # readers sent a Begin to copy ahead, whose Go is not read yet
 
     def put(self, name: str, tensor: Any) -> None:
         """Bind this rank's buffer ``name`` (for plain and FSDP layouts: the parameter name) to ``tensor``.
@@ -343,7 +342,6 @@ class WeightsWriter:
         wait_ready(self._ready)  # this thread's own reads of the sources (the delta's) after the streams that made them
         self.last_delta_seconds = 0.0
         if self._changes is not None:
-            self._copy_ahead(version)
             self._staging.wait()  # the delta reads every buffer first
             found = time.perf_counter()
             self._changes.record(version, self._sources)
@@ -418,26 +416,6 @@ class WeightsWriter:
             stats["canary_deviation"] = self.last_canary_deviation
         self._plugins.hook.rlsync_after_export(version=version, stats=stats)
 
-    def _copy_ahead(self, version: int) -> None:
-        """Readers whose target slot holds our part one step behind the live one copy the live part into it now, while
-        this writer finds the changes (a Begin with ``base``), instead of after the delta arrives: off the clock."""
-        for dst_rank in self._asked:  # a version that failed before it was posted left a Go unread: start afresh
-            self._drop(dst_rank)
-        self._asked = set()
-        for dst_rank in self._runs:
-            held = self._held.get(dst_rank)
-            if not held or dst_rank not in self._inboxes or dst_rank in self._in_place or dst_rank not in self._channels:
-                continue
-            base = max(held.values())
-            if held.get(self._slots[dst_rank]) == base:
-                continue
-            try:
-                self._channels[dst_rank].send(Begin(self.rank, version, base=base))
-            except TransportError:
-                self._drop(dst_rank)
-                continue
-            self._asked.add(dst_rank)
-
     def _delta_for(self, dst_rank: int, slot: int) -> tuple[int, torch.Tensor] | None:
         """``(base version, encoded delta)`` of this rank's part of ``dst_rank``, if one fits. The base is the newest
         version the reader holds of this part, in whichever slot: when it is not ``slot`` (two slots, the live one
@@ -461,11 +439,6 @@ class WeightsWriter:
         """Write this rank's part of ``version`` to one reader and notify it; the error, if any."""
         try:
             self._connect(dst_rank)
-            if dst_rank in self._asked:  # its copy ahead is done (it answered) before a byte of ours lands
-                self._asked.discard(dst_rank)
-                refused = self._wait_for_go(dst_rank, version)
-                if refused is not None:
-                    return refused
             link, slot = self._links[dst_rank], self._slots[dst_rank]
             delta = None if full else self._delta_for(dst_rank, slot)
             self._held[dst_rank].pop(slot, None)  # overwritten from here on
@@ -517,15 +490,12 @@ class WeightsWriter:
 
     def _ask_to_begin(self, dst_rank: int, version: int) -> str | None:
         """An in-place reader pauses its engine before a byte lands: ask, and wait for its go."""
-        self._channels[dst_rank].send(Begin(self.rank, version))
-        return self._wait_for_go(dst_rank, version)
-
-    def _wait_for_go(self, dst_rank: int, version: int) -> str | None:
-        """The reader's answer to a Begin: None on Go, else why not (a refused version raises)."""
-        got = self._channels[dst_rank].recv(timeout_ms=int(self.timeout * 1000))
+        channel = self._channels[dst_rank]
+        channel.send(Begin(self.rank, version))
+        got = channel.recv(timeout_ms=int(self.timeout * 1000))
         if got is None:
             self._drop(dst_rank)
-            return f"did not let version {version} begin within {self.timeout} s (gone, or an in-place engine that did not pause)"
+            return f"did not let version {version} begin within {self.timeout} s (its engine did not pause)"
         if isinstance(got[1], Go) and got[1].version == version:
             return None
         if isinstance(got[1], Refuse) and got[1].kind == "version":

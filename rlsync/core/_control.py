@@ -121,7 +121,8 @@ class Done(msgspec.Struct, tag=True):
 
 
 class Begin(msgspec.Struct, tag=True):
-    """Writer -> in-place reader: about to write ``version``; answered with ``Go`` once the engine has paused."""
+    """Writer -> reader: about to write ``version`` (or, from a node relay, about to tell it of ``version``); answered
+    with ``Go`` (an in-place reader: once the engine has paused)."""
 
     writer_rank: int
     version: int

@@ -489,13 +489,14 @@ class WeightsWriter:
         return self._slot_runs[key]
 
     def _ask_to_begin(self, dst_rank: int, version: int) -> str | None:
-        """An in-place reader pauses its engine before a byte lands: ask, and wait for its go."""
+        """An in-place reader pauses its engine before a byte lands (a node relay asks its readers too): ask, and
+        wait for its go."""
         channel = self._channels[dst_rank]
         channel.send(Begin(self.rank, version))
         got = channel.recv(timeout_ms=int(self.timeout * 1000))
         if got is None:
             self._drop(dst_rank)
-            return f"did not let version {version} begin within {self.timeout} s (its engine did not pause)"
+            return f"did not let version {version} begin within {self.timeout} s (gone, or an in-place engine that did not pause)"
         if isinstance(got[1], Go) and got[1].version == version:
             return None
         if isinstance(got[1], Refuse) and got[1].kind == "version":

@@ -115,8 +115,14 @@ class NodeRelay:
                                 f"({detail}); every rank stays on version {self.version}")
         for writer in self._writers:
             writer._notify()
-        for writer, (sent, _) in zip(self._writers, written):
-            writer._confirm(version, None, None, sent, {}, started)
+        errors = []
+        for writer, (sent, _) in zip(self._writers, written):  # every engine's answers read, so none is left for later
+            try:
+                writer._confirm(version, None, None, sent, {}, started)
+            except RlsyncError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
         self.last_forward_seconds = time.perf_counter() - started
 
     def close(self) -> None:

@@ -101,3 +101,31 @@ def test_replica_engines_learn_their_layout_through_the_relay_from_the_trainers_
         relay.close()
         for replica in replicas:
             replica.close()
+
+
+def test_an_engine_that_refuses_a_version_at_its_load_fails_it_and_the_next_version_lands_everywhere(sync: Any) -> None:
+    """An engine's loader refuses version 2 after the relay told every rank: the trainer hears it (the other engine
+    serves version 2, named in the error as for any writer's readers), and version 3 lands on both: no answer to
+    version 2 is left unread for the next."""
+    _, whole = sync.layouts("plain")
+
+    def refuse_two(version: int, buffers: Any) -> None:
+        if version == 2:
+            raise RuntimeError("a loader that fails on purpose")
+
+    picky = WeightsReader(None, whole, 0, options=LOCAL, on_version=refuse_two)
+    other = WeightsReader(None, whole, 0, options=LOCAL)
+    relay = NodeRelay([[picky.address], [other.address]], options=SyncOptions(transport="tcp"), local=LOCAL)
+    try:
+        writer = sync.writer("plain", "tcp", {0: relay.address}, [1, 2, 3], extra=("--replicas", "1", "--keep-going"))
+        assert writer.returncode == 0, writer.stderr_text
+        reports = _reports(writer)
+        assert [r.get("completed") for r in reports] == [1, None, 3]
+        assert "a loader that fails on purpose" in reports[1]["error"]
+        assert picky.version == 3 and other.version == 3 and relay.version == 3
+        sync.assert_landed("plain", picky, 3)
+        sync.assert_landed("plain", other, 3)
+    finally:
+        relay.close()
+        picky.close()
+        other.close()

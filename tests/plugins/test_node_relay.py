@@ -104,9 +104,9 @@ def test_replica_engines_learn_their_layout_through_the_relay_from_the_trainers_
 
 
 def test_an_engine_that_refuses_a_version_at_its_load_fails_it_and_the_next_version_lands_everywhere(sync: Any) -> None:
-    """An engine's loader refuses version 2 after the relay told every rank: the trainer hears it (the other engine
-    serves version 2, named in the error as for any writer's readers), and version 3 lands on both: no answer to
-    version 2 is left unread for the next."""
+    """An engine's loader refuses version 2 after the relay told every rank: the trainer hears why (the other engine
+    took version 2, as a writer's other readers do when one refuses at its load), and version 3 lands on both: no
+    answer to version 2 is left unread for the next."""
     _, whole = sync.layouts("plain")
 
     def refuse_two(version: int, buffers: Any) -> None:

@@ -13,8 +13,9 @@ The version goes live on every rank of the host or on none: the relay writes eve
 asks each whether it takes the version (``Begin``: a shared-memory write to a dead reader succeeds, only an answer
 shows it is there), and only then tells any of them. A local reader that died or would refuse by then leaves every
 rank on the previous version, and the relay refuses the version to the trainer's writers, which name it. One that
-dies in the milliseconds between its answer and its confirmation leaves the others on the new version, named in the
-error, as a writer's readers are today. The relay's own version goes live after every local reader confirmed.
+dies in the milliseconds between its answer and its confirmation, or whose engine refuses the version when it loads
+it (its loader, its canary), leaves the others on the new version, and the error says why, as for a writer's
+readers today. The relay's own version goes live after every local reader confirmed.
 
 What crosses the slow link is the relay's inbound version, so ``wire="delta"`` from the trainer applies there;
 locally every version goes whole.

@@ -48,7 +48,8 @@ def test_the_host_takes_its_distinct_bytes_once_and_every_engine_rank_lands_them
             reader.close()
 
 
-def test_a_rank_gone_when_a_version_is_forwarded_leaves_every_rank_on_the_previous_version(sync: Any) -> None:
+@pytest.mark.parametrize("when", ["between versions", "mid-forward"])
+def test_a_rank_gone_when_a_version_is_forwarded_leaves_every_rank_on_the_previous_version(sync: Any, when: str) -> None:
     _, fanout = sync.layouts("fanout")  # one engine of two ranks, each holding the whole model
     here = WeightsReader(None, fanout, 0, options=LOCAL)
     child, address = sync.reader("fanout", "shm", 1, timeout=120)
@@ -57,8 +58,20 @@ def test_a_rank_gone_when_a_version_is_forwarded_leaves_every_rank_on_the_previo
         first = sync.writer("fanout", "tcp", {0: relay.address}, [1], extra=("--replicas", "1"))
         assert first.returncode == 0, first.stderr_text
         assert here.version == 1 and relay.version == 1
-        os.kill(child.pid, signal.SIGKILL)  # rank 1's engine dies; its shared memory stays writable to the relay
-        child.wait(timeout=10)
+        if when == "between versions":  # rank 1's engine dies; its shared memory stays writable to the relay
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait(timeout=10)
+        else:  # it dies as the relay starts writing its bytes of version 2 (the writes still succeed)
+            link = relay._writers[0]._links[1]
+            write = link.write
+
+            def die_then_write(source: Any, runs: Any) -> None:
+                if child.poll() is None:
+                    os.kill(child.pid, signal.SIGKILL)
+                    child.wait(timeout=10)
+                write(source, runs)
+
+            link.write = die_then_write
         second = sync.writer("fanout", "tcp", {0: relay.address}, [2], extra=("--replicas", "1"))
         assert second.returncode != 0
         assert "reader rank 1" in second.stderr_text and "every rank stays on version 1" in second.stderr_text

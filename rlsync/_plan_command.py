@@ -88,7 +88,7 @@ def plan_report(model: str, train: str, infer: str, nic_gbps: float, rank: int |
     what an index+value delta of a changed share ``F`` costs, capped at a full send (what the writer does).
     ``relay_per_node`` 0 (the default): every engine rank takes its bytes over its own NIC, as the trainer's writers
     send them to each rank; N: each node of N engine ranks takes them through one ``rlsync.NodeRelay`` (its NIC
-    takes every tensor the node holds, whole and once: ``relay_bytes``; the forwarding inside the node is not
+    takes every tensor the node holds, whole and once: ``relay_layout``; the forwarding inside the node is not
     counted). Either way the prediction is what rlsync's writers do in that setup."""
     kind, fraction = parse_wire(wire)
     spec = load_model_spec(model)

@@ -108,9 +108,7 @@ class NodeRelay:
                     why = str(exc)
                 if why is not None:
                     failed[f"engine {engine} reader rank {rank}"] = why
-        if failed:  # no local reader hears of this version: every rank of the host stays on the one it serves
-            for writer in self._writers:
-                writer._unsent = {}
+        if failed:  # no local reader hears of this version (its kept Dones go with the writers' next version)
             detail = "; ".join(f"{who}: {why}" for who, why in sorted(failed.items()))
             raise PeerLostError(f"the node relay could not forward version {version} to every engine rank of its host "
                                 f"({detail}); every rank stays on version {self.version}")

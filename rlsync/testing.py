@@ -296,8 +296,9 @@ def check_episode_log(make: Callable[[], tuple[EpisodeLog, Callable[[], list[Sam
 
     Checks adding once, claiming new episodes in order and resumable ones (a lease ran out) with their steps under a
     new epoch, recording (retries of a step are no-ops, gaps refused), fencing (a stale epoch records and finishes
-    nothing), finishing exactly once, and an ``Episode`` that replays a dead generator's turn and tool result
-    without calling the tool again.
+    nothing), finishing exactly once, an ``Episode`` that replays a dead generator's turn and tool result
+    without calling the tool again, and claims by id (leased: None; finished: done) with a finish that delivers
+    no sample.
     """
     import time
 
@@ -368,5 +369,22 @@ def check_episode_log(make: Callable[[], tuple[EpisodeLog, Callable[[], list[Sam
         assert again.tool("count", count, {"n": 1}) == 1 and calls == ["agent/1"], \
             f"a recorded tool result is replayed, the tool not called again: calls {calls}"
         assert again.finish(sample("agent")) and [s.sample_id for s in delivered()] == ["agent"]
+
+        # episodes a framework hands its generators by id (verl's agent loop): one claim at a time, no sample
+        assert log.claim("g6", 30, "never-added") is None, "a claim of an unknown id must say None"
+        log.add("by-id", b"q")
+        mine = log.claim("g6", 0.3, "by-id")
+        assert mine is not None and (mine.episode_id, mine.prompt, mine.steps, mine.done) == ("by-id", b"q", [], False), \
+            f"a claim by id hands out that episode: {mine}"
+        assert log.claim("g7", 30, "by-id") is None, "a claim by id of a leased episode must say None"
+        log.record("by-id", mine.epoch, 0, b"s0", 0.3)
+        time.sleep(0.5)
+        taken = log.claim("g7", 30, "by-id")
+        assert taken is not None and taken.steps == [b"s0"] and taken.epoch != mine.epoch and not taken.done, \
+            f"a claim by id after the lease ran out resumes it, with its steps, under a new epoch: {taken}"
+        assert log.finish("by-id", taken.epoch, None) and delivered() == [], "finish(None) ends it and delivers nothing"
+        ended = log.claim("g8", 30, "by-id")
+        assert ended is not None and ended.done and ended.steps == [], f"a claim by id of a finished one says done: {ended}"
+        assert log.claim("g8", 30) is None and log.unfinished() == 1, "only e2 (leased) is left unfinished"
     finally:
         log.close()

@@ -16,6 +16,10 @@ Every claim bumps the episode's epoch; a record or finish under an older epoch (
 thought dead and came back) raises ``LeaseLostError`` and changes nothing. ``finish`` marks the episode
 done and adds its sample (``sample_id`` = the episode's id) in one atomic step of the storage.
 
+Generators either take whatever episode waits (``Episode.next``: a pool of generators over one log) or run the
+episodes a framework hands them, by a stable id (``Episode.claim``: verl's agent loop, where a restarted worker is
+handed the same trajectories again); an episode whose sample the framework delivers itself finishes without one.
+
 The log is an ``EpisodeLog`` (the contract; ``rlsync.testing.check_episode_log`` checks one):
 ``MemoryEpisodes`` (threads of one process, finishing into a ``RolloutBuffer``), ``RedisEpisodes``
 (processes on any host, durable, finishing into the ``RedisStorage`` of the same name) and the Ray buffer's.
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
@@ -37,22 +41,26 @@ from rlsync.core._samples import Sample
 
 class Claim(msgspec.Struct, frozen=True):
     """An episode handed to a generator: its ``prompt`` (what ``EpisodeLog.add`` got), the ``epoch`` its records
-    must carry, and the ``steps`` recorded so far (msgpack entries, in order)."""
+    must carry, and the ``steps`` recorded so far (msgpack entries, in order). ``done``: only from a claim by id of
+    an episode that was finished already (no steps, nothing may be recorded)."""
 
     episode_id: str
     epoch: int
     prompt: bytes
     steps: list[bytes]
+    done: bool = False
 
 
 class Turn(msgspec.Struct, frozen=True):
     """One model turn: the tokens generated, and per token the policy version that sampled it, its log-prob,
-    and (where recorded) its sampling mask's kept-set size."""
+    and (where recorded) its sampling mask's kept-set size. ``extra``: what else the engine answered that the agent
+    loop reads again on replay (msgpack types: verl's stop reason and extra fields, for example)."""
 
     tokens: list[int]
     versions: list[int]
     logprobs: list[float]
     kept: list[int] = []
+    extra: dict[str, Any] = {}
 
 
 class _Step(msgspec.Struct, frozen=True, tag=True):
@@ -82,25 +90,29 @@ class EpisodeLog(Protocol):
 
     ``add`` (a new episode, once per id: False when the id is known), ``claim`` (hand an unclaimed episode, or
     one whose lease ran out, to ``owner`` until ``lease_seconds`` from now, under a new epoch; None when there is
-    none), ``record`` (append entry number ``step`` under ``epoch`` and renew the lease; recording a step again
+    none; with ``episode_id``, that episode only: None when it is unknown or leased, a ``done`` claim when it was
+    finished), ``record`` (append entry number ``step`` under ``epoch`` and renew the lease; recording a step again
     with the same entry is a no-op, anything else ``ValueError``; a stale epoch or a finished episode:
     ``LeaseLostError``), ``finish`` (mark it done and add ``sample``, its ``sample_id`` set to the episode's, to the
-    samples, once: True; False when it was already finished; ``LeaseLostError`` under a stale epoch), ``unfinished`` (episodes added and not finished),
-    ``close``."""
+    samples, once: True; False when it was already finished; ``LeaseLostError`` under a stale epoch; a ``sample`` of
+    None delivers nothing), ``unfinished`` (episodes added and not finished), ``close``."""
 
     def add(self, episode_id: str, prompt: bytes) -> bool: ...
-    def claim(self, owner: str, lease_seconds: float) -> Claim | None: ...
+    def claim(self, owner: str, lease_seconds: float, episode_id: str | None = None) -> Claim | None: ...
     def record(self, episode_id: str, epoch: int, step: int, entry: bytes, lease_seconds: float) -> None: ...
-    def finish(self, episode_id: str, epoch: int, sample: Sample) -> bool: ...
+    def finish(self, episode_id: str, epoch: int, sample: Sample | None) -> bool: ...
     def unfinished(self) -> int: ...
     def close(self) -> None: ...
 
 
 class Episode:
-    """A claimed episode, run by one generator; see the module docstring. ``Episode.next(log, owner)`` claims one.
+    """A claimed episode, run by one generator; see the module docstring. ``Episode.next(log, owner)`` claims the
+    next one, ``Episode.claim(log, episode_id, prompt, owner)`` a given one.
 
     ``recorded``: how many steps were recorded before this claim (another generator started the episode: it is
-    ``resumed``); ``replayed``: how many of them were returned from the log instead of run, so far.
+    ``resumed``); ``replayed``: how many of them were returned from the log instead of run, so far; ``finished``: a
+    claim by id of an episode finished before (nothing is replayed or recorded: ``turn`` and ``tool`` raise).
+    ``turn_async`` and ``tool_async`` are ``turn`` and ``tool`` for an asyncio agent loop.
     """
 
     def __init__(self, log: EpisodeLog, claim: Claim, lease_seconds: float) -> None:
@@ -108,6 +120,7 @@ class Episode:
         self.episode_id = claim.episode_id
         self.epoch = claim.epoch
         self.prompt = claim.prompt
+        self.finished = claim.done
         try:
             self._steps = [_decode(entry) for entry in claim.steps]
         except msgspec.MsgspecError as exc:  # the log holds steps no rlsync Episode recorded: named, not replayed
@@ -132,20 +145,68 @@ class Episode:
         claim = log.claim(owner, lease_seconds)
         return None if claim is None else cls(log, claim, lease_seconds)
 
+    @classmethod
+    def claim(cls, log: EpisodeLog, episode_id: str, prompt: bytes, owner: str, *,
+              lease_seconds: float = 60.0) -> Episode | None:
+        """Claim episode ``episode_id`` (added with ``prompt`` if the log does not know it yet): None while another
+        generator holds its lease; a ``finished`` Episode when it was finished before."""
+        log.add(episode_id, prompt)
+        claim = log.claim(owner, lease_seconds, episode_id)
+        if claim is not None and claim.prompt != bytes(prompt):
+            raise RolloutBufferError(f"episode {episode_id}: recorded for another prompt than this one; an episode id must "
+                                     "name one prompt (and one sample of it)")
+        return None if claim is None else cls(log, claim, lease_seconds)
+
     def turn(self, generate: Callable[[], Turn]) -> Turn:
         """The next model turn: the recorded one, or ``generate()``'s, recorded before it is returned."""
         recorded = self._replay(_TurnStep)
-        turn = recorded.turn if recorded is not None else generate()
-        if recorded is None:
-            self._record(_TurnStep(turn))
-        self.turns.append(turn)
-        return turn
+        return self._turned(recorded.turn if recorded is not None else generate(), recorded is None)
+
+    async def turn_async(self, generate: Callable[[], Awaitable[Turn]]) -> Turn:
+        """``turn`` with a coroutine function."""
+        recorded = self._replay(_TurnStep)
+        return self._turned(recorded.turn if recorded is not None else await generate(), recorded is None)
 
     def tool(self, name: str, call: Callable[[str], Any], arguments: Any = None) -> Any:
         """The result of the next tool call: the recorded one (``call`` is not run), or ``call(key)``'s, recorded
         before it is returned. ``key`` (``"<episode>/<step>"``) is the same when a call that was in flight when its
         generator died runs again on resume: a tool with side effects dedupes on it. Results and ``arguments`` are
         anything msgpack holds (str, numbers, lists, dicts, bytes)."""
+        key, done = self._tool_started(name, arguments)
+        if done is not None:
+            return done.result
+        return self._tool_done(call(key))
+
+    async def tool_async(self, name: str, call: Callable[[str], Awaitable[Any]], arguments: Any = None) -> Any:
+        """``tool`` with a coroutine function."""
+        key, done = self._tool_started(name, arguments)
+        if done is not None:
+            return done.result
+        return self._tool_done(await call(key))
+
+    def renew(self) -> None:
+        """Keep the lease during a long step (a record renews it too)."""
+        self._log.record(self.episode_id, self.epoch, -1, b"", self._lease_seconds)
+
+    def finish(self, sample: Sample | None) -> bool:
+        """Deliver the episode's ``sample`` (the log gives it the episode's id), exactly once over every generator that
+        ran it: True, or False when it was finished already. None: the episode ends and nothing is delivered (a
+        framework that takes the sample from the agent loop itself)."""
+        if self._at < len(self._steps):
+            raise RolloutBufferError(f"episode {self.episode_id}: finished after step {self._at} of the {len(self._steps)} "
+                                     f"recorded: the agent loop must replay every recorded step before it finishes")
+        if self.finished:
+            return False
+        return self._log.finish(self.episode_id, self.epoch, sample)
+
+    def _turned(self, turn: Turn, generated: bool) -> Turn:
+        if generated:
+            self._record(_TurnStep(turn))
+        self.turns.append(turn)
+        return turn
+
+    def _tool_started(self, name: str, arguments: Any) -> tuple[str, _ToolDone | None]:
+        """The call's key and, when its result was recorded, that; records its start when it was not."""
         started = self._replay(_ToolStarted)
         if started is not None and started.name != name:
             raise RolloutBufferError(f"episode {self.episode_id}: step {self._at - 1} recorded a call of tool {started.name!r}, "
@@ -153,24 +214,11 @@ class Episode:
         key = f"{self.episode_id}/{self._at - 1 if started is not None else self._at}"
         if started is None:
             self._record(_ToolStarted(name, arguments))
-        done = self._replay(_ToolDone)
-        if done is not None:
-            return done.result
-        result = call(key)
+        return key, self._replay(_ToolDone)
+
+    def _tool_done(self, result: Any) -> Any:
         self._record(_ToolDone(result))
         return result
-
-    def renew(self) -> None:
-        """Keep the lease during a long step (a record renews it too)."""
-        self._log.record(self.episode_id, self.epoch, -1, b"", self._lease_seconds)
-
-    def finish(self, sample: Sample) -> bool:
-        """Deliver the episode's ``sample`` (the log gives it the episode's id), exactly once over every generator that
-        ran it: True, or False when it was finished already."""
-        if self._at < len(self._steps):
-            raise RolloutBufferError(f"episode {self.episode_id}: finished after step {self._at} of the {len(self._steps)} "
-                                     f"recorded: the agent loop must replay every recorded step before it finishes")
-        return self._log.finish(self.episode_id, self.epoch, sample)
 
     def _replay(self, kind: type[Any]) -> Any:
         if self._at >= len(self._steps):
@@ -183,6 +231,9 @@ class Episode:
         return step
 
     def _record(self, step: _Step) -> None:
+        if self.finished:
+            raise RolloutBufferError(f"episode {self.episode_id} was finished before this claim: nothing more is recorded "
+                                     "(run it unrecorded, or under a new id)")
         self._log.record(self.episode_id, self.epoch, self._at, _encode(step), self._lease_seconds)
         self._steps.append(step)
         self._at += 1
@@ -216,15 +267,22 @@ class MemoryEpisodes:
             self._episodes[episode_id] = _Entry(bytes(prompt))
             return True
 
-    def claim(self, owner: str, lease_seconds: float) -> Claim | None:
+    def claim(self, owner: str, lease_seconds: float, episode_id: str | None = None) -> Claim | None:
         now = time.monotonic()
         with self._lock:
-            waiting = [(e.deadline > 0, e.deadline, i) for i, e in self._episodes.items() if not e.done and e.deadline <= now]
-            if not waiting:
-                return None
-            # a resumable one first (its work is older), then new ones in the order added
-            _, _, episode_id = min(waiting, key=lambda w: (not w[0], w[1]))
-            entry = self._episodes[episode_id]
+            if episode_id is not None:
+                entry = self._episodes.get(episode_id)
+                if entry is None or entry.deadline > now:
+                    return None
+                if entry.done:
+                    return Claim(episode_id, entry.epoch, entry.prompt, [], done=True)
+            else:
+                waiting = [(e.deadline > 0, e.deadline, i) for i, e in self._episodes.items() if not e.done and e.deadline <= now]
+                if not waiting:
+                    return None
+                # a resumable one first (its work is older), then new ones in the order added
+                _, _, episode_id = min(waiting, key=lambda w: (not w[0], w[1]))
+                entry = self._episodes[episode_id]
             entry.epoch += 1
             entry.deadline = now + lease_seconds
             return Claim(episode_id, entry.epoch, entry.prompt, list(entry.steps))
@@ -236,15 +294,16 @@ class MemoryEpisodes:
                 _append_step(held.steps, episode_id, step, entry)
             held.deadline = time.monotonic() + lease_seconds
 
-    def finish(self, episode_id: str, epoch: int, sample: Sample) -> bool:
+    def finish(self, episode_id: str, epoch: int, sample: Sample | None) -> bool:
         with self._lock:
             known = self._episodes.get(episode_id)
             if known is not None and known.done:
                 return False
             held = self._held(episode_id, epoch)
-            sample.sample_id = episode_id
-            self._put([sample])  # under the lock: a second finish waits, then sees done
-            held.done, held.steps = True, []
+            if sample is not None:
+                sample.sample_id = episode_id
+                self._put([sample])  # under the lock: a second finish waits, then sees done
+            held.done, held.steps, held.deadline = True, [], 0.0
             return True
 
     def _held(self, episode_id: str, epoch: int) -> _Entry:

@@ -109,14 +109,14 @@ class RayEpisodes:
     def add(self, episode_id: str, prompt: bytes) -> bool:
         return bool(self._call("add", episode_id, bytes(prompt)))
 
-    def claim(self, owner: str, lease_seconds: float) -> Claim | None:
-        got: Claim | None = self._call("claim", owner, lease_seconds)
+    def claim(self, owner: str, lease_seconds: float, episode_id: str | None = None) -> Claim | None:
+        got: Claim | None = self._call("claim", owner, lease_seconds, episode_id)
         return got
 
     def record(self, episode_id: str, epoch: int, step: int, entry: bytes, lease_seconds: float) -> None:
         self._call("record", episode_id, epoch, step, entry, lease_seconds)
 
-    def finish(self, episode_id: str, epoch: int, sample: Sample) -> bool:
+    def finish(self, episode_id: str, epoch: int, sample: Sample | None) -> bool:
         return bool(self._call("finish", episode_id, epoch, sample))
 
     def unfinished(self) -> int:

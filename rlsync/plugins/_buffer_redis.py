@@ -15,8 +15,9 @@ request id); ``ack`` is idempotent. All three are Lua scripts, atomic in Redis. 
 
 Episodes (``RedisEpisodes``, the ``rlsync.EpisodeLog`` of processes on any host): each a hash (prompt, epoch,
 done) and a list of recorded steps; claimable ones in a sorted set scored by the order they were added (new)
-or by their lease's deadline in Redis time (claimed). ``finish`` marks the episode done and adds its sample to
-the samples of the ``RedisStorage`` of the same ``name``, in one script: exactly once.
+or by their lease's deadline in Redis time (claimed); a claim by id takes the episode whose lease is free or ran
+out. ``finish`` marks the episode done and adds its sample (if any) to the samples of the ``RedisStorage`` of the
+same ``name``, in one script: exactly once.
 """
 
 from __future__ import annotations
@@ -114,6 +115,19 @@ redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), id)
 return {id, epoch, redis.call('HGET', key, 'prompt'), redis.call('LRANGE', key .. ':steps', 0, -1)}
 """
 
+# KEYS: the episode's hash, its steps, claimable set. ARGV: id, lease ms, owner, new-below
+_EP_CLAIM_ID = _NOW + """
+local e = redis.call('HMGET', KEYS[1], 'epoch', 'done', 'prompt')
+if not e[1] then return false end
+if e[2] == '1' then return {ARGV[1], e[1], e[3], {}, 1} end
+local score = redis.call('ZSCORE', KEYS[3], ARGV[1])
+if score and tonumber(score) >= tonumber(ARGV[4]) and tonumber(score) > now then return false end  -- leased
+local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+redis.call('HSET', KEYS[1], 'owner', ARGV[3])
+redis.call('ZADD', KEYS[3], now + tonumber(ARGV[2]), ARGV[1])
+return {ARGV[1], epoch, e[3], redis.call('LRANGE', KEYS[2], 0, -1), 0}
+"""
+
 # KEYS: the episode's hash, its steps, claimable set. ARGV: id, epoch, step (-1: renew only), entry, lease ms
 _EP_RECORD = _NOW + """
 local e = redis.call('HMGET', KEYS[1], 'epoch', 'done')
@@ -130,7 +144,7 @@ return 1
 """
 
 # KEYS: the episode's hash, its steps, claimable set, unfinished count, then the samples' ids, queue, payload, order,
-# seq. ARGV: id, epoch, oldest version, payload
+# seq. ARGV: id, epoch, oldest version, payload (empty: no sample)
 _EP_FINISH = _QUEUE + """
 local e = redis.call('HMGET', KEYS[1], 'epoch', 'done')
 if not e[1] then return -3 end
@@ -140,7 +154,9 @@ redis.call('HSET', KEYS[1], 'done', 1)
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('DECR', KEYS[4])
-if queue(KEYS[5], KEYS[6], KEYS[8], KEYS[9], ARGV[1], ARGV[3]) then redis.call('HSET', KEYS[7], ARGV[1], ARGV[4]) end
+if ARGV[4] ~= '' and queue(KEYS[5], KEYS[6], KEYS[8], KEYS[9], ARGV[1], ARGV[3]) then
+  redis.call('HSET', KEYS[7], ARGV[1], ARGV[4])
+end
 return 1
 """
 
@@ -253,7 +269,8 @@ class RedisEpisodes:
         self._keys = {k: f"{name}:{k}" for k in ("ids", "queue", "payload", "order", "seq", "ep-claimable", "ep-unfinished",
                                                  "ep-seq")}
         self._scripts = {n: self._redis.register_script(code) for n, code in
-                         (("add", _EP_ADD), ("claim", _EP_CLAIM), ("record", _EP_RECORD), ("finish", _EP_FINISH))}
+                         (("add", _EP_ADD), ("claim", _EP_CLAIM), ("claim-id", _EP_CLAIM_ID), ("record", _EP_RECORD),
+                          ("finish", _EP_FINISH))}
         self.retry_seconds = retry_seconds
 
     def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
@@ -264,23 +281,32 @@ class RedisEpisodes:
         return bool(self._run("add", [self._prefix + episode_id, k["ep-claimable"], k["ep-unfinished"], k["ep-seq"]],
                               [episode_id, bytes(prompt)]))
 
-    def claim(self, owner: str, lease_seconds: float) -> Claim | None:
-        got = self._run("claim", [self._keys["ep-claimable"]], [self._prefix, int(lease_seconds * 1000), owner, _NEW_BELOW])
+    def claim(self, owner: str, lease_seconds: float, episode_id: str | None = None) -> Claim | None:
+        lease = int(lease_seconds * 1000)
+        if episode_id is None:
+            got = self._run("claim", [self._keys["ep-claimable"]], [self._prefix, lease, owner, _NEW_BELOW])
+        else:
+            key = self._prefix + episode_id
+            got = self._run("claim-id", [key, key + ":steps", self._keys["ep-claimable"]], [episode_id, lease, owner, _NEW_BELOW])
         if not got:
             return None
-        episode_id, epoch, prompt, steps = got
-        return Claim(episode_id.decode(), int(epoch), bytes(prompt), [bytes(s) for s in steps])
+        found, epoch, prompt, steps, *done = got
+        return Claim(found.decode(), int(epoch), bytes(prompt), [bytes(s) for s in steps], done=bool(done and done[0]))
 
     def record(self, episode_id: str, epoch: int, step: int, entry: bytes, lease_seconds: float) -> None:
         key = self._prefix + episode_id
         self._answer(episode_id, epoch, self._run("record", [key, key + ":steps", self._keys["ep-claimable"]],
                                                   [episode_id, epoch, step, entry, int(lease_seconds * 1000)]), step)
 
-    def finish(self, episode_id: str, epoch: int, sample: Sample) -> bool:
+    def finish(self, episode_id: str, epoch: int, sample: Sample | None) -> bool:
         key, k = self._prefix + episode_id, self._keys
-        sample.sample_id = episode_id
         keys = [key, key + ":steps", k["ep-claimable"], k["ep-unfinished"], k["ids"], k["queue"], k["payload"], k["order"], k["seq"]]
-        answer = self._run("finish", keys, [episode_id, epoch, sample.oldest_version, encode_sample(sample)])
+        if sample is None:
+            args: list[Any] = [episode_id, epoch, 0, b""]
+        else:
+            sample.sample_id = episode_id
+            args = [episode_id, epoch, sample.oldest_version, encode_sample(sample)]
+        answer = self._run("finish", keys, args)
         return self._answer(episode_id, epoch, answer, None)
 
     @staticmethod

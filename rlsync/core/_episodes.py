@@ -18,7 +18,9 @@ done and adds its sample (``sample_id`` = the episode's id) in one atomic step o
 
 Generators either take whatever episode waits (``Episode.next``: a pool of generators over one log) or run the
 episodes a framework hands them, by a stable id (``Episode.claim``: verl's agent loop, where a restarted worker is
-handed the same trajectories again); an episode whose sample the framework delivers itself finishes without one.
+handed the same trajectories again); an episode whose sample the framework delivers itself finishes without one,
+and keeps its steps: a claim by id of it later (the framework re-runs the trajectory after a restart) replays every
+step and records nothing.
 
 The log is an ``EpisodeLog`` (the contract; ``rlsync.testing.check_episode_log`` checks one):
 ``MemoryEpisodes`` (threads of one process, finishing into a ``RolloutBuffer``), ``RedisEpisodes``
@@ -42,7 +44,7 @@ from rlsync.core._samples import Sample
 class Claim(msgspec.Struct, frozen=True):
     """An episode handed to a generator: its ``prompt`` (what ``EpisodeLog.add`` got), the ``epoch`` its records
     must carry, and the ``steps`` recorded so far (msgpack entries, in order). ``done``: only from a claim by id of
-    an episode that was finished already (no steps, nothing may be recorded)."""
+    an episode that was finished already (its steps, if it finished without a sample; nothing more is recorded)."""
 
     episode_id: str
     epoch: int
@@ -91,11 +93,11 @@ class EpisodeLog(Protocol):
     ``add`` (a new episode, once per id: False when the id is known), ``claim`` (hand an unclaimed episode, or
     one whose lease ran out, to ``owner`` until ``lease_seconds`` from now, under a new epoch; None when there is
     none; with ``episode_id``, that episode only: None when it is unknown or leased, a ``done`` claim when it was
-    finished), ``record`` (append entry number ``step`` under ``epoch`` and renew the lease; recording a step again
+    finished, with its steps if it finished without a sample), ``record`` (append entry number ``step`` under ``epoch`` and renew the lease; recording a step again
     with the same entry is a no-op, anything else ``ValueError``; a stale epoch or a finished episode:
     ``LeaseLostError``), ``finish`` (mark it done and add ``sample``, its ``sample_id`` set to the episode's, to the
     samples, once: True; False when it was already finished; ``LeaseLostError`` under a stale epoch; a ``sample`` of
-    None delivers nothing), ``unfinished`` (episodes added and not finished), ``close``."""
+    None delivers nothing and keeps the steps, for a while the log decides), ``unfinished`` (episodes added and not finished), ``close``."""
 
     def add(self, episode_id: str, prompt: bytes) -> bool: ...
     def claim(self, owner: str, lease_seconds: float, episode_id: str | None = None) -> Claim | None: ...
@@ -149,7 +151,7 @@ class Episode:
     def claim(cls, log: EpisodeLog, episode_id: str, prompt: bytes, owner: str, *,
               lease_seconds: float = 60.0) -> Episode | None:
         """Claim episode ``episode_id`` (added with ``prompt`` if the log does not know it yet): None while another
-        generator holds its lease; a ``finished`` Episode when it was finished before."""
+        generator holds its lease; a ``finished`` Episode (replaying what it recorded) when it was finished before."""
         log.add(episode_id, prompt)
         claim = log.claim(owner, lease_seconds, episode_id)
         if claim is not None and claim.prompt != bytes(prompt):
@@ -232,8 +234,8 @@ class Episode:
 
     def _record(self, step: _Step) -> None:
         if self.finished:
-            raise RolloutBufferError(f"episode {self.episode_id} was finished before this claim: nothing more is recorded "
-                                     "(run it unrecorded, or under a new id)")
+            raise RolloutBufferError(f"episode {self.episode_id} was finished before this claim, after {self.recorded} "
+                                     "steps: the agent loop asks for one more (it must take the same steps on a replay)")
         self._log.record(self.episode_id, self.epoch, self._at, _encode(step), self._lease_seconds)
         self._steps.append(step)
         self._at += 1
@@ -275,7 +277,7 @@ class MemoryEpisodes:
                 if entry is None or entry.deadline > now:
                     return None
                 if entry.done:
-                    return Claim(episode_id, entry.epoch, entry.prompt, [], done=True)
+                    return Claim(episode_id, entry.epoch, entry.prompt, list(entry.steps), done=True)
             else:
                 waiting = [(e.deadline > 0, e.deadline, i) for i, e in self._episodes.items() if not e.done and e.deadline <= now]
                 if not waiting:
@@ -303,7 +305,8 @@ class MemoryEpisodes:
             if sample is not None:
                 sample.sample_id = episode_id
                 self._put([sample])  # under the lock: a second finish waits, then sees done
-            held.done, held.steps, held.deadline = True, [], 0.0
+                held.steps = []  # no sample: kept for a replay (for the life of this process)
+            held.done, held.deadline = True, 0.0
             return True
 
     def _held(self, episode_id: str, epoch: int) -> _Entry:

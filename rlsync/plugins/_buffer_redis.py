@@ -16,8 +16,9 @@ request id); ``ack`` is idempotent. All three are Lua scripts, atomic in Redis. 
 Episodes (``RedisEpisodes``, the ``rlsync.EpisodeLog`` of processes on any host): each a hash (prompt, epoch,
 done) and a list of recorded steps; claimable ones in a sorted set scored by the order they were added (new)
 or by their lease's deadline in Redis time (claimed); a claim by id takes the episode whose lease is free or ran
-out. ``finish`` marks the episode done and adds its sample (if any) to the samples of the ``RedisStorage`` of the
-same ``name``, in one script: exactly once.
+out. ``finish`` marks the episode done and adds its sample to the samples of the ``RedisStorage`` of the same
+``name``, in one script: exactly once; finished without a sample, its hash and steps expire after ``kept_seconds``
+(until then a claim by id replays them).
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ return {id, epoch, redis.call('HGET', key, 'prompt'), redis.call('LRANGE', key .
 _EP_CLAIM_ID = _NOW + """
 local e = redis.call('HMGET', KEYS[1], 'epoch', 'done', 'prompt')
 if not e[1] then return false end
-if e[2] == '1' then return {ARGV[1], e[1], e[3], {}, 1} end
+if e[2] == '1' then return {ARGV[1], e[1], e[3], redis.call('LRANGE', KEYS[2], 0, -1), 1} end
 local score = redis.call('ZSCORE', KEYS[3], ARGV[1])
 if score and tonumber(score) >= tonumber(ARGV[4]) and tonumber(score) > now then return false end  -- leased
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
@@ -144,14 +145,19 @@ return 1
 """
 
 # KEYS: the episode's hash, its steps, claimable set, unfinished count, then the samples' ids, queue, payload, order,
-# seq. ARGV: id, epoch, oldest version, payload (empty: no sample)
+# seq. ARGV: id, epoch, oldest version, payload (empty: no sample; the steps are kept), seconds they are kept
 _EP_FINISH = _QUEUE + """
 local e = redis.call('HMGET', KEYS[1], 'epoch', 'done')
 if not e[1] then return -3 end
 if e[2] == '1' then return 0 end
 if tonumber(e[1]) ~= tonumber(ARGV[2]) then return -1 end
 redis.call('HSET', KEYS[1], 'done', 1)
-redis.call('DEL', KEYS[2])
+if ARGV[4] == '' then
+  redis.call('EXPIRE', KEYS[1], ARGV[5])
+  redis.call('EXPIRE', KEYS[2], ARGV[5])
+else
+  redis.call('DEL', KEYS[2])
+end
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('DECR', KEYS[4])
 if ARGV[4] ~= '' and queue(KEYS[5], KEYS[6], KEYS[8], KEYS[9], ARGV[1], ARGV[3]) then
@@ -259,9 +265,10 @@ class RedisEpisodes:
     death and Redis's (with ``appendonly yes``); finished ones go to the ``RedisStorage`` of the same ``name``."""
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", *, name: str = "rlsync", retry_seconds: float = 30.0,
-                 client: Any = None) -> None:
+                 client: Any = None, kept_seconds: float = 24 * 3600.0) -> None:
         import redis
 
+        self.kept_seconds = kept_seconds  # an episode finished without a sample keeps its steps this long (a replay)
         self._redis = client if client is not None else redis.Redis.from_url(url, socket_timeout=10)
         self._errors = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
         self._name = name
@@ -302,10 +309,10 @@ class RedisEpisodes:
         key, k = self._prefix + episode_id, self._keys
         keys = [key, key + ":steps", k["ep-claimable"], k["ep-unfinished"], k["ids"], k["queue"], k["payload"], k["order"], k["seq"]]
         if sample is None:
-            args: list[Any] = [episode_id, epoch, 0, b""]
+            args: list[Any] = [episode_id, epoch, 0, b"", max(1, int(self.kept_seconds))]
         else:
             sample.sample_id = episode_id
-            args = [episode_id, epoch, sample.oldest_version, encode_sample(sample)]
+            args = [episode_id, epoch, sample.oldest_version, encode_sample(sample), 0]
         answer = self._run("finish", keys, args)
         return self._answer(episode_id, epoch, answer, None)
 

@@ -85,10 +85,12 @@ def test_an_asyncio_agent_claims_its_episode_by_id_and_replays_it_after_a_death(
     turn, result = asyncio.run(agent(again))
     assert turn.extra == {"stop_reason": "completed"} and result == "found" and calls == ["step1/0/1"]
     assert again.finish(None) and storage.take(10) == []  # verl takes the trajectory from the loop itself
-    ended = Episode.claim(log, "step1/0", b"prompt", "worker-c")
-    assert ended is not None and ended.finished and not ended.finish(None)
-    with pytest.raises(RolloutBufferError, match="finished before this claim"):
-        asyncio.run(agent(ended))
+    ended = Episode.claim(log, "step1/0", b"prompt", "worker-c")  # the framework re-runs it (a restarted step)
+    assert ended is not None and ended.finished
+    assert asyncio.run(agent(ended))[1] == "found" and calls == ["step1/0/1"]  # replayed whole, the tool not called
+    assert not ended.finish(None)
+    with pytest.raises(RolloutBufferError, match="finished before this claim, after 3 steps"):
+        asyncio.run(ended.turn_async(generate))
     with pytest.raises(RolloutBufferError, match="recorded for another prompt"):
         log.add("step1/1", b"one prompt")
         Episode.claim(log, "step1/1", b"another prompt", "worker-c")

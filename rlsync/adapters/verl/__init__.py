@@ -18,15 +18,20 @@ works with an FSDP actor too (``rlsync.adapters.verl._routes``), whatever the ch
 Sampling mask: with ``rollout.top_k``/``top_p`` set, the FSDP actor's log-probs are those of the distribution vLLM
 sampled from (``rlsync.adapters.verl._sampling``); ``engine_kwargs.rlsync.sampling_mask=false`` turns it off.
 
+Durable episodes: with ``+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.rlsync.episodes=redis://HOST:6379/0``
+verl's tool agent loop (``tool_agent``) records every turn and tool call in Redis, and a run restarted after a
+crash replays what was recorded instead of generating it or calling its tools again (``rlsync.adapters.verl._episodes``).
+
 Importing this module imports verl (it registers into verl's registry, and patches verl's workers' ``update_weights``
 for this backend); importing ``rlsync`` does not.
 """
 
 from __future__ import annotations
 
-from rlsync.adapters.verl import _routes, _sampling, _workers
+from rlsync.adapters.verl import _episodes, _routes, _sampling, _workers
 from rlsync.adapters.verl._engine import RlsyncCheckpointEngine
-from rlsync.patches.verl import apply, apply_routing_replay, apply_sampling_mask
+from rlsync.adapters.verl._episodes import RlsyncToolAgentLoop, tool_call_key
+from rlsync.patches.verl import apply, apply_episodes, apply_routing_replay, apply_sampling_mask
 
 # verl's workers hand this backend an unmerged LoRA adapter and its configuration, and its manager checks the trainer's
 # canary on every replica (rlsync.patches.verl, rlsync.adapters.verl._workers)
@@ -39,5 +44,8 @@ apply_routing_replay(worker_init=_routes.wrap_worker_init, forward_step=_routes.
 # the actor's log-probs under the rollout's top-k/top-p, as vLLM reports them (rlsync.adapters.verl._sampling)
 apply_sampling_mask(worker_init=_sampling.wrap_worker_init, actor_call=_sampling.wrap_actor_call,
                     forward_step=_sampling.wrap_forward_step, log_probs=_sampling.masked_log_probs)
+# durable episodes: verl's tool agent loop recorded in Redis when engine_kwargs.rlsync.episodes is set
+# (rlsync.adapters.verl._episodes)
+apply_episodes(run_agent_loop=_episodes.wrap_run_agent_loop)
 
-__all__ = ["RlsyncCheckpointEngine"]
+__all__ = ["RlsyncCheckpointEngine", "RlsyncToolAgentLoop", "tool_call_key"]

@@ -109,7 +109,8 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         # is also the bucket of verl's server adapter, which takes what receive_weights yields (see there).
         self.bucket_size = int(bucket_size)
         # engine_kwargs: what the user set under +...checkpoint_engine.engine_kwargs.rlsync (SyncOptions' keys)
-        engine_kwargs = {k: v for k, v in engine_kwargs.items() if k != "sampling_mask"}  # the actor's (_sampling)
+        # sampling_mask: the actor's (_sampling); episodes: the agent loop's (_episodes)
+        engine_kwargs = {k: v for k, v in engine_kwargs.items() if k not in ("sampling_mask", "episodes")}
         self.options = SyncOptions.from_mapping(engine_kwargs, where="actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.rlsync")
         if self.options.codec is not None:
             raise ConfigError(f"engine_kwargs.rlsync.wire={self.options.wire!r}: use 'full' or 'delta'")

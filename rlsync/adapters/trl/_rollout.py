@@ -21,6 +21,7 @@ this module to build the loop, which applies the row-building patch (``rlsync.pa
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 from typing import Any
 
@@ -28,7 +29,8 @@ import aiohttp
 import numpy as np
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample, _AsyncRolloutLoop
 
-from rlsync import ConfigError
+from rlsync import ConfigError, Turn
+from rlsync.adapters.trl import _episodes
 from rlsync.adapters.vllm import token_versions
 from rlsync.patches import trl as _patches
 
@@ -73,9 +75,39 @@ class RlsyncRolloutLoop(_AsyncRolloutLoop):  # type: ignore[misc]
     ``NAME@V`` of the trainer's ``model_version`` V, and every token of such a request is V's (a request's adapter
     never changes under it: each version is an adapter of its own)."""
 
-    def __init__(self, *args: Any, rlsync_adapter: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, rlsync_adapter: str | None = None, rlsync_episodes: tuple[str, str] | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.rlsync_adapter = rlsync_adapter
+        self.rlsync_episodes = None if rlsync_episodes is None else _episodes.Episodes(
+            _episodes.log_for(*rlsync_episodes), int(kwargs.get("dataset_start_index", 0)))
+
+    async def _generate_one(self, prompt: Any, tool_dict: dict[str, Any], tools: list[Any], group_id: int = 0) -> Any:
+        """TRL's rollout, as an ``rlsync.Episode`` where ``RlsyncWeightTransfer(episodes=...)`` asks for them."""
+        episodes = self.rlsync_episodes
+        if episodes is None:
+            return await super()._generate_one(prompt, tool_dict, tools, group_id)
+        name, data = episodes.episode_id(prompt, group_id, self.num_generations)  # before any await: TRL's order
+        episode = await episodes.claim(name, data)
+        token = _episodes.CURRENT.set(episode)  # this task's (TRL runs each rollout in a task of its own)
+        keep = asyncio.ensure_future(episodes.keep_lease(episode))
+        try:
+            result = await super()._generate_one(prompt, tool_dict, tools, group_id)
+        finally:
+            keep.cancel()
+            _episodes.CURRENT.reset(token)
+        episode.finish(None)  # TRL scores and queues the rollout itself
+        return result
+
+    async def _execute_tool_calls(self, tool_calls: list[dict[str, Any]], tool_dict: dict[str, Any]) -> Any:
+        episode = _episodes.CURRENT.get()
+        if episode is None:
+            return await super()._execute_tool_calls(tool_calls, tool_dict)
+
+        async def run(key: str) -> Any:
+            return await super(RlsyncRolloutLoop, self)._execute_tool_calls(tool_calls, _episodes.keyed_tools(tool_dict, key))
+
+        return await _episodes.recorded_tool_calls(episode, tool_calls, run)
 
     @property
     def _request_model(self) -> str:
@@ -85,6 +117,18 @@ class RlsyncRolloutLoop(_AsyncRolloutLoop):  # type: ignore[misc]
         return f"{self.rlsync_adapter}@{version}"
 
     async def _generate_one_turn(self, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
+        episode = _episodes.CURRENT.get()
+        if episode is None:
+            return await self._ask_one_turn(prompt_ids)
+
+        async def ask() -> Turn:
+            tokens, logprobs = await self._ask_one_turn(prompt_ids)
+            return Turn(tokens, list(logprobs.versions), list(logprobs))
+
+        turn = await episode.turn_async(ask)
+        return list(turn.tokens), VersionedLogprobs(list(turn.logprobs), list(turn.versions))
+
+    async def _ask_one_turn(self, prompt_ids: list[int]) -> tuple[list[int], VersionedLogprobs]:
         params: dict[str, Any] = {
             "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "repetition_penalty": self.repetition_penalty, "n": 1, "logprobs": 0,

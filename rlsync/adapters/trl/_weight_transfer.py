@@ -38,10 +38,13 @@ class RlsyncWeightTransfer:
     (``rlsync.SyncOptions``): transport, timeout, ``wire="delta"`` (only the values that changed since the last
     sync), ``verify=True`` (a CRC per tensor, checked by the engine). ``sampling_mask``: the loss's log-probs under
     the top-k/top-p the worker sampled with (None: wherever the config sets them; True: required; False: off).
+    ``episodes``: a Redis URL (``redis://HOST:6379/0``) where the rollout worker records every rollout's turns and tool
+    calls, so that a run resumed from a checkpoint replays them instead of generating them and calling the tools
+    again (``rlsync.adapters.trl._episodes``).
     """
 
     def __init__(self, server_url: str = "http://localhost:8000", *, options: SyncOptions | None = None,
-                 sampling_mask: bool | None = None) -> None:
+                 sampling_mask: bool | None = None, episodes: str | None = None) -> None:
         apply_async()  # before the trainer is built: its constructor needs CUDA otherwise
         from rlsync.adapters.trl import _rollout  # trl.experimental: imported only for the async trainer
 
@@ -52,6 +55,7 @@ class RlsyncWeightTransfer:
         self._adapter_only: bool | None = None  # decided at the first sync
         self._sampling_wanted = sampling_mask
         self.sampling_mask: SamplingMask | None = None  # installed at the first sync, on every rank
+        self._episodes = episodes
 
     @property
     def adapter_only(self) -> bool:
@@ -70,6 +74,11 @@ class RlsyncWeightTransfer:
             return
         self._adapter_only = self._route_is_adapter_only(trainer)
         worker = getattr(trainer, "rollout_worker", None)
+        if self._episodes is not None and worker is not None:
+            if getattr(worker, "_process", None) is not None:
+                raise ConfigError("the rollout worker started before the first sync: rlsync cannot record its episodes")
+            # named after the run's output_dir: a run resumed from its checkpoints finds its episodes
+            worker._loop_kwargs["rlsync_episodes"] = (self._episodes, f"rlsync-episodes:{trainer.args.output_dir}")
         if self._adapter_only and worker is not None:
             if getattr(worker, "_process", None) is not None:
                 raise ConfigError("the rollout worker started before the first sync: rlsync cannot point it at the "

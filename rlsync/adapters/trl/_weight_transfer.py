@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from rlsync import ConfigError, PeerLostError, SyncOptions
+from rlsync.adapters.trl import _episodes
 from rlsync.adapters.trl._sampling import SamplingMask
 from rlsync.adapters.vllm import PublishStats, VllmServer
 from rlsync.patches.trl import apply_async
@@ -56,6 +57,8 @@ class RlsyncWeightTransfer:
         self._sampling_wanted = sampling_mask
         self.sampling_mask: SamplingMask | None = None  # installed at the first sync, on every rank
         self._episodes = episodes
+        if episodes is not None:  # a URL redis cannot read is named here, not in TRL's spawned worker
+            _episodes.log_for(episodes, "rlsync-episodes").close()
 
     @property
     def adapter_only(self) -> bool:

@@ -52,6 +52,8 @@ OPTION = "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.rlsync.episo
 AGENT_NAME = "rlsync_tool_agent"
 #: verl's trajectory of the agent loop running in this task (step, sample_index, rollout_n, validate)
 TRAJECTORY: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("rlsync_verl_trajectory", default=None)
+#: the episode of the trajectory running in this task (its tools and server calls see it)
+CURRENT: contextvars.ContextVar[Episode | None] = contextvars.ContextVar("rlsync_verl_episode", default=None)
 _TOOL_CALL_KEY: contextvars.ContextVar[str | None] = contextvars.ContextVar("rlsync_verl_tool_call_key", default=None)
 
 
@@ -74,7 +76,10 @@ def _episode_log(url: str, name: str) -> EpisodeLog:
         from rlsync.plugins import RedisEpisodes
     except ImportError as exc:  # pragma: no cover - the redis extra
         raise ConfigError(f"{OPTION} needs the Redis client: pip install 'rlsync[redis]' ({exc})") from None
-    return RedisEpisodes(url, name=name)
+    try:
+        return RedisEpisodes(url, name=name)
+    except ValueError as exc:  # redis-py's word for a URL it cannot read
+        raise ConfigError(f"{OPTION}={url!r}: {exc}; for example redis://HOST:6379/0") from None
 
 
 def episode_id(trajectory: dict[str, Any], prompt: bytes, kwargs: dict[str, Any]) -> str:
@@ -184,9 +189,11 @@ class RlsyncToolAgentLoop(ToolAgentLoop):  # type: ignore[misc]
         self._episode = episode
         self.server_manager = _RecordedServer(self.server_manager, episode)  # this loop is made for one trajectory
         keep = asyncio.ensure_future(self._keep_lease(episode))
+        token = CURRENT.set(episode)
         try:
             output = await super().run(sampling_params, **kwargs)
         finally:
+            CURRENT.reset(token)
             keep.cancel()
         episode.finish(None)  # verl takes the trajectory from here
         return output

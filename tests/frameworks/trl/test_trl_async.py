@@ -71,6 +71,8 @@ def test_an_unreachable_server_and_an_unsupported_trl_are_named() -> None:
         from rlsync.patches.trl import check_version
 
         check_version("1.17.0")
+    with pytest.raises(ConfigError, match=r"episodes='redis:/host:6379'.*redis://HOST:6379/0"):  # a typo in the URL
+        RlsyncWeightTransfer("http://127.0.0.1:9", episodes="redis:/host:6379")
 
 
 def test_async_trainer_with_peft_sends_the_adapter_alone_and_the_worker_names_each_version(

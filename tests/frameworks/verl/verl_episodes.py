@@ -75,14 +75,20 @@ class ServerOverHttp:
     """Stands in for verl's ``LLMServerClient`` (its ``generate`` signature and ``TokenOutput``): greedy tokens from a
     vLLM server's ``/v1/completions`` (token ids in and out), the words of the model's vocabulary only."""
 
-    def __init__(self, base: str, model: str, vocab: int) -> None:
-        self.base, self.model, self.vocab = base, model, vocab
+    def __init__(self, base: str, model: str, vocab: int, calls: Path) -> None:
+        self.base, self.model, self.vocab, self.calls = base, model, vocab, calls
 
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any],
                        **kwargs: Any) -> Any:
         from verl.workers.rollout.replica import TokenOutput
 
         from _support.vllm_server import post
+        from rlsync.adapters.verl import _episodes
+
+        episode = _episodes.CURRENT.get()  # a call for a turn the episode recorded, before it replayed all, is marked
+        early = episode is not None and episode.replayed < episode.recorded
+        with self.calls.open("a") as out:
+            out.write(("FOR-A-RECORDED-TURN " if early else "") + (episode.episode_id if episode else "-") + "\n")
 
         body = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": TOKENS_PER_TURN, "temperature": 0.0,
                 "ignore_eos": True, "return_token_ids": True,
@@ -158,7 +164,7 @@ async def run_step(url: str, experiment: str, tokenizer_dir: Path, base: str, mo
     tool = _register_parser_and_tool(tool_log, redis.Redis.from_url(url), name)
     worker = AgentLoopWorker.__new__(AgentLoopWorker)  # stands in for verl's __init__ (see the module docstring)
     worker.config, worker.tokenizer, worker.processor, worker.hf_model_type = config(url, experiment), tokenizer, None, None
-    worker.llm_client = ServerOverHttp(base, model, len(tokenizer))
+    worker.llm_client = ServerOverHttp(base, model, len(tokenizer), Path(f"{tool_log}.model-calls"))
     worker.dataset_cls, worker.tools = None, [tool]
 
     async def postprocess(output: Any, validate: bool, **kwargs: Any) -> Any:

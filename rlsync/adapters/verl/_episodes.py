@@ -109,7 +109,8 @@ def _turn_of(output: TokenOutput) -> Turn:
     if output.routed_experts is not None:
         routes = np.ascontiguousarray(np.asarray(output.routed_experts))
         extra["routed_experts"] = {"dtype": routes.dtype.str, "shape": list(routes.shape), "data": routes.tobytes()}
-    version = int(output.extra_fields.get("global_steps", -1) or -1)
+    step = output.extra_fields.get("global_steps")  # the weights' step (verl's server manager sets it; 0 is one)
+    version = -1 if step is None else int(step)
     return Turn(list(output.token_ids), [version] * len(output.token_ids), list(output.log_probs or []), extra=extra)
 
 

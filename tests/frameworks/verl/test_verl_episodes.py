@@ -117,3 +117,25 @@ def test_an_episodes_url_redis_cannot_read_is_named_with_the_option() -> None:
 
     with pytest.raises(ConfigError, match=r"engine_kwargs\.rlsync\.episodes='redis:/host:6379'.*redis://HOST:6379/0"):
         _episodes._episode_log("redis:/host:6379", "rlsync-episodes:test")
+
+
+def test_a_recorded_turn_gives_back_what_verls_server_manager_returned() -> None:
+    """A model turn through the log (msgpack, as Redis holds it) comes back as the ``TokenOutput`` verl's tool agent
+    loop read the first time: tokens, log-probs, stop reason, extra fields (numpy scalars as numbers) and the routed
+    experts array (dtype and shape); the turn's versions are the weights' step, step 0 included."""
+    import msgspec
+    import numpy as np
+    from verl.workers.rollout.replica import TokenOutput
+
+    from rlsync import Turn
+    from rlsync.adapters.verl import _episodes
+
+    routes = np.arange(12, dtype=np.int16).reshape(2, 3, 2)
+    output = TokenOutput(token_ids=[5, 9], log_probs=[-0.5, -0.25], routed_experts=routes, stop_reason="completed",
+                         num_preempted=1, extra_fields={"global_steps": 0, "min_global_steps": np.int64(0), "max_global_steps": 0})
+    turn = msgspec.msgpack.decode(msgspec.msgpack.encode(_episodes._turn_of(output)), type=Turn)
+    assert turn.versions == [0, 0]
+    back = _episodes._output_of(turn)
+    assert (back.token_ids, back.log_probs, back.stop_reason, back.num_preempted) == ([5, 9], [-0.5, -0.25], "completed", 1)
+    assert back.extra_fields == {"global_steps": 0, "min_global_steps": 0, "max_global_steps": 0}
+    assert back.routed_experts.dtype == routes.dtype and np.array_equal(back.routed_experts, routes)

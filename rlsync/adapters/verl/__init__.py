@@ -28,9 +28,10 @@ for this backend); importing ``rlsync`` does not.
 
 from __future__ import annotations
 
-from rlsync.adapters.verl import _episodes, _routes, _sampling, _workers
+import logging
+
+from rlsync.adapters.verl import _routes, _sampling, _workers
 from rlsync.adapters.verl._engine import RlsyncCheckpointEngine
-from rlsync.adapters.verl._episodes import RlsyncToolAgentLoop, tool_call_key
 from rlsync.patches.verl import apply, apply_episodes, apply_routing_replay, apply_sampling_mask
 
 # verl's workers hand this backend an unmerged LoRA adapter and its configuration, and its manager checks the trainer's
@@ -45,7 +46,14 @@ apply_routing_replay(worker_init=_routes.wrap_worker_init, forward_step=_routes.
 apply_sampling_mask(worker_init=_sampling.wrap_worker_init, actor_call=_sampling.wrap_actor_call,
                     forward_step=_sampling.wrap_forward_step, log_probs=_sampling.masked_log_probs)
 # durable episodes: verl's tool agent loop recorded in Redis when engine_kwargs.rlsync.episodes is set
-# (rlsync.adapters.verl._episodes)
-apply_episodes(run_agent_loop=_episodes.wrap_run_agent_loop)
+# (rlsync.adapters.verl._episodes); verl would swallow an import error of this module with the backend
+try:
+    from rlsync.adapters.verl import _episodes
+except ImportError as exc:
+    logging.getLogger("rlsync").warning("rlsync: verl's agent loop does not import here (%s): durable episodes "
+                                        "(engine_kwargs.rlsync.episodes) are not available in this process", exc)
+else:
+    apply_episodes(run_agent_loop=_episodes.wrap_run_agent_loop)
+    RlsyncToolAgentLoop, tool_call_key = _episodes.RlsyncToolAgentLoop, _episodes.tool_call_key
 
 __all__ = ["RlsyncCheckpointEngine", "RlsyncToolAgentLoop", "tool_call_key"]

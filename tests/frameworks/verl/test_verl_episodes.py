@@ -139,3 +139,14 @@ def test_a_recorded_turn_gives_back_what_verls_server_manager_returned() -> None
     assert (back.token_ids, back.log_probs, back.stop_reason, back.num_preempted) == ([5, 9], [-0.5, -0.25], "completed", 1)
     assert back.extra_fields == {"global_steps": 0, "min_global_steps": 0, "max_global_steps": 0}
     assert back.routed_experts.dtype == routes.dtype and np.array_equal(back.routed_experts, routes)
+
+
+def test_the_backend_stays_registered_where_verls_agent_loop_does_not_import() -> None:
+    """verl swallows a plugin's import error: an agent loop that does not import (a missing optional dependency of
+    it) must cost durable episodes only, said in the log, not the checkpoint backend."""
+    code = ("import sys\nsys.modules['verl.experimental.agent_loop.tool_agent_loop'] = None  # its import fails\n"
+            "import verl\nfrom verl.checkpoint_engine import CheckpointEngineRegistry as R\nprint(R.get('rlsync').__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "RlsyncCheckpointEngine"
+    assert "durable episodes (engine_kwargs.rlsync.episodes) are not available" in out.stderr

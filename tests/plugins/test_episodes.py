@@ -125,6 +125,37 @@ def test_redis_episodes_keep_the_contract(tmp_path: Path) -> None:
 
 
 @pytest.mark.redis
+def test_redis_keeps_an_episode_finished_without_a_sample_for_kept_seconds_then_forgets_it(tmp_path: Path) -> None:
+    """What a framework's re-run replays lives in Redis ``kept_seconds`` (then expires: the memory of a long run is
+    bounded); an episode finished with a sample keeps no steps."""
+    pytest.importorskip("redis")
+    import time
+
+    import numpy as np
+    import redis
+
+    from rlsync import Sample
+    from rlsync.plugins import RedisEpisodes
+
+    with RedisServer.running(tmp_path) as server:
+        log = RedisEpisodes(server.url, name="kept", kept_seconds=2)
+        for episode_id in ("by-id", "with-sample"):
+            log.add(episode_id, b"p")
+            claim = log.claim("w", 30, episode_id)
+            assert claim is not None
+            log.record(episode_id, claim.epoch, 0, b"s0", 30)
+            sample = Sample(episode_id, np.array([1, 2]), 1, np.zeros(1, np.float32), np.zeros(1, np.int64))
+            assert log.finish(episode_id, claim.epoch, None if episode_id == "by-id" else sample)
+        raw = redis.Redis.from_url(server.url)
+        assert 0 < raw.ttl("kept:ep:by-id:steps") <= 2 and raw.ttl("kept:ep:by-id") > 0
+        assert not raw.exists("kept:ep:with-sample:steps")
+        again = log.claim("v", 30, "by-id")
+        assert again is not None and again.done and again.steps == [b"s0"]
+        time.sleep(2.5)
+        assert log.claim("v", 30, "by-id") is None  # forgotten: an id the log no longer knows
+
+
+@pytest.mark.redis
 @pytest.mark.multiproc
 def test_generators_killed_at_random_lose_no_episode_and_rerun_no_recorded_tool_call(tmp_path: Path) -> None:
     """100 three-turn episodes (a tool call between turns) run by 4 generator processes, a working one killed with

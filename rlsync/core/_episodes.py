@@ -30,6 +30,7 @@ Entries are msgpack (never pickle).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -158,6 +159,28 @@ class Episode:
             raise RolloutBufferError(f"episode {episode_id}: recorded for another prompt than this one; an episode id must "
                                      "name one prompt (and one sample of it)")
         return None if claim is None else cls(log, claim, lease_seconds)
+
+    @classmethod
+    async def claim_when_free(cls, log: EpisodeLog, episode_id: str, prompt: bytes, owner: str, *,
+                              lease_seconds: float = 60.0) -> Episode:
+        """``claim`` in an asyncio loop, waiting while another generator holds the episode's lease (it is alive, or
+        died less than a lease ago)."""
+        while True:
+            episode = cls.claim(log, episode_id, prompt, owner, lease_seconds=lease_seconds)
+            if episode is not None:
+                return episode
+            await asyncio.sleep(min(1.0, lease_seconds / 4))
+
+    async def keep_lease(self) -> None:
+        """Renew the lease every third of it until cancelled (an asyncio task beside the agent loop: a model turn or a
+        tool call may take longer than the lease); ends when another generator took the episode (its next record
+        raises ``LeaseLostError``)."""
+        while True:
+            await asyncio.sleep(self._lease_seconds / 3)
+            try:
+                self.renew()
+            except LeaseLostError:
+                return
 
     def turn(self, generate: Callable[[], Turn]) -> Turn:
         """The next model turn: the recorded one, or ``generate()``'s, recorded before it is returned."""

@@ -96,6 +96,31 @@ def test_an_asyncio_agent_claims_its_episode_by_id_and_replays_it_after_a_death(
         Episode.claim(log, "step1/1", b"another prompt", "worker-c")
 
 
+def test_a_kept_lease_holds_an_episode_past_its_lease_and_a_waiting_claim_gets_it_once_it_runs_out() -> None:
+    """``keep_lease`` (beside a step longer than the lease) keeps another worker's ``claim_when_free`` waiting; once
+    the holder stops renewing (it died), the waiting claim gets the episode, with its steps."""
+    import asyncio
+
+    from rlsync import Episode, Turn
+
+    log = MemoryEpisodes(MemoryStorage().append)
+
+    async def scenario() -> tuple[float, int]:
+        holder = await Episode.claim_when_free(log, "e", b"p", "a", lease_seconds=0.2)
+        holder.turn(lambda: Turn([1], [0], [0.0]))
+        keep = asyncio.ensure_future(holder.keep_lease())
+        start = asyncio.get_running_loop().time()
+        waiting = asyncio.ensure_future(Episode.claim_when_free(log, "e", b"p", "b", lease_seconds=0.2))
+        await asyncio.sleep(0.6)  # three leases: the holder's renewals keep it
+        assert not waiting.done(), "an episode whose lease is kept was handed to another worker"
+        keep.cancel()  # the holder dies
+        taken = await waiting
+        return asyncio.get_running_loop().time() - start, taken.recorded
+
+    waited, recorded = asyncio.run(scenario())
+    assert 0.6 <= waited < 1.5 and recorded == 1
+
+
 def test_a_step_that_no_episode_recorded_is_refused_by_name() -> None:
     from rlsync import Episode
 

@@ -72,23 +72,11 @@ class Episodes:
         return f"{self.start + group_id}/{k}/{hashlib.sha256(data).hexdigest()[:16]}", data
 
     async def claim(self, episode_id: str, prompt: bytes) -> Episode:
-        import asyncio
-
-        while True:
-            episode = Episode.claim(self.log, episode_id, prompt, self.owner, lease_seconds=self.lease_seconds)
-            if episode is not None:
-                if episode.resumed:  # its worker died mid-way, or the run resumed from a checkpoint before it
-                    _log.info("rlsync: episode %s %s %d recorded steps", episode_id,
-                              "replays its" if episode.finished else "resumes after", episode.recorded)
-                return episode
-            await asyncio.sleep(min(1.0, self.lease_seconds / 4))  # its worker died less than a lease ago
-
-    async def keep_lease(self, episode: Episode) -> None:
-        import asyncio
-
-        while True:
-            await asyncio.sleep(self.lease_seconds / 3)
-            episode.renew()
+        episode = await Episode.claim_when_free(self.log, episode_id, prompt, self.owner, lease_seconds=self.lease_seconds)
+        if episode.resumed:  # its worker died mid-way, or the run resumed from a checkpoint before it
+            _log.info("rlsync: episode %s %s %d recorded steps", episode_id,
+                      "replays its" if episode.finished else "resumes after", episode.recorded)
+        return episode
 
 
 def keyed_tools(tool_dict: dict[str, Callable[..., Any]], key: str) -> dict[str, Callable[..., Any]]:

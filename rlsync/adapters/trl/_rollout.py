@@ -90,7 +90,7 @@ class RlsyncRolloutLoop(_AsyncRolloutLoop):  # type: ignore[misc]
         name, data = episodes.episode_id(prompt, group_id, self.num_generations)  # before any await: TRL's order
         episode = await episodes.claim(name, data)
         token = _episodes.CURRENT.set(episode)  # this task's (TRL runs each rollout in a task of its own)
-        keep = asyncio.ensure_future(episodes.keep_lease(episode))
+        keep = asyncio.ensure_future(episode.keep_lease())
         try:
             result = await super()._generate_one(prompt, tool_dict, tools, group_id)
         finally:

@@ -183,13 +183,13 @@ class RlsyncToolAgentLoop(ToolAgentLoop):  # type: ignore[misc]
                               "the trajectory); this verl is not one rlsync's patches were written for")
         prompt = json.dumps(_plain(list(kwargs["raw_prompt"])), sort_keys=True, default=str).encode()
         name = episode_id(trajectory, prompt, kwargs)
-        episode = await self._claim(name, prompt)
+        episode = await Episode.claim_when_free(self._episodes, name, prompt, self._owner, lease_seconds=self.lease_seconds)
         if episode.resumed:  # its worker died mid-way, or the run was restarted and re-runs its step
             _log.info("rlsync: episode %s %s %d recorded steps", name, "replays its" if episode.finished else "resumes after",
                       episode.recorded)
         self._episode = episode
         self.server_manager = _RecordedServer(self.server_manager, episode)  # this loop is made for one trajectory
-        keep = asyncio.ensure_future(self._keep_lease(episode))
+        keep = asyncio.ensure_future(episode.keep_lease())
         token = CURRENT.set(episode)
         try:
             output = await super().run(sampling_params, **kwargs)
@@ -198,23 +198,6 @@ class RlsyncToolAgentLoop(ToolAgentLoop):  # type: ignore[misc]
             keep.cancel()
         episode.finish(None)  # verl takes the trajectory from here
         return output
-
-    async def _claim(self, name: str, prompt: bytes) -> Episode:
-        said = False
-        while True:
-            episode = Episode.claim(self._episodes, name, prompt, self._owner, lease_seconds=self.lease_seconds)
-            if episode is not None:
-                return episode
-            if not said:  # its worker is alive, or died less than a lease ago
-                _log.info("rlsync: episode %s is leased by another worker; waiting for its lease (%.0f s)", name,
-                          self.lease_seconds)
-                said = True
-            await asyncio.sleep(min(1.0, self.lease_seconds / 4))
-
-    async def _keep_lease(self, episode: Episode) -> None:
-        while True:
-            await asyncio.sleep(self.lease_seconds / 3)
-            episode.renew()
 
     async def _call_tool(self, tool_call: Any, tools_kwargs: dict[str, Any], agent_data: Any) -> tuple[ToolResponse, float, dict[str, Any]]:
         call: Callable[[str], Awaitable[dict[str, Any]]] = functools.partial(self._run_tool, tool_call, tools_kwargs, agent_data)

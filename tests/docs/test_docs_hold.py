@@ -54,7 +54,8 @@ def broken_links(doc: Path, text: str) -> list[str]:
 def _defines(module_file: Path, name: str) -> bool:
     """Whether a module that cannot be imported here (its framework is not installed) defines ``name`` at top level."""
     tree = ast.parse(module_file.read_text())
-    for node in tree.body:
+    top = [n for node in tree.body for n in ([*node.body, *node.orelse] if isinstance(node, ast.Try) else [node])]
+    for node in top:  # a try's branches count: a name defined where an optional import worked
         targets: list[str] = []
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             targets = [node.name]

@@ -54,6 +54,6 @@ except ImportError as exc:
                                         "(engine_kwargs.rlsync.episodes) are not available in this process", exc)
 else:
     apply_episodes(run_agent_loop=_episodes.wrap_run_agent_loop)
-    RlsyncToolAgentLoop, tool_call_key = _episodes.RlsyncToolAgentLoop, _episodes.tool_call_key
+    from rlsync.adapters.verl._episodes import RlsyncToolAgentLoop, tool_call_key
 
 __all__ = ["RlsyncCheckpointEngine", "RlsyncToolAgentLoop", "tool_call_key"]

@@ -94,11 +94,12 @@ class EpisodeLog(Protocol):
     ``add`` (a new episode, once per id: False when the id is known), ``claim`` (hand an unclaimed episode, or
     one whose lease ran out, to ``owner`` until ``lease_seconds`` from now, under a new epoch; None when there is
     none; with ``episode_id``, that episode only: None when it is unknown or leased, a ``done`` claim when it was
-    finished, with its steps if it finished without a sample), ``record`` (append entry number ``step`` under ``epoch`` and renew the lease; recording a step again
-    with the same entry is a no-op, anything else ``ValueError``; a stale epoch or a finished episode:
-    ``LeaseLostError``), ``finish`` (mark it done and add ``sample``, its ``sample_id`` set to the episode's, to the
-    samples, once: True; False when it was already finished; ``LeaseLostError`` under a stale epoch; a ``sample`` of
-    None delivers nothing and keeps the steps, for a while the log decides), ``unfinished`` (episodes added and not finished), ``close``."""
+    finished, with its steps if it finished without a sample), ``record`` (append entry number ``step`` under
+    ``epoch`` and renew the lease; recording a step again with the same entry is a no-op, anything else
+    ``ValueError``; a stale epoch or a finished episode: ``LeaseLostError``), ``finish`` (mark it done and add
+    ``sample``, its ``sample_id`` set to the episode's, to the samples, once: True; False when it was already
+    finished; ``LeaseLostError`` under a stale epoch; a ``sample`` of None delivers nothing and keeps the steps, for a
+    while the log decides), ``unfinished`` (episodes added and not finished), ``close``."""
 
     def add(self, episode_id: str, prompt: bytes) -> bool: ...
     def claim(self, owner: str, lease_seconds: float, episode_id: str | None = None) -> Claim | None: ...
@@ -114,7 +115,8 @@ class Episode:
 
     ``recorded``: how many steps were recorded before this claim (another generator started the episode: it is
     ``resumed``); ``replayed``: how many of them were returned from the log instead of run, so far; ``finished``: a
-    claim by id of an episode finished before (nothing is replayed or recorded: ``turn`` and ``tool`` raise).
+    claim by id of an episode finished before (its recorded steps replay; a step beyond them raises, nothing more is
+    recorded; ``finish`` says False).
     ``turn_async`` and ``tool_async`` are ``turn`` and ``tool`` for an asyncio agent loop.
     """
 

@@ -1,9 +1,11 @@
-"""Worker processes killed with SIGKILL at random points and started again on the same work (a restarted run), for
-the durable-episode tests of the frameworks (tests/frameworks/verl, tests/frameworks/trl)."""
+"""Worker processes killed with SIGKILL at random points and started again on the same work (a restarted run), and
+what their call logs must show, for the durable-episode tests of the frameworks (tests/frameworks/verl and trl)."""
 
 from __future__ import annotations
 
+import collections
 import random
+import re
 import signal
 import subprocess
 import time
@@ -38,3 +40,33 @@ def run_with_kills(spawn: Callable[[int], subprocess.Popen[bytes]], workers: int
             p.kill()
     assert codes == {w: 0 for w in range(workers)}, f"workers did not finish their work: {codes}"
     return killed
+
+
+def check_calls(tools: Path, reference: Path, *, most_run_again: int) -> tuple[set[str], list[str]]:
+    """The tool and model calls of a run with kills, as its workers logged them (``tools``, ``<tools>.model-calls``):
+    no tool call ran after its result was recorded, every call of the run without a kill (``reference``) ran and no
+    other, at most ``most_run_again`` ran again (calls in flight at a kill), and no recorded model turn was generated
+    again. Returns the reference's tool calls and the run's model calls."""
+    lines = tools.read_text().splitlines()
+    assert not [line for line in lines if "AFTER" in line], "a tool call ran after its result was recorded"
+    executions = collections.Counter(lines)
+    reference_calls = set(reference.read_text().splitlines())
+    assert set(executions) == reference_calls, "every tool call of the run ran, and no other"
+    again = sum(n - 1 for n in executions.values())
+    assert again <= most_run_again, f"{again} tool calls ran again (at most {most_run_again} were in flight at kills)"
+    calls = Path(f"{tools}.model-calls").read_text().splitlines()
+    assert not [c for c in calls if c.startswith("FOR-A-RECORDED-TURN")], "a recorded model turn was generated again"
+    return reference_calls, calls
+
+
+def check_rerun(tools: Path, executed: str, called: str, rerun_log: Path, replays: int) -> None:
+    """A re-run after everything finished (its log ``rerun_log``) called no tool and no model (the call logs are still
+    ``executed`` and ``called``) and replayed ``replays`` finished episodes whole."""
+    assert tools.read_text() == executed, "a re-run of finished episodes called a tool"
+    assert Path(f"{tools}.model-calls").read_text() == called, "a re-run called the model"
+    assert rerun_log.read_text().count("replays its") == replays
+
+
+def resumes(logs: list[Path]) -> list[int]:
+    """How many recorded steps each resumed episode had, as the workers' logs say."""
+    return [int(n) for log in logs for n in re.findall(r"resumes after (\d+) recorded steps", log.read_text())]

@@ -56,7 +56,7 @@ class RlsyncWeightTransfer:
         self._adapter_only: bool | None = None  # decided at the first sync
         self._sampling_wanted = sampling_mask
         self.sampling_mask: SamplingMask | None = None  # installed at the first sync, on every rank
-        self._episodes = episodes
+        self._episodes_url = episodes
         if episodes is not None:  # a URL redis cannot read is named here, not in TRL's spawned worker
             _episodes.log_for(episodes, "rlsync-episodes").close()
 
@@ -77,11 +77,11 @@ class RlsyncWeightTransfer:
             return
         self._adapter_only = self._route_is_adapter_only(trainer)
         worker = getattr(trainer, "rollout_worker", None)
-        if self._episodes is not None and worker is not None:
+        if self._episodes_url is not None and worker is not None:
             if getattr(worker, "_process", None) is not None:
                 raise ConfigError("the rollout worker started before the first sync: rlsync cannot record its episodes")
             # named after the run's output_dir: a run resumed from its checkpoints finds its episodes
-            worker._loop_kwargs["rlsync_episodes"] = (self._episodes, f"rlsync-episodes:{trainer.args.output_dir}")
+            worker._loop_kwargs["rlsync_episodes"] = (self._episodes_url, f"rlsync-episodes:{trainer.args.output_dir}")
         if self._adapter_only and worker is not None:
             if getattr(worker, "_process", None) is not None:
                 raise ConfigError("the rollout worker started before the first sync: rlsync cannot point it at the "

@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _support import word_models
+
 WORDS = [str(i) for i in range(40)]  # numbers: a call's argument parses as JSON
-ROLES = ["<system>", "<user>", "<assistant>", "<tool>", "<end>"]
-SPECIAL = ["<pad>", "<eos>", "<unk>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ '<' + m['role'] + '> ' + (m['content'] or '') }}"
     "{% if m['tool_calls'] is defined and m['tool_calls'] %}{% for c in m['tool_calls'] %}"
@@ -36,16 +36,14 @@ CHAT_TEMPLATE = (
 GENERATIONS, TOOL_TURNS = 2, 2
 
 
-def build_tokenizer(where: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+def build(where: Path) -> None:
+    """The tokenizer (in ``where/tokenizer``) and the model (``where/model``)."""
+    size = word_models.build_tokenizer(where / "tokenizer", WORDS, CHAT_TEMPLATE)
+    word_models.build_model(where / "model", size, seed=1)
 
-    vocab = {token: i for i, token in enumerate(SPECIAL + ROLES + WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(where)
+
+def prompts(n: int) -> list[list[dict[str, str]]]:
+    return word_models.prompts(n, WORDS, seed=5)
 
 
 def calling_tokenizer(where: Path) -> Any:
@@ -63,26 +61,6 @@ def calling_tokenizer(where: Path) -> Any:
     tokenizer = CallingTokenizer.from_pretrained(where)
     tokenizer.response_template = {"stand-in": "the last number of a turn calls count"}  # TRL then asks it to parse
     return tokenizer
-
-
-def build_model(where: Path, vocab: int) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    torch.manual_seed(1)
-    config = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
-                         num_key_value_heads=1, max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=0,
-                         eos_token_id=1, bos_token_id=None)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    model.save_pretrained(where)
-
-
-def prompts(n: int, seed: int = 5) -> list[list[dict[str, str]]]:
-    rng = random.Random(seed)
-    return [[{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randrange(2, 6)))}] for _ in range(n)]
 
 
 async def run_share(url: str, name: str, tokenizer_dir: Path, base: str, model: str, groups: list[int], n_prompts: int,

@@ -26,49 +26,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _support import word_models
+
 WORDS = [f"w{i}" for i in range(40)]
-ROLES = ["<system>", "<user>", "<assistant>", "<tool>", "<end>"]
-SPECIAL = ["<pad>", "<eos>", "<unk>"]
 TOKENS_PER_TURN = 5
 ASSISTANT_TURNS = 3  # with a tool call after each but the last
 CHAT_TEMPLATE = ("{% for m in messages %}{{ '<' + m['role'] + '> ' + m['content'] + ' <end> ' }}{% endfor %}"
                  "{% if add_generation_prompt %}{{ '<assistant> ' }}{% endif %}")
 
 
-def build_tokenizer(where: Path) -> Any:
-    """A word-level tokenizer with a chat template (no download)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {token: i for i, token in enumerate(SPECIAL + ROLES + WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(where)
-    return fast
+def build(where: Path) -> int:
+    """The tokenizer (in ``where/tokenizer``) and the model (``where/model``); the tokenizer's size."""
+    size = word_models.build_tokenizer(where / "tokenizer", WORDS, CHAT_TEMPLATE)
+    word_models.build_model(where / "model", 64, seed=0)
+    return size
 
 
-def build_model(where: Path, vocab: int) -> None:
-    """A tiny Qwen2 with wide random weights (greedy output differs from prompt to prompt)."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
-                         num_key_value_heads=1, max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=0,
-                         eos_token_id=1, bos_token_id=None)
-    assert vocab <= config.vocab_size
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    model.save_pretrained(where)
-
-
-def prompts(n: int, seed: int = 3) -> list[list[dict[str, str]]]:
-    rng = random.Random(seed)
-    return [[{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randrange(2, 6)))}] for _ in range(n)]
+def prompts(n: int) -> list[list[dict[str, str]]]:
+    return word_models.prompts(n, WORDS, seed=3)
 
 
 class ServerOverHttp:
@@ -93,7 +68,7 @@ class ServerOverHttp:
         body = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": TOKENS_PER_TURN, "temperature": 0.0,
                 "ignore_eos": True, "return_token_ids": True,
                 # words only (no role, pad or end token): verl's builder re-reads the turn from its text
-                "allowed_token_ids": list(range(len(SPECIAL) + len(ROLES), self.vocab))}
+                "allowed_token_ids": list(range(len(word_models.SPECIAL) + len(word_models.ROLES), self.vocab))}
         got = (await asyncio.to_thread(post, self.base, "/v1/completions", body))["choices"][0]
         tokens = list(got["token_ids"])
         return TokenOutput(token_ids=tokens, log_probs=[0.0] * len(tokens), stop_reason="completed",

@@ -6,8 +6,8 @@ model, tensor-parallel ranks each hold the norms and routers. Sent by the traine
 cross the host's link once per rank. A relay receives every tensor the host's engines hold, once (a
 ``WeightsReader`` of one rank holding each such tensor whole: the trainer's writers connect to ``address`` as to an
 engine of one rank, ``dst=None`` learns that layout), and forwards each engine rank its part over the host's own
-transport (shared memory, tested; a GPU node's engines would take ``cuda_ipc`` from the relay's host landing, which
-has not run yet), planned from the relay's layout to each engine's as the trainer's writers plan theirs.
+transport (shared memory, tested on CPU; on a GPU node ``cuda_ipc`` from the relay's host landing into the engines'
+device memory, tested on an H100: tests/gpu/test_cuda_relay.py), planned from the relay's layout to each engine's as the trainer's writers plan theirs.
 
 The version goes live on every rank of the host or on none: the relay writes every local reader's bytes first, then
 asks each whether it takes the version (``Begin``: a shared-memory write to a dead reader succeeds, only an answer

@@ -131,7 +131,7 @@ def test_masked_head_logprobs_on_the_gpu_equal_the_cpu_in_float32_and_run_under_
     tokens = torch.randint(0, 5000, (300,), generator=gen)
     results = []
     for device in ("cpu", "cuda"):
-        h, w = hidden.to(device).requires_grad_(), weight.to(device).requires_grad_()
+        h, w = hidden.to(device, copy=True).requires_grad_(), weight.to(device, copy=True).requires_grad_()
         logprobs, entropy = head_logprobs(h, w, None, tokens.to(device), temperature=0.9, top_k=50, top_p=0.8, entropy=True)
         (logprobs.sum() + entropy.sum()).backward()
         results.append([t.detach().cpu() for t in (logprobs, entropy, h.grad, w.grad)])

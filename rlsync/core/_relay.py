@@ -7,7 +7,8 @@ cross the host's link once per rank. A relay receives every tensor the host's en
 ``WeightsReader`` of one rank holding each such tensor whole: the trainer's writers connect to ``address`` as to an
 engine of one rank, ``dst=None`` learns that layout), and forwards each engine rank its part over the host's own
 transport (shared memory, tested on CPU; on a GPU node ``cuda_ipc`` from the relay's host landing into the engines'
-device memory, tested on an H100: tests/gpu/test_cuda_relay.py), planned from the relay's layout to each engine's as the trainer's writers plan theirs.
+device memory, tested on an H100: tests/gpu/test_cuda_relay.py), planned from the relay's layout to each engine's as
+the trainer's writers plan theirs.
 
 The version goes live on every rank of the host or on none: the relay writes every local reader's bytes first, then
 asks each whether it takes the version (``Begin``: a shared-memory write to a dead reader succeeds, only an answer
@@ -49,14 +50,18 @@ class NodeRelay:
     and ``port`` to listen on, ``secret``, ``verify``, ``timeout``); ``local``: the host's own transport, to the
     engines' readers (default: shared memory). ``address`` is what the trainer's writers connect to, as to one
     engine of one rank. Engines whose readers learn their layout from their writer (``replicas=N``) learn it from
-    the relay, which learns it from the trainer's writers. ``last_forward_seconds``: the last version's local
+    the relay, which learns it from the trainer's writers: then ``rank`` and ``replicas`` say which of the trainer's
+    replica readers the relay is (a framework whose writers send to N replica readers, some of them relays: verl). ``last_forward_seconds``: the last version's local
     forwarding, from its first local byte to every local reader's confirmation.
     """
 
     def __init__(self, engines: Sequence[Sequence[str]], *, options: SyncOptions | None = None,
-                 local: SyncOptions | None = None, plugins: pluggy.PluginManager | None = None) -> None:
+                 local: SyncOptions | None = None, plugins: pluggy.PluginManager | None = None,
+                 rank: int = 0, replicas: int = 1) -> None:
         if not engines or any(not addresses for addresses in engines):
             raise ConfigError("NodeRelay needs, per engine on this host, the addresses of its readers (one per rank)")
+        if not 0 <= rank < replicas:
+            raise ConfigError(f"NodeRelay rank={rank}, replicas={replicas}: a rank among the replicas, from 0")
         self._engines = [list(addresses) for addresses in engines]
         self._local, self._plugins = local or SyncOptions(transport="shm"), plugins
         layouts = [_layout_of(addresses[0], self._local) for addresses in engines]
@@ -64,8 +69,10 @@ class NodeRelay:
         self.last_forward_seconds = 0.0
         if all(layout is None for layout in layouts):  # replica engines, which learn their layout from their writer:
             # so does the relay, from the trainer's, and its own writers teach the engines theirs at the first version
-            self._reader = WeightsReader(None, None, 0, replicas=1, options=options, landing="direct",
+            self._reader = WeightsReader(None, None, rank, replicas=replicas, options=options, landing="direct",
                                          on_version=self._forward, plugins=plugins)
+        elif (rank, replicas) != (0, 1):
+            raise ConfigError("NodeRelay rank/replicas: for engines that learn their layout from their writers (replicas)")
         elif any(layout is None for layout in layouts):
             raise ConfigError("NodeRelay: some engines know their layout and some learn it from their writers (replicas):"
                               " relay engines of one kind")
@@ -90,8 +97,9 @@ class NodeRelay:
         started = time.perf_counter()
         layout = self._reader.dst
         assert layout is not None  # a version landed: the relay knows its layout
-        if not self._writers:
-            self._writers = [WeightsWriter(layout, None, 0, addresses, options=self._local, plugins=self._plugins)
+        if not self._writers:  # the relay's copy, as one rank holding every tensor whole (whatever its rank upstream)
+            whole = replicated(layout.tensors)
+            self._writers = [WeightsWriter(whole, None, 0, addresses, options=self._local, plugins=self._plugins)
                              for addresses in self._engines]
         dtypes = {t.name: getattr(torch, t.dtype) for t in layout.tensors}
         tensors = {name: as_tensor(raw).view(dtypes[name]) for name, raw in buffers.items()}

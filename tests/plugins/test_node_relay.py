@@ -142,3 +142,40 @@ def test_an_engine_that_refuses_a_version_at_its_load_fails_it_and_the_next_vers
         relay.close()
         picky.close()
         other.close()
+
+
+def test_a_relay_can_be_one_of_several_replica_readers_of_the_trainer() -> None:
+    """A framework whose writers send to N replica readers (verl: one per rollout worker) puts a relay in place of a
+    host's workers: the relay is replica ``rank`` of ``replicas`` to the trainer and forwards to its engines whole; the
+    writer sends one copy to the direct reader and one to the relay, and every reader lands every version."""
+    import torch
+
+    from rlsync import ConfigError, WeightsWriter
+    from rlsync.layouts import from_state_dict
+
+    gen = torch.Generator().manual_seed(0)
+    state = {"embed": torch.randn(32, 16, generator=gen).to(torch.bfloat16), "norm": torch.randn(16, generator=gen)}
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    link = SyncOptions(transport="tcp", timeout=10)
+    direct = WeightsReader(None, None, 0, replicas=2, options=link)
+    engines = [WeightsReader(None, None, 0, replicas=1, options=LOCAL) for _ in range(2)]
+    with pytest.raises(ConfigError, match="rank=2, replicas=2"):
+        NodeRelay([[e.address] for e in engines], rank=2, replicas=2)
+    relay = NodeRelay([[e.address] for e in engines], options=link, local=LOCAL, rank=1, replicas=2)
+    writer = WeightsWriter(from_state_dict(state), None, 0, [direct.address, relay.address], options=link)
+    try:
+        for version in (1, 2):
+            writer.multi_put(state)
+            writer.complete(version)
+            assert writer.last_bytes == 2 * total  # the direct reader's copy and the host's, once
+            for reader in (direct, *engines):
+                assert reader.version == version
+                got = reader.buffers()
+                for name, tensor in state.items():
+                    assert bytes(got[name]) == tensor.contiguous().view(torch.uint8).numpy().tobytes(), (version, name)
+            state = {name: t + 1 for name, t in state.items()}
+    finally:
+        writer.close()
+        relay.close()
+        for reader in (direct, *engines):
+            reader.close()

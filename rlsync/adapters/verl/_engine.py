@@ -25,6 +25,8 @@ True``: its A/B matrices and PEFT config), which crosses alone, its configuratio
 ``base_sync_done=True``, as verl's own colocated sync does: the rollout serves it as its LoRA adapter. Without the
 patches (another verl version) the base alone is refused at the first tensor, naming ``lora.merge=True``.
 
+Hosts of several rollout workers: see ``_relays`` (one ``NodeRelay`` per such host, option ``rlsync.relay``).
+
 Versions: rlsync's version counts syncs (it continues after the version a rollout worker serves, so a
 restarted trainer is accepted); ``global_steps`` (which may be None) is reported in the metrics.
 """
@@ -45,6 +47,7 @@ from verl.workers.rollout.utils import ensure_async_iterator
 
 from rlsync import (
     Canary,
+    NodeRelay,
     ConfigError,
     Finish,
     LandedVersions,
@@ -55,6 +58,7 @@ from rlsync import (
     WeightsReader,
     WeightsWriter,
 )
+from rlsync.adapters.verl._relays import host_id, place, relay_mode
 from rlsync.core import HostStaging, host_port, keyed, split_address
 from rlsync.layouts import fsdp
 
@@ -110,12 +114,17 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         self.bucket_size = int(bucket_size)
         # engine_kwargs: what the user set under +...checkpoint_engine.engine_kwargs.rlsync (SyncOptions' keys)
         # sampling_mask: the actor's (_sampling); episodes: the agent loop's (_episodes)
-        engine_kwargs = {k: v for k, v in engine_kwargs.items() if k not in ("sampling_mask", "episodes")}
+        # relay: where a NodeRelay goes (_relays)
+        self._relay_mode = relay_mode(engine_kwargs.get("relay", "auto"))
+        engine_kwargs = {k: v for k, v in engine_kwargs.items() if k not in ("sampling_mask", "episodes", "relay")}
         self.options = SyncOptions.from_mapping(engine_kwargs, where="actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.rlsync")
         if self.options.codec is not None:
             raise ConfigError(f"engine_kwargs.rlsync.wire={self.options.wire!r}: use 'full' or 'delta'")
         self.role: str | None = None  # "actor" or "rollout", known from init_process_group on
         self._address: str | None = None
+        self._relay_address: str | None = None  # this rollout worker's relay's, should it lead its host's
+        self._relay: NodeRelay | None = None
+        self._placement: tuple[Any, ...] = ()
         self._readers: list[str] = []
         self._rank, self._world = 0, 1
         self._writer: WeightsWriter | None = None
@@ -130,23 +139,31 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
 
     def prepare(self) -> dict[str, Any]:
         if self.role == "actor":
-            return {}
+            return {"host": host_id()}
         if self._address is None:  # reserved now, bound by the rollout worker's reader in init_process_group
             self._address = keyed(f"tcp://{self.options.host}:{_free_port(self.options.host)}", self.options.secret)
-        return {"address": self._address}
+            self._relay_address = keyed(f"tcp://{self.options.host}:{_free_port(self.options.host)}", self.options.secret)
+        return {"address": self._address, "host": host_id(), "relay_address": self._relay_address, "relay": self._relay_mode}
 
     @classmethod
     def build_topology(cls, actor_world_size: int, rollout_world_size: int,
                        metadata: list[dict[str, Any]]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
         addresses = [m["address"] for m in metadata[actor_world_size:]]
+        placed = place([m.get("host") for m in metadata[:actor_world_size]], metadata[actor_world_size:])
         actor: dict[str, list[Any]] = {"role": ["actor"] * actor_world_size, "rank": list(range(actor_world_size)),
-                 "world_size": [actor_world_size] * actor_world_size, "readers": [addresses] * actor_world_size}
+                 "world_size": [actor_world_size] * actor_world_size, "readers": [placed.entries] * actor_world_size}
         rollout: dict[str, list[Any]] = {"role": ["rollout"] * rollout_world_size, "rank": list(range(rollout_world_size)),
-                   "world_size": [rollout_world_size] * rollout_world_size, "readers": [addresses] * rollout_world_size}
+                   "world_size": [rollout_world_size] * rollout_world_size, "readers": [addresses] * rollout_world_size,
+                   "reader": placed.reader, "relay": placed.relay}
         return actor, rollout
 
-    def init_process_group(self, role: str, rank: int, world_size: int, readers: list[str]) -> None:
-        changed = (self._rank, self._world, self._readers) != (rank, world_size, readers)
+    def init_process_group(self, role: str, rank: int, world_size: int, readers: list[str],
+                           reader: tuple[int, int] | None | str = "rank", relay: dict[str, Any] | None = None) -> None:
+        """``reader``: this rollout worker's ``(rank, replicas)`` among the trainer's readers (by default its rank among
+        ``world_size``; None: behind its host's relay); ``relay``: the ``NodeRelay`` it runs for it (``_relays.place``)."""
+        placement = (rank, world_size, list(readers), reader if reader is None or isinstance(reader, str) else tuple(reader), relay)
+        changed = self._placement != placement
+        self._placement = placement
         self.role, self._rank, self._world, self._readers = role, rank, world_size, list(readers)
         if role == "actor":
             if changed and self._writer is not None:  # the rollout side changed (elastic scaling): new plan
@@ -155,14 +172,35 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
             return
         if self._reader is not None and not changed:
             return
-        if self._reader is not None:
-            self._reader.close()
+        self._close_rollout()
         host, port = host_port(readers[rank])
         key = split_address(readers[rank])[1] or self.options.secret  # the key prepare() put in its address
-        self._reader = WeightsReader(None, None, rank, replicas=world_size, options=self.options.replace(host=host, port=port, secret=key),
+        behind = reader is None  # its bytes come from its host's relay, over shared memory, whole
+        if reader is None:
+            reader_rank, replicas = 0, 1
+        elif isinstance(reader, str):  # "rank": no placement from build_topology (an older driver)
+            reader_rank, replicas = rank, world_size
+        else:
+            reader_rank, replicas = int(reader[0]), int(reader[1])
+        options = self.options.replace(transport="shm", wire="full") if behind else self.options
+        self._reader = WeightsReader(None, None, reader_rank, replicas=replicas, options=options.replace(host=host, port=port, secret=key),
                                      landing="staged", on_version=self._landed.on_version, on_refused=self._landed.on_refused)
-        reader = self._reader
-        self._landed.refusal = lambda: reader.refusal  # a refused trainer fails the rollout's wait at once
+        receiver = self._reader
+        self._landed.refusal = lambda: receiver.refusal  # a refused trainer fails the rollout's wait at once
+        if relay is not None:  # this worker leads its host: the trainer's writers send to its relay
+            relay_host, relay_port = host_port(relay["address"])
+            relay_key = split_address(relay["address"])[1] or self.options.secret
+            self._relay = NodeRelay([[address] for address in relay["local"]], rank=relay["rank"], replicas=relay["replicas"],
+                                    options=self.options.replace(host=relay_host, port=relay_port, secret=relay_key),
+                                    local=self.options.replace(transport="shm", wire="full"))
+
+    def _close_rollout(self) -> None:
+        if self._relay is not None:
+            self._relay.close()
+            self._relay = None
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
 
     def finalize(self) -> None:
         pass  # readers, landing memory and links are kept for the next sync

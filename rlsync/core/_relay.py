@@ -51,20 +51,23 @@ class NodeRelay:
     engines' readers (default: shared memory). ``address`` is what the trainer's writers connect to, as to one
     engine of one rank. Engines whose readers learn their layout from their writer (``replicas=N``) learn it from
     the relay, which learns it from the trainer's writers: then ``rank`` and ``replicas`` say which of the trainer's
-    replica readers the relay is (a framework whose writers send to N replica readers, some of them relays: verl). ``last_forward_seconds``: the last version's local
+    replica readers the relay is (a framework whose writers send to N replica readers, some of them relays: verl),
+    and ``replica_engines=True`` says the engines are such without asking them (they need not be up before the
+    first version). ``last_forward_seconds``: the last version's local
     forwarding, from its first local byte to every local reader's confirmation.
     """
 
     def __init__(self, engines: Sequence[Sequence[str]], *, options: SyncOptions | None = None,
                  local: SyncOptions | None = None, plugins: pluggy.PluginManager | None = None,
-                 rank: int = 0, replicas: int = 1) -> None:
+                 rank: int = 0, replicas: int = 1, replica_engines: bool = False) -> None:
         if not engines or any(not addresses for addresses in engines):
             raise ConfigError("NodeRelay needs, per engine on this host, the addresses of its readers (one per rank)")
         if not 0 <= rank < replicas:
             raise ConfigError(f"NodeRelay rank={rank}, replicas={replicas}: a rank among the replicas, from 0")
         self._engines = [list(addresses) for addresses in engines]
         self._local, self._plugins = local or SyncOptions(transport="shm"), plugins
-        layouts = [_layout_of(addresses[0], self._local) for addresses in engines]
+        # replica engines told as such are not asked: they may not be up yet (a framework starting them all at once)
+        layouts = [None if replica_engines else _layout_of(addresses[0], self._local) for addresses in engines]
         self._writers: list[WeightsWriter] = []
         self.last_forward_seconds = 0.0
         if all(layout is None for layout in layouts):  # replica engines, which learn their layout from their writer:

@@ -191,6 +191,7 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
             relay_host, relay_port = host_port(relay["address"])
             relay_key = split_address(relay["address"])[1] or self.options.secret
             self._relay = NodeRelay([[address] for address in relay["local"]], rank=relay["rank"], replicas=relay["replicas"],
+                                    replica_engines=True,  # the host's other workers may not be up yet
                                     options=self.options.replace(host=relay_host, port=relay_port, secret=relay_key),
                                     local=self.options.replace(transport="shm", wire="full"))
 

@@ -172,6 +172,24 @@ def test_three_syncs_through_verls_manager_land_bit_exact_with_metrics(model_dir
     assert [steps for _, steps in cluster.received()] == [[1, 2, 3, None]] * 2
 
 
+def test_rollout_workers_of_one_host_take_one_copy_through_a_relay(model_dir: Path, ray_cluster: None,
+                                                                   clusters: list[Cluster]) -> None:
+    """``engine_kwargs.rlsync.relay=true`` through verl's manager and Ray: the two rollout workers of this host sit
+    behind one ``NodeRelay`` run by the first, the trainer ranks send the host one copy (half of what they send
+    without it, above), and each worker holds a bit-exact copy at every step."""
+    cluster = Cluster(model_dir, {"verify": True, "timeout": 120, "relay": True})
+    clusters.append(cluster)
+    for step in (1, 2, 3):
+        cluster.trainer.train_step(step)
+        metrics = cluster.manager.update_weights(global_steps=step)
+        expected = cluster.trainer.full_state()[0]
+        for weights, steps in cluster.received():
+            assert steps[-1] == step
+            for name, tensor in expected.items():
+                assert torch.equal(weights[name], tensor), (step, name)
+        assert metrics["rlsync/bytes"] == sum(t.numel() * t.element_size() for t in expected.values())
+
+
 def test_delta_syncs_move_a_fraction_and_land_bit_exact(model_dir: Path, ray_cluster: None, clusters: list[Cluster]) -> None:
     """``engine_kwargs.rlsync.wire=delta`` with small steps (2 % of the values): after the first sync each trainer rank
     moves a fraction of its bytes, and every rollout worker still holds a bit-exact copy (CRCs checked too)."""

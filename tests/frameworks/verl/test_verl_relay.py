@@ -96,7 +96,7 @@ def test_three_rollout_workers_on_one_host_take_one_copy_through_the_relay(wire:
                 assert sent == total  # one copy for the host's three workers, not three
             else:
                 assert 0 < sent < total / 4
-            assert rollouts[0]._relay.version == steps
+            assert rollouts[0]._relay.version == metrics[0]["rlsync/sync_version"]  # live on the whole host
             with torch.no_grad():  # a step's change: a few values move
                 for t in weights.values():
                     t.view(-1)[steps::17] += 1

@@ -47,10 +47,10 @@ from verl.workers.rollout.utils import ensure_async_iterator
 
 from rlsync import (
     Canary,
-    NodeRelay,
     ConfigError,
     Finish,
     LandedVersions,
+    NodeRelay,
     Region,
     SyncOptions,
     TensorMeta,

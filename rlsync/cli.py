@@ -67,7 +67,7 @@ def bench(
                                                             "takes longer is reported as failed and the next runs.")] = 600,
 ) -> None:
     """Measure weight sync (or the rollout buffer) against the baselines, in one run."""
-    if device is not None and not sampling_mask:
+    if device is not None and not sampling_mask and wire is None:
         from rlsync.bench import run_device
 
         run_device(device=device, size=size, transports=transports, repeats=repeats, json_output=json_output,
@@ -79,7 +79,7 @@ def bench(
         from rlsync.bench import run_wire
 
         run_wire(size=size or "1GiB", steps=steps, lr=lr, transport=(transports or "tcp").split(",")[0], json_output=json_output,
-                 link_gbps=link_gbps)
+                 link_gbps=link_gbps, device=device or "cpu")
     elif link_gbps is not None:
         raise typer.BadParameter("--link-gbps measures full against delta versions over a slow link: add --wire delta")
     elif sampling_mask:

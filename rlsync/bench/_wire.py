@@ -1,6 +1,7 @@
 """``rlsync bench --wire delta``: full versions against delta versions, on what RL training does to weights.
 
-A Qwen2-shaped model (transformers, float32 master weights) takes real AdamW steps at an RL learning
+A Qwen2-shaped model (transformers, float32 master weights, on ``--device``: a GPU trainer finds and encodes its
+changes on the GPU) takes real AdamW steps at an RL learning
 rate (1e-6 by default) on a language-model loss over random tokens; after each step its bfloat16 copy
 is published twice, by a full writer and by a delta writer (``WeightsWriter(options=SyncOptions(wire="delta"))``), each into
 its own reader process (tcp by default, where deltas matter and are compressed; direct landing). Per version: the share of bf16 values that changed,
@@ -85,7 +86,8 @@ def _check(child: subprocess.Popen[str], version: int) -> tuple[dict[str, int], 
     return dict(got["crc"]), float(got["delta_seconds"])
 
 
-def measure(nbytes: int, steps: int, lr: float, transport: str = "tcp", progress: Any = None) -> dict[str, Any]:
+def measure(nbytes: int, steps: int, lr: float, transport: str = "tcp", progress: Any = None,
+            device: str = "cpu") -> dict[str, Any]:
     """Run the comparison and return the ``--json`` object."""
     try:
         import torch
@@ -99,6 +101,7 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "tcp", progress
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in config.items() if k != "model_type"},  # type: ignore[no-untyped-call, unused-ignore]
                                          max_position_embeddings=256))
+    model.to(device)  # type: ignore[arg-type, unused-ignore]  # transformers wraps .to
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     params = dict(model.named_parameters())
     state = {name: p.detach().to(torch.bfloat16).contiguous() for name, p in params.items()}
@@ -120,7 +123,7 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "tcp", progress
             if progress is not None:
                 progress(f"step {version}/{steps}")
             if version > 1:  # version 1: the model as initialized
-                tokens = torch.randint(0, int(config["vocab_size"]), (2, 64))
+                tokens = torch.randint(0, int(config["vocab_size"]), (2, 64), device=device)
                 model(input_ids=tokens, labels=tokens).loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -140,7 +143,7 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "tcp", progress
                              "encode_seconds": writer.last_delta_seconds}
                 if link is not None:  # what crossed the link: the version, its control messages, TCP/IP's headers
                     row[kind]["link_bytes"] = link.tx_bytes() - sent_before
-            want = _crcs({n: t.view(-1).view(torch.uint8).numpy() for n, t in state.items()})
+            want = _crcs({n: t.view(-1).view(torch.uint8).cpu().numpy() for n, t in state.items()})
             for kind, child in readers.items():
                 crcs, applied = _check(child, version)
                 row[kind]["bit_exact"] = crcs == want
@@ -158,7 +161,7 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "tcp", progress
     full_s = statistics.median(r["full"]["seconds"] for r in later)
     delta_s = statistics.median(r["delta"]["seconds"] for r in later)
     return {
-        "wire": "delta", "transport": transport, "link_gbps": None if link is None else link.gbps, "model_bytes": total, "parameters": total // 2, "lr": lr,
+        "wire": "delta", "transport": transport, "device": device, "link_gbps": None if link is None else link.gbps, "model_bytes": total, "parameters": total // 2, "lr": lr,
         "memcpy_gbps": mem, "memcpy_seconds": total / mem / 1e9, "steps": rows,
         "summary": {
             "versions": [r["version"] for r in later],
@@ -182,7 +185,8 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "tcp", progress
     }
 
 
-def run(*, size: str, steps: int, lr: float, transport: str = "tcp", json_output: bool, link_gbps: float | None = None) -> None:
+def run(*, size: str, steps: int, lr: float, transport: str = "tcp", json_output: bool, link_gbps: float | None = None,
+        device: str = "cpu") -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -193,18 +197,19 @@ def run(*, size: str, steps: int, lr: float, transport: str = "tcp", json_output
             raise ConfigError(f"--link-gbps measures over tcp (the namespaces share /dev/shm); got --transports {transport}")
         with slow_link(link_gbps) as (trainer, env):
             again = ["ip", "netns", "exec", trainer, sys.executable, "-m", "rlsync.cli", "bench", "--wire", "delta",
-                     "--size", size, "--steps", str(steps), "--lr", str(lr), "--transports", "tcp",
+                     "--size", size, "--steps", str(steps), "--lr", str(lr), "--transports", "tcp", "--device", device,
                      *(["--json"] if json_output else [])]
             code = subprocess.run(again, env={**os.environ, **env}, check=False).returncode
         if code:
             raise SystemExit(code)
         return
     with progress(steps, "full vs delta versions") as advance:
-        report = measure(parse_size(size), steps, lr, transport, progress=advance)
+        report = measure(parse_size(size), steps, lr, transport, progress=advance, device=device)
     if json_output:
         print(json.dumps(report))
     else:
         over = transport if report["link_gbps"] is None else f"a {report['link_gbps']:g} Gbit/s link (tcp)"
+        over += f", the trainer on {device}"
         table = Table(title=f"full vs delta versions over {over}: {report['parameters'] / 1e6:.0f}M bf16 values "
                             f"({report['model_bytes'] / 1e6:.0f} MB), AdamW lr {lr:g}, memcpy {report['memcpy_gbps']:.2f} GB/s "
                             f"({report['memcpy_seconds']:.3f} s for the model)")

@@ -148,6 +148,9 @@ class WeightsWriter:
         self.timeout = timeout
         self._sources: dict[str, torch.Tensor] = {}  # uint8, on the host or (for a device transport) the device
         self._device_copies: dict[str, torch.Tensor] = {}  # contiguous copies of strided device sources, reused
+        # with wire="delta" over a host transport: the device tensors staged to the host, where the changes are found
+        # and encoded (on the device, at memory speed; the staged host copies are what a full version sends)
+        self._delta_sources: dict[str, torch.Tensor] = {}
         self._streams = CurrentStreams()  # the streams device sources were put from, since the last version
         self._ready: Ready = []  # while a version is sent: an event on each of those streams
         self._channels: dict[int, Channel] = {}
@@ -210,6 +213,7 @@ class WeightsWriter:
         numel = int(tensor.numel()) if callable(getattr(tensor, "numel", None)) else int(tensor.size)
         if numel != spec.numel:
             raise WeightMismatchError(f"tensor {name!r}: {numel} elements but the layout says {spec.numel} (shape {tuple(tensor.shape)})")
+        self._delta_sources.pop(name, None)
         if isinstance(tensor, np.ndarray):
             self._sources[name] = as_bytes(name, tensor)
         elif tensor.device.type != "cpu" and self._transport.device_sources:
@@ -225,6 +229,9 @@ class WeightsWriter:
                              "about 50 GB/s); transport='cuda_ipc' (same host) or 'nixl' moves device memory directly",
                              self.rank, tensor.device.type, self._transport.name)
             self._sources[name] = as_bytes(name, self._staging.stage(name, tensor))
+            if self._changes is not None and tensor.device.type != "cpu":  # a GPU trainer's delta: found on the GPU
+                self._delta_sources[name] = as_bytes(name, tensor if tensor.is_contiguous() else self._contiguous_copy(name, tensor))
+                self._streams.note(tensor)
         else:
             self._sources[name] = as_bytes(name, tensor)
 
@@ -344,7 +351,7 @@ class WeightsWriter:
         if self._changes is not None:
             self._staging.wait()  # the delta reads every buffer first
             found = time.perf_counter()
-            self._changes.record(version, self._sources)
+            self._changes.record(version, self._sources | self._delta_sources)
             self.last_delta_seconds += time.perf_counter() - found
         self._sent = {}
         self.last_digests = {}
@@ -429,7 +436,7 @@ class WeightsWriter:
         flips = {name: self._changes.flips(base, name) for name, _ in groups}
         capacity = min(self._inboxes[dst_rank][2], self._part_bytes[dst_rank] - 1)  # smaller than a full send, or none
         started = time.perf_counter()
-        payload = encode_delta(groups, changed, self._sources, self._itemsizes, capacity, flips,
+        payload = encode_delta(groups, changed, self._sources | self._delta_sources, self._itemsizes, capacity, flips,
                                self._transport.compress_deltas)
         self.last_delta_seconds += time.perf_counter() - started  # summed over readers (pool threads: an upper bound)
         return None if payload is None else (base, payload)

@@ -178,3 +178,36 @@ def test_current_streams_notes_each_stream_a_tensor_was_put_from_once() -> None:
     assert [s.cuda_stream for s in streams.streams()] == [torch.cuda.current_stream().cuda_stream, side.cuda_stream]
     streams.clear()
     assert streams.streams() == []
+
+
+def test_a_cuda_trainers_delta_over_tcp_is_found_on_the_gpu_and_lands_bit_exact() -> None:
+    """``wire="delta"`` over tcp (a slow link) from CUDA tensors: the full version goes through host staging as
+    before, but the changes are found and encoded on the GPU (the change log's copy lives there), and only the
+    compressed delta crosses to the host; every version bit-exact in a host reader, later versions deltas."""
+    from rlsync import WeightsReader
+
+    trainer = hf_writer.tiny_qwen2(seed=1).cuda()
+    params = dict(trainer.named_parameters())
+    full = sum(p.numel() * p.element_size() for p in params.values())
+    options = SyncOptions(transport="tcp", verify=True, timeout=120, wire="delta")
+    reader = WeightsReader(None, None, 0, replicas=1, landing="direct", options=options)
+    writer = WeightsWriter(from_state_dict({n: p.detach() for n, p in params.items()}), None, 0, [reader.address],
+                           options=options)
+    try:
+        for version in (1, 2, 3):
+            with torch.no_grad():
+                for p in params.values():
+                    p.view(-1)[version::89] += 0.25
+            writer.multi_put({n: p.detach() for n, p in params.items()})
+            writer.complete(version)
+            assert reader.version == version
+            landed = reader.buffers()
+            for name, p in params.items():
+                assert bytes(landed[name]) == p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(), (version, name)
+            if version > 1:
+                assert 0 < writer.last_bytes < full / 4
+        shadows = writer._changes._shadow.values()
+        assert shadows and all(s.is_cuda for s in shadows)  # found on the GPU, not on the staged host copies
+    finally:
+        writer.close()
+        reader.close()

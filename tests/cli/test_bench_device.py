@@ -64,9 +64,17 @@ def test_a_bench_stopped_by_sigterm_prints_what_it_measured() -> None:
     bench = subprocess.Popen([sys.executable, "-m", "rlsync.cli", "bench", "--device", "cpu", "--size", "64MiB",
                               "--repeats", "3", "--transports", "shm,nixl", "--json"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(8)
+    # stopped once its progress says a path has begun (the copy limits measured), not after a fixed sleep: on a
+    # loaded machine 8 s once ended before the bench had imported torch, and it died with nothing to print
+    assert bench.stderr is not None
+    began, deadline = [], time.monotonic() + 240
+    for line in bench.stderr:
+        began.append(line)
+        if "landing" in line or time.monotonic() > deadline:
+            break
     bench.send_signal(signal.SIGTERM)
-    out, err = bench.communicate(timeout=120)
+    out, rest = bench.communicate(timeout=120)
+    err = "".join(began) + rest
     report = json.loads(out)
     assert report["stopped"] == "stopped by SIGTERM before every path ran", err
     assert report["limits"]["one_copy_gbps"] > 0

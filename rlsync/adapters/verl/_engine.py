@@ -37,7 +37,7 @@ import asyncio
 import json
 import socket
 import time
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -154,14 +154,17 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
                  "world_size": [actor_world_size] * actor_world_size, "readers": [placed.entries] * actor_world_size}
         rollout: dict[str, list[Any]] = {"role": ["rollout"] * rollout_world_size, "rank": list(range(rollout_world_size)),
                    "world_size": [rollout_world_size] * rollout_world_size, "readers": [addresses] * rollout_world_size,
-                   "reader": placed.reader, "relay": placed.relay}
+                   "reader": placed.reader, "behind_relay": placed.behind, "relay": placed.relay}
         return actor, rollout
 
     def init_process_group(self, role: str, rank: int, world_size: int, readers: list[str],
-                           reader: tuple[int, int] | None | str = "rank", relay: dict[str, Any] | None = None) -> None:
+                           reader: Sequence[int] | None = None, behind_relay: bool = False,
+                           relay: dict[str, Any] | None = None) -> None:
         """``reader``: this rollout worker's ``(rank, replicas)`` among the trainer's readers (by default its rank among
-        ``world_size``; None: behind its host's relay); ``relay``: the ``NodeRelay`` it runs for it (``_relays.place``)."""
-        placement = (rank, world_size, list(readers), reader if reader is None or isinstance(reader, str) else tuple(reader), relay)
+        ``world_size``); ``behind_relay``: its bytes come from its host's relay; ``relay``: the ``NodeRelay`` it runs for
+        that host (all three from ``_relays.place``)."""
+        reader_rank, replicas = (rank, world_size) if reader is None else (int(reader[0]), int(reader[1]))
+        placement = (rank, world_size, list(readers), reader_rank, replicas, behind_relay, relay)
         changed = self._placement != placement
         self._placement = placement
         self.role, self._rank, self._world, self._readers = role, rank, world_size, list(readers)
@@ -175,14 +178,8 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         self._close_rollout()
         host, port = host_port(readers[rank])
         key = split_address(readers[rank])[1] or self.options.secret  # the key prepare() put in its address
-        behind = reader is None  # its bytes come from its host's relay, over shared memory, whole
-        if reader is None:
-            reader_rank, replicas = 0, 1
-        elif isinstance(reader, str):  # "rank": no placement from build_topology (an older driver)
-            reader_rank, replicas = rank, world_size
-        else:
-            reader_rank, replicas = int(reader[0]), int(reader[1])
-        options = self.options.replace(transport="shm", wire="full") if behind else self.options
+        # behind a relay: its bytes come from the relay over shared memory, whole
+        options = self.options.replace(transport="shm", wire="full") if behind_relay else self.options
         self._reader = WeightsReader(None, None, reader_rank, replicas=replicas, options=options.replace(host=host, port=port, secret=key),
                                      landing="staged", on_version=self._landed.on_version, on_refused=self._landed.on_refused)
         receiver = self._reader

@@ -49,12 +49,13 @@ def host_id() -> str:
 @dataclass(frozen=True)
 class Placement:
     """The trainer's readers (``entries``: a relay's or a worker's address each) and, per rollout worker, the replica
-    it is among them (``reader``: ``(rank, replicas)``; None behind a relay, whose workers are each an engine of one
-    rank to it) and the relay it runs (``relay``: None, or its address, its ``rank``/``replicas`` among the entries
-    and the addresses of the host's workers it forwards to, its own first)."""
+    it is among them (``reader``: ``(rank, replicas)``; ``(0, 1)`` behind a relay, to which each worker is an engine
+    of one rank), whether it is behind one (``behind``), and the relay it runs (``relay``: None, or its address, its
+    ``rank``/``replicas`` among the entries and the addresses of the host's workers it forwards to, its own first)."""
 
     entries: list[str]
-    reader: list[tuple[int, int] | None]
+    reader: list[tuple[int, int]]
+    behind: list[bool]
     relay: list[dict[str, Any] | None]
 
 
@@ -73,7 +74,7 @@ def place(actor_hosts: Sequence[str | None], rollout: Sequence[dict[str, Any]]) 
         mode = lead.get("relay", "auto")
         if len(ranks) > 1 and lead.get("relay_address") and (mode is True or (mode == "auto" and host not in trainer_hosts)):
             relays[ranks[0]] = {"address": lead["relay_address"], "rank": len(entries),
-                                "local": [rollout[r]["address"] for r in ranks], "behind": ranks}
+                                "local": [rollout[r]["address"] for r in ranks]}
             entries.append(lead["relay_address"])
         else:
             for rank in ranks:
@@ -82,8 +83,6 @@ def place(actor_hosts: Sequence[str | None], rollout: Sequence[dict[str, Any]]) 
     replicas = len(entries)
     for spec in relays.values():
         spec["replicas"] = replicas
-    reader = [(direct[r], replicas) if r in direct else None for r in range(len(rollout))]
-    relay: list[dict[str, Any] | None] = [None] * len(rollout)
-    for rank, spec in relays.items():
-        relay[rank] = {k: v for k, v in spec.items() if k != "behind"}
-    return Placement(entries, reader, relay)
+    workers = range(len(rollout))
+    return Placement(entries, [(direct[r], replicas) if r in direct else (0, 1) for r in workers],
+                     [r not in direct for r in workers], [relays.get(r) for r in workers])

@@ -148,6 +148,19 @@ def ray_cluster() -> Iterator[None]:
     ray.shutdown()
 
 
+def _sync_bit_exact(cluster: Cluster, step: int, *train: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Train ``step``, sync it through verl's manager, check every rollout worker holds the trainer's tensors bit for
+    bit; the step's metrics and the trainer's tensors."""
+    cluster.trainer.train_step(step, *train)
+    metrics = cluster.manager.update_weights(global_steps=step)
+    expected = cluster.trainer.full_state()[0]
+    for weights, steps in cluster.received():
+        assert steps[-1] == step
+        for name, tensor in expected.items():
+            assert torch.equal(weights[name], tensor), (step, name)
+    return metrics, expected
+
+
 def test_three_syncs_through_verls_manager_land_bit_exact_with_metrics(model_dir: Path, ray_cluster: None,
                                                                       clusters: list[Cluster]) -> None:
     cluster = Cluster(model_dir, {"verify": True, "timeout": 120})
@@ -180,13 +193,7 @@ def test_rollout_workers_of_one_host_take_one_copy_through_a_relay(model_dir: Pa
     cluster = Cluster(model_dir, {"verify": True, "timeout": 120, "relay": True})
     clusters.append(cluster)
     for step in (1, 2, 3):
-        cluster.trainer.train_step(step)
-        metrics = cluster.manager.update_weights(global_steps=step)
-        expected = cluster.trainer.full_state()[0]
-        for weights, steps in cluster.received():
-            assert steps[-1] == step
-            for name, tensor in expected.items():
-                assert torch.equal(weights[name], tensor), (step, name)
+        metrics, expected = _sync_bit_exact(cluster, step)
         assert metrics["rlsync/bytes"] == sum(t.numel() * t.element_size() for t in expected.values())
 
 
@@ -197,13 +204,7 @@ def test_delta_syncs_move_a_fraction_and_land_bit_exact(model_dir: Path, ray_clu
     clusters.append(cluster)
     sent = []
     for step in (1, 2, 3):
-        cluster.trainer.train_step(step, 50)
-        metrics = cluster.manager.update_weights(global_steps=step)
-        expected = cluster.trainer.full_state()[0]
-        for weights, steps in cluster.received():
-            assert steps[-1] == step
-            for name, tensor in expected.items():
-                assert torch.equal(weights[name], tensor), (step, name)
+        metrics, _ = _sync_bit_exact(cluster, step, 50)
         sent.append(metrics["rlsync/rank_wire_bytes"])
     assert sent[0] > 0 and all(0 < n < 0.2 * sent[0] for n in sent[1:]), sent
 

@@ -28,7 +28,8 @@ def test_hosts_of_several_rollout_workers_and_no_trainer_get_one_relay_each() ->
     rollout = [_meta("a", 0), _meta("b", 1), _meta("a", 2), _meta("c", 3), _meta("b", 4), _meta("b", 5)]
     placed = place(["t", "t"], rollout)
     assert placed.entries == ["tcp://a:200", "tcp://b:201", "tcp://c:103"]  # a relay each for a and b; c alone
-    assert placed.reader == [None, None, None, (2, 3), None, None]
+    assert placed.reader == [(0, 1), (0, 1), (0, 1), (2, 3), (0, 1), (0, 1)]
+    assert placed.behind == [True, True, True, False, True, True]
     assert placed.relay[0] == {"address": "tcp://a:200", "rank": 0, "replicas": 3, "local": ["tcp://a:100", "tcp://a:102"]}
     assert placed.relay[1] == {"address": "tcp://b:201", "rank": 1, "replicas": 3,
                                "local": ["tcp://b:101", "tcp://b:104", "tcp://b:105"]}
@@ -39,7 +40,7 @@ def test_auto_leaves_a_host_the_trainer_shares_and_false_relays_nothing() -> Non
     rollout = [_meta("t", 0), _meta("t", 1), _meta("b", 2), _meta("b", 3)]
     auto = place(["t"], rollout)
     assert auto.entries == ["tcp://t:100", "tcp://t:101", "tcp://b:202"]
-    assert auto.reader == [(0, 3), (1, 3), None, None]
+    assert auto.reader == [(0, 3), (1, 3), (0, 1), (0, 1)] and auto.behind == [False, False, True, True]
     forced = place(["t"], [_meta("t", r, relay=True) for r in range(2)])
     assert forced.entries == ["tcp://t:200"]
     off = place(["t"], [_meta("b", r, relay=False) for r in range(2)])
@@ -59,8 +60,9 @@ def test_three_rollout_workers_on_one_host_take_one_copy_through_the_relay(wire:
     import rlsync.adapters.verl  # noqa: F401  (registers the backend, as the entry point does)
 
     cls = CheckpointEngineRegistry.get("rlsync")
-    actors = [cls(bucket_size=1 << 20, is_master=r == 0, wire=wire) for r in range(2)]
-    rollouts = [cls(bucket_size=1 << 20, timeout=30, relay=True, wire=wire) for _ in range(3)]
+    # tcp to the host, as across machines; the relay forwards over shared memory (its workers' readers take that)
+    actors = [cls(bucket_size=1 << 20, is_master=r == 0, wire=wire, transport="tcp") for r in range(2)]
+    rollouts = [cls(bucket_size=1 << 20, timeout=30, relay=True, wire=wire, transport="tcp") for _ in range(3)]
     metadata = [e.prepare() for e in (*actors, *rollouts)]
     actor_kwargs, rollout_kwargs = cls.build_topology(2, 3, metadata)
     assert actor_kwargs["readers"][0] == [metadata[2]["relay_address"]]  # the trainer sees one reader: the relay

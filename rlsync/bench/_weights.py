@@ -23,18 +23,19 @@ from typing import Any
 
 import numpy as np
 
-from rlsync import SyncOptions
+from rlsync import ConfigError, SyncOptions
 from rlsync.layouts import model_spec
 
 BUCKET = 256 * 2**20
 FANOUT = (1, 2, 4)  # readers a version is published to at once
-_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+          "TB": 10**12}
 
 
 def parse_size(text: str) -> int:
-    match = re.fullmatch(r"\s*([\d.]+)\s*([KMG]i?B|B)?\s*", text, re.IGNORECASE)
-    if not match:
-        raise ValueError(f"--size {text!r}: use a number with a unit, e.g. 1GiB, 256MiB")
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
+    if not match:  # a usage error, not a crash: the CLI prints it as one
+        raise ConfigError(f"--size {text!r}: use a number with a unit, e.g. 1GiB, 256MiB")
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -28,8 +29,43 @@ from rlsync.bench._link import Link, slow_link
 from rlsync.bench._weights import _read, bench_spec, memcpy_gbps, parse_size
 
 
-#: engine ranks on the far host behind one ``NodeRelay`` (``--link-gbps``)
+#: engine ranks on the far host behind one ``NodeRelay`` (``--link-gbps``), unless ``--fanout-ranks`` says otherwise
 FANOUT = 4
+
+
+def memory_needed(nbytes: int, device: str, fanout: int) -> dict[str, float]:
+    """Bytes of host memory the run takes, by who takes them (``nbytes``: the model in bf16). The trainer on the
+    host: float32 weights, gradients and AdamW's two moments (10x the bf16 bytes), its bf16 copy and the last one,
+    activations, and one copy per delta writer to find changes against (measured: 13.4 GB for a 1.08 GB model with
+    two delta writers); on a GPU only what its writers stage in host memory for tcp. Each reader two slots, a delta
+    reader its inbox too; a relay host its own landing and two slots per rank. At 1 GiB with 4 relay ranks that is
+    about 30 GB: on a 24 GB machine the kernel killed the run, which then said nothing."""
+    deltas = 2 if fanout else 1  # delta writers (the relay host's is one), beside the full writer
+    trainer = nbytes * (11 + deltas if device == "cpu" else 1 + deltas)
+    readers = nbytes * (2 + 2.25)
+    relay = nbytes * (2.25 + 2 * fanout) if fanout else 0.0
+    return {"trainer": trainer, "readers": readers, "relay host": relay}
+
+
+def _check_memory(nbytes: int, device: str, fanout: int, size: str) -> None:
+    """Refuse a run that would not fit this machine's memory, naming what to change (before a process starts)."""
+    needed = memory_needed(nbytes, device, fanout)
+    available = _available_bytes()
+    if available is None or sum(needed.values()) <= available:
+        return
+    parts = ", ".join(f"{who} {n / 1e9:.1f}" for who, n in needed.items() if n)
+    fix = "--fanout-ranks 0 (no relay host) or " if fanout else ""
+    raise ConfigError(f"rlsync bench --wire delta --size {size}: needs about {sum(needed.values()) / 1e9:.1f} GB of memory "
+                      f"({parts}), this machine has {available / 1e9:.1f} GB available: use {fix}a smaller --size")
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), or None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
 
 
 def _crcs(buffers: dict[str, Any]) -> dict[str, int]:
@@ -87,7 +123,7 @@ def _check(child: subprocess.Popen[str], version: int) -> tuple[dict[str, int], 
 
 
 def measure(nbytes: int, steps: int, lr: float, transport: str = "tcp", progress: Any = None,
-            device: str = "cpu") -> dict[str, Any]:
+            device: str = "cpu", fanout: int = FANOUT) -> dict[str, Any]:
     """Run the comparison and return the ``--json`` object."""
     try:
         import torch
@@ -110,8 +146,8 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "tcp", progress
     mem = memcpy_gbps(total)
     link = Link.from_env()  # run inside the trainer's namespace by `--link-gbps`: the readers are across the link
     readers = {"full": _spawn_reader(transport, link), "delta": _spawn_reader(transport, link)}
-    if link is not None:  # and a host of FANOUT engine ranks behind one relay, sent deltas: the link carries one copy
-        readers["fanout"] = _spawn_reader(transport, link, "relay", str(FANOUT))
+    if link is not None and fanout:  # and a host of engine ranks behind one relay, sent deltas: the link carries one copy
+        readers["fanout"] = _spawn_reader(transport, link, "relay", str(fanout))
     rows: list[dict[str, Any]] = []
     try:
         addresses = {kind: _read(child)["address"] for kind, child in readers.items()}
@@ -175,7 +211,9 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "tcp", progress
             **({} if link is None else {
                 "full_link_bytes_median": statistics.median(r["full"]["link_bytes"] for r in later),
                 "delta_link_bytes_median": statistics.median(r["delta"]["link_bytes"] for r in later),
-                "fanout_ranks": FANOUT,
+                "fanout_ranks": 0}),
+            **({} if link is None or not fanout else {
+                "fanout_ranks": fanout,
                 "fanout_link_bytes": [r["fanout"]["link_bytes"] for r in rows],
                 "fanout_seconds_median": statistics.median(r["fanout"]["seconds"] for r in later),
                 "fanout_bit_exact": all(r["fanout"]["bit_exact"] for r in rows)}),
@@ -186,25 +224,32 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "tcp", progress
 
 
 def run(*, size: str, steps: int, lr: float, transport: str = "tcp", json_output: bool, link_gbps: float | None = None,
-        device: str = "cpu") -> None:
+        device: str = "cpu", fanout: int = FANOUT) -> None:
     from rich.console import Console
     from rich.table import Table
 
     from rlsync.bench._progress import progress
 
+    if link_gbps is None:
+        fanout = 0  # the relay host sits across the link
+    if Link.from_env() is None:
+        _check_memory(parse_size(size), device, fanout, size)
     if link_gbps is not None and Link.from_env() is None:  # make the link, run this inside the trainer's namespace
         if transport != "tcp":  # across namespaces shm would cross nothing
             raise ConfigError(f"--link-gbps measures over tcp (the namespaces share /dev/shm); got --transports {transport}")
         with slow_link(link_gbps) as (trainer, env):
             again = ["ip", "netns", "exec", trainer, sys.executable, "-m", "rlsync.cli", "bench", "--wire", "delta",
                      "--size", size, "--steps", str(steps), "--lr", str(lr), "--transports", "tcp", "--device", device,
-                     *(["--json"] if json_output else [])]
+                     "--fanout-ranks", str(fanout), *(["--json"] if json_output else [])]
             code = subprocess.run(again, env={**os.environ, **env}, check=False).returncode
+        if code < 0:  # killed: say so (an out-of-memory kill prints nothing of its own)
+            raise SystemExit(f"rlsync bench: the benchmark in the trainer's namespace was killed by signal {-code} "
+                             f"({signal.Signals(-code).name}{': out of memory?' if -code == signal.SIGKILL else ''})")
         if code:
             raise SystemExit(code)
         return
     with progress(steps, "full vs delta versions") as advance:
-        report = measure(parse_size(size), steps, lr, transport, progress=advance, device=device)
+        report = measure(parse_size(size), steps, lr, transport, progress=advance, device=device, fanout=fanout)
     if json_output:
         print(json.dumps(report))
     else:
@@ -227,10 +272,11 @@ def run(*, size: str, steps: int, lr: float, transport: str = "tcp", json_output
                   f"put {summary['full_link_bytes_median'] / 1e6:.1f} MB on it in {summary['full_seconds_median']:.3f} s, "
                   f"a delta {summary['delta_link_bytes_median'] / 1e6:.2f} MB in {summary['delta_seconds_median']:.3f} s "
                   f"({summary['speedup']:.1f}x sooner)")
-            print(f"a host of {summary['fanout_ranks']} engine ranks behind one relay (deltas): "
-                  f"{', '.join(f'{b / 1e6:.2f}' for b in summary['fanout_link_bytes'])} MB on the link per version, "
-                  f"{summary['fanout_seconds_median']:.3f} s per version, bit-exact on every rank: "
-                  f"{'yes' if summary['fanout_bit_exact'] else 'NO'}")
+            if summary["fanout_ranks"]:
+                print(f"a host of {summary['fanout_ranks']} engine ranks behind one relay (deltas): "
+                      f"{', '.join(f'{b / 1e6:.2f}' for b in summary['fanout_link_bytes'])} MB on the link per version, "
+                      f"{summary['fanout_seconds_median']:.3f} s per version, bit-exact on every rank: "
+                      f"{'yes' if summary['fanout_bit_exact'] else 'NO'}")
     if not report["summary"]["delta_bit_exact"]:
         raise SystemExit("rlsync bench: the delta reader's bytes differ from the trainer's (a bug: please report it)")
 

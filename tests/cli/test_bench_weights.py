@@ -16,6 +16,8 @@ def test_sizes_parse_and_the_model_comes_close() -> None:
     assert parse_size("1GiB") == 2**30 and parse_size("256MiB") == 256 * 2**20 and parse_size("10MB") == 10**7
     with pytest.raises(ValueError, match="use a number with a unit"):
         parse_size("lots")
+    with pytest.raises(ValueError, match="use a number with a unit"):
+        parse_size("1.2.3GiB")  # was a float() crash
     for size in (8 * 2**20, 2**30):
         got = model_spec(bench_spec(size)).nbytes
         assert 0.8 * size < got < 1.2 * size

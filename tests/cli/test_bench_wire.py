@@ -63,3 +63,13 @@ def test_over_a_slow_link_the_bytes_that_cross_it_are_the_deltas() -> None:
     # 8 MiB at 1 Gbit/s takes at least 67 ms in full; the link, not memory, is the limit
     assert all(s["full"]["seconds"] > 0.8 * report["model_bytes"] * 8 / 1e9 for s in report["steps"][1:])
     assert report["summary"]["delta_link_bytes_median"] < 0.05 * report["summary"]["full_link_bytes_median"]
+
+
+def test_a_wire_bench_larger_than_memory_is_refused_before_it_starts() -> None:
+    """At 1 GiB with a relay host of 4 ranks the run needs about 30 GB; on a 24 GB machine the kernel killed it and
+    nothing was printed. Now the bench says what it needs and what to change, before a process starts."""
+    out = subprocess.run([sys.executable, "-m", "rlsync.cli", "bench", "--wire", "delta", "--size", "4TiB", "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and not out.stdout
+    assert "needs about" in out.stderr and "GB of memory" in out.stderr and "a smaller --size" in out.stderr
+    assert "--fanout-ranks" not in out.stderr  # no relay host without --link-gbps: not a fix to offer

@@ -119,7 +119,6 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_samples_a_dead_client_held_come_back_once_its_lease_runs_out(redis_server: RedisServer) -> None:
-    import subprocess
     import sys
 
     from rlsync.plugins import RedisStorage

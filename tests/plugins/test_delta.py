@@ -463,6 +463,34 @@ def test_a_segment_holds_at_most_so_many_values_and_the_pieces_land_exact(monkey
         assert int(region.view(torch.int16).count_nonzero()) == int(new[changed].count_nonzero())
 
 
+def test_segments_cut_across_many_buffers_land_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Buffers that follow each other in the region are read as one sequence without being joined: segments of 7
+    values start and end inside buffers, cover several, and pass over buffers without a change; every value lands."""
+    import torch
+
+    monkeypatch.setattr("rlsync.core._delta._HOST_SEGMENT", 7)
+    gen = torch.Generator().manual_seed(5)
+    sizes = [int(torch.randint(1, 40, (1,), generator=gen)) for _ in range(12)]
+    new = {f"b{i}": torch.randint(-2**15, 2**15, (n,), dtype=torch.int16, generator=gen) for i, n in enumerate(sizes)}
+    changed = {name: torch.sort(torch.randperm(t.numel(), generator=gen)[: t.numel() // 3]).values for name, t in new.items()}
+    changed["b4"] = changed["b4"][:0]  # a buffer with no change between others
+    groups, at = [], 0
+    for name, t in new.items():
+        groups.append((name, [(0, at, 2 * t.numel())]))
+        at += 2 * t.numel()
+    total = sum(len(c) for c in changed.values())
+    for compress in (True, False):
+        payload = encode(groups, changed, {n: t.view(torch.uint8) for n, t in new.items()}, dict.fromkeys(new, 2),
+                         1 << 20, None, compress)
+        assert payload is not None and int(payload[:8].view(torch.int64)) == -(-total // 7)
+        region = torch.zeros(at, dtype=torch.uint8)
+        assert apply(payload, region) == total
+        for (name, [(_, start, nbytes)]) in groups:
+            got = region[start : start + nbytes].view(torch.int16)
+            assert torch.equal(got[changed[name]], new[name][changed[name]]), name
+            assert int(got.count_nonzero()) == int(new[name][changed[name]].count_nonzero()), name
+
+
 def test_buffers_of_alternating_types_are_compared_in_one_flat_per_type() -> None:
     """A model's bf16 weights between fp32 norms: one flat copy (one wait for the device) per element type, not one
     per change of type along the model."""

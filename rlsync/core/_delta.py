@@ -84,6 +84,7 @@ class ChangeLog:
         self._flips: dict[str, torch.Tensor] = {}  # of the newest version: old bits XOR new, per changed element
         self._flat_key: tuple[Any, ...] = ()  # the buffers compared together, as last laid out
         self._flat: list[_Flat] = []
+        self._scratch = torch.empty(0, dtype=torch.int64)  # a host chunk's XOR, reused buffer after buffer
 
     def record(self, version: int, sources: Mapping[str, torch.Tensor]) -> None:
         """Compare ``sources`` (``uint8`` tensors) with the last recorded bytes and remember what changed; a version
@@ -103,7 +104,9 @@ class ChangeLog:
             elif room < 0:  # most of the model moved: only the copy takes the new bits
                 shadow.copy_(now)
             else:
-                found[name] = _changes(now, shadow)
+                if self._scratch.numel() < _CHUNK and not now.is_cuda:
+                    self._scratch = torch.empty(_CHUNK, dtype=torch.int64)
+                found[name] = _changes(now, shadow, self._scratch)
                 room -= found[name][0].numel()
                 if room < 0:
                     found.clear()
@@ -226,14 +229,15 @@ def _held(history: Sequence[tuple[int, Mapping[str, torch.Tensor | None]]]) -> i
     return sum(t.numel() * t.element_size() for _, changes in history for t in changes.values() if t is not None)
 
 
-def _changes(now: torch.Tensor, shadow: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _changes(now: torch.Tensor, shadow: torch.Tensor, scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The elements where ``now`` and ``shadow`` (same-size integer tensors) differ, sorted, and their old bits XOR
     new; ``shadow`` takes the new bits. On the host, 64-bit words at a time, in chunks that stay in cache: the XOR of
-    a chunk's words, ``nonzero`` over it (a quarter of the bf16 elements), one gather of the changed words' XOR and
-    ``nonzero`` over their elements, then the chunk's new words copied whole (a scatter of the changed words touched
-    half the cache lines anyway). 1 GB of bf16 at 2 % changed: 0.45 s on two host cores, was 0.6 s with a compare, two
-    gathers and a scatter, and 1.0 s element by element. On a GPU, whose bandwidth the compare does not exhaust but
-    whose every ``nonzero`` waits for the device, element by element: one wait per buffer."""
+    a chunk's words (into ``scratch``, ``_CHUNK`` int64 kept by the change log), ``nonzero`` over it (a quarter of the
+    bf16 elements), one gather of the changed words' XOR and ``nonzero`` over their elements, then the chunk's new
+    words copied whole (a scatter of the changed words touched half the cache lines anyway). 1 GB of bf16 at 2 %
+    changed: 0.45 s on two host cores, was 0.6 s with a compare, two gathers and a scatter, and 1.0 s element by
+    element. On a GPU, whose bandwidth the compare does not exhaust but whose every ``nonzero`` waits for the device,
+    element by element: one wait per buffer."""
     per = 8 // now.element_size()
     whole = now.numel() // per * per
     if per == 1 or not whole or now.is_cuda or now.storage_offset() % per or shadow.storage_offset() % per:
@@ -243,18 +247,17 @@ def _changes(now: torch.Tensor, shadow: torch.Tensor) -> tuple[torch.Tensor, tor
         shadow[changed] = new
         return changed, flips
     words, old_words = now[:whole].view(torch.int64), shadow[:whole].view(torch.int64)
-    xor = torch.empty(min(_CHUNK, words.numel()), dtype=torch.int64)  # reused chunk by chunk: no page faults
     found: list[tuple[torch.Tensor, torch.Tensor]] = []
     for start in range(0, words.numel(), _CHUNK):
         chunk, old = words[start : start + _CHUNK], old_words[start : start + _CHUNK]
-        flipped = torch.bitwise_xor(chunk, old, out=xor[: chunk.numel()])
+        flipped = torch.bitwise_xor(chunk, old, out=scratch[: chunk.numel()])
         at = torch.nonzero(flipped).flatten()
         lanes = flipped[at].view(now.dtype)  # per changed word, its elements' flips
         old.copy_(chunk)
         lane = torch.nonzero(lanes).flatten()
         found.append((at[lane.div(per, rounding_mode="floor")].add_(start).mul_(per).add_(lane.remainder(per)), lanes[lane]))
     if whole < now.numel():  # the last few elements, past the last whole word
-        tail, tail_flips = _changes(now[whole:], shadow[whole:])
+        tail, tail_flips = _changes(now[whole:], shadow[whole:], scratch)
         found.append((tail.add_(whole), tail_flips))
     return torch.cat([c for c, _ in found]), torch.cat([f for _, f in found])
 

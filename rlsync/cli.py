@@ -62,14 +62,17 @@ def bench(
     link_gbps: Annotated[Optional[float], typer.Option(help="With --wire delta: trainer and readers on two network "
                                                              "namespaces joined by a link limited to this many Gbit/s "
                                                              "(tc tbf; needs root), over tcp.")] = None,
-    fanout_ranks: Annotated[int, typer.Option(min=0, help="With --link-gbps: engine ranks of the far host behind one "
-                                                         "rlsync.NodeRelay (0: no relay host; it takes two copies of "
-                                                         "the model per rank).")] = 4,
+    fanout_ranks: Annotated[Optional[int], typer.Option(min=0, help="With --link-gbps: engine ranks of the far host "
+                                                                   "behind one rlsync.NodeRelay (default 4; 0: no relay "
+                                                                   "host; it takes two copies of the model per rank).")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
     path_timeout: Annotated[float, typer.Option(min=1, help="With --device: seconds one path may take; a path that "
                                                             "takes longer is reported as failed and the next runs.")] = 600,
 ) -> None:
     """Measure weight sync (or the rollout buffer) against the baselines, in one run."""
+    if fanout_ranks is not None and (wire is None or link_gbps is None):
+        raise typer.BadParameter("--fanout-ranks puts a host of engine ranks across the link of --wire delta --link-gbps G: "
+                                 "add those, or leave --fanout-ranks out")
     if device is not None and not sampling_mask and wire is None:
         from rlsync.bench import run_device
 
@@ -82,7 +85,7 @@ def bench(
         from rlsync.bench import run_wire
 
         run_wire(size=size or "1GiB", steps=steps, lr=lr, transport=(transports or "tcp").split(",")[0], json_output=json_output,
-                 link_gbps=link_gbps, device=device or "cpu", fanout=fanout_ranks)
+                 link_gbps=link_gbps, device=device or "cpu", **({} if fanout_ranks is None else {"fanout": fanout_ranks}))
     elif link_gbps is not None:
         raise typer.BadParameter("--link-gbps measures full against delta versions over a slow link: add --wire delta")
     elif sampling_mask:

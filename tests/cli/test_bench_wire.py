@@ -73,3 +73,9 @@ def test_a_wire_bench_larger_than_memory_is_refused_before_it_starts() -> None:
     assert out.returncode == 2 and not out.stdout
     assert "needs about" in out.stderr and "GB of memory" in out.stderr and "a smaller --size" in out.stderr
     assert "--fanout-ranks" not in out.stderr  # no relay host without --link-gbps: not a fix to offer
+
+
+def test_fanout_ranks_without_a_link_is_a_usage_error() -> None:
+    out = subprocess.run([sys.executable, "-m", "rlsync.cli", "bench", "--wire", "delta", "--fanout-ranks", "2"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--link-gbps" in out.stderr and not out.stdout

@@ -240,7 +240,7 @@ def run(*, size: str, steps: int, lr: float, transport: str = "tcp", json_output
         with slow_link(link_gbps) as (trainer, env):
             again = ["ip", "netns", "exec", trainer, sys.executable, "-m", "rlsync.cli", "bench", "--wire", "delta",
                      "--size", size, "--steps", str(steps), "--lr", str(lr), "--transports", "tcp", "--device", device,
-                     "--fanout-ranks", str(fanout), *(["--json"] if json_output else [])]
+                     "--link-gbps", str(link_gbps), "--fanout-ranks", str(fanout), *(["--json"] if json_output else [])]
             code = subprocess.run(again, env={**os.environ, **env}, check=False).returncode
         if code < 0:  # killed: say so (an out-of-memory kill prints nothing of its own)
             raise SystemExit(f"rlsync bench: the benchmark in the trainer's namespace was killed by signal {-code} "

@@ -211,9 +211,8 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "tcp", progress
             **({} if link is None else {
                 "full_link_bytes_median": statistics.median(r["full"]["link_bytes"] for r in later),
                 "delta_link_bytes_median": statistics.median(r["delta"]["link_bytes"] for r in later),
-                "fanout_ranks": 0}),
-            **({} if link is None or not fanout else {
-                "fanout_ranks": fanout,
+                "fanout_ranks": fanout}),
+            **({} if "fanout" not in readers else {
                 "fanout_link_bytes": [r["fanout"]["link_bytes"] for r in rows],
                 "fanout_seconds_median": statistics.median(r["fanout"]["seconds"] for r in later),
                 "fanout_bit_exact": all(r["fanout"]["bit_exact"] for r in rows)}),
@@ -232,9 +231,10 @@ def run(*, size: str, steps: int, lr: float, transport: str = "tcp", json_output
 
     if link_gbps is None:
         fanout = 0  # the relay host sits across the link
-    if Link.from_env() is None:
+    inside = Link.from_env() is not None  # the re-run in the trainer's namespace: checked and linked by its caller
+    if not inside:
         _check_memory(parse_size(size), device, fanout, size)
-    if link_gbps is not None and Link.from_env() is None:  # make the link, run this inside the trainer's namespace
+    if link_gbps is not None and not inside:  # make the link, run this inside the trainer's namespace
         if transport != "tcp":  # across namespaces shm would cross nothing
             raise ConfigError(f"--link-gbps measures over tcp (the namespaces share /dev/shm); got --transports {transport}")
         with slow_link(link_gbps) as (trainer, env):

@@ -18,6 +18,9 @@ dies in the milliseconds between its answer and its confirmation, or whose engin
 it (its loader, its canary), leaves the others on the new version, and the error says why, as for a writer's
 readers today. The relay's own version goes live after every local reader confirmed.
 
+The trainer's canary, if the version came with one, goes with it to every engine, which checks it as it would the
+trainer's own; the largest deviation they report is the relay's answer, and one that refuses refuses the host's.
+
 What crosses the slow link is the relay's inbound version, so ``wire="delta"`` from the trainer applies there;
 locally every version goes whole.
 """
@@ -108,8 +111,9 @@ class NodeRelay:
         tensors = {name: as_tensor(raw).view(dtypes[name]) for name, raw in buffers.items()}
         for writer in self._writers:
             writer.multi_put(tensors)
+        canary = self._reader.landed_canary  # the trainer's, for each engine to check (it came with this version)
         with ThreadPoolExecutor(len(self._writers), thread_name_prefix="rlsync-relay") as pool:
-            written = list(pool.map(lambda w: w._write_parts(version, None, None, notify=False), self._writers))
+            written = list(pool.map(lambda w: w._write_parts(version, None, canary, notify=False), self._writers))
         failed = {f"engine {e} reader rank {r}": why for e, (_, bad) in enumerate(written) for r, why in bad.items()}
         for engine, (writer, (sent, _)) in enumerate(zip(self._writers, written)):  # alive, and would take it?
             for rank in sent:  # (a shared-memory write to a dead reader succeeds: only an answer shows it is there)
@@ -133,6 +137,8 @@ class NodeRelay:
                 errors.append(exc)
         if errors:
             raise errors[0]
+        deviations = [w.last_canary_deviation for w in self._writers if w.last_canary_deviation is not None]
+        self._reader.canary_deviation = max(deviations) if deviations else None  # what the trainer's writers hear
         self.last_forward_seconds = time.perf_counter() - started
 
     def close(self) -> None:

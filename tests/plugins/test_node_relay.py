@@ -179,3 +179,46 @@ def test_a_relay_can_be_one_of_several_replica_readers_of_the_trainer() -> None:
         relay.close()
         for reader in (direct, *engines):
             reader.close()
+
+
+def test_the_trainers_canary_reaches_every_engine_behind_a_relay_and_their_verdict_comes_back() -> None:
+    """Each engine checks the canary the trainer sent with the version (it came through the relay, not from the
+    trainer): the largest deviation they report reaches the trainer's writer, and an engine whose log-probs deviate
+    refuses the version with ``CanaryError``, named at the trainer."""
+    import torch
+
+    from rlsync import Canary, CanaryError, WeightsWriter
+    from rlsync.layouts import from_state_dict
+
+    state = {"embed": torch.randn(32, 16, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)}
+    canary = Canary([[1, 2, 3]], [[-0.5, -0.25]])
+    link = SyncOptions(transport="tcp", timeout=10, canary=True)
+    local = LOCAL.replace(canary=True)
+    engines: list[WeightsReader] = []
+    seen: list[tuple[int, Canary | None]] = []
+
+    def checks(engine: int, logprobs: list[list[float]]) -> Any:
+        def on_version(version: int, buffers: Any) -> None:
+            got = engines[engine].landed_canary
+            seen.append((version, got))
+            engines[engine].canary_deviation = None if got is None else got.check(logprobs, where=f"engine {engine}")
+        return on_version
+
+    engines += [WeightsReader(None, None, 0, replicas=1, options=local, on_version=checks(0, [[-0.5, -0.26]])),
+                WeightsReader(None, None, 0, replicas=1, options=local, on_version=checks(1, [[-0.52, -0.25]]))]
+    relay = NodeRelay([[e.address] for e in engines], options=link, local=local, replica_engines=True)
+    writer = WeightsWriter(from_state_dict(state), None, 0, [relay.address], options=link)
+    try:
+        writer.multi_put(state)
+        writer.complete(1, canary=canary)
+        assert sorted(v for v, _ in seen) == [1, 1] and all(c == canary for _, c in seen)
+        assert writer.last_canary_deviation == pytest.approx(0.01)  # engine 1's (0.02 + 0) / 2, the larger
+        writer.multi_put(state)
+        with pytest.raises(CanaryError, match="engine 0's log-probs deviate"):
+            writer.complete(2, canary=Canary([[1, 2, 3]], [[-3.0, -3.0]]))
+        assert relay.version == 1
+    finally:
+        writer.close()
+        relay.close()
+        for engine in engines:
+            engine.close()

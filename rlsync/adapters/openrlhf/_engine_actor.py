@@ -17,7 +17,7 @@ import functools
 import typing
 from typing import Any
 
-from rlsync import ConfigError, VersionError
+from rlsync import ConfigError, NodeRelay, SyncOptions, VersionError
 from rlsync.adapters.openrlhf._routes import start_recording
 from rlsync.adapters.openrlhf._worker import APPLY, SETTLE
 from rlsync.adapters.vllm import lora_request
@@ -94,3 +94,15 @@ def wrap_update_weight(original: Any) -> Any:
         return answers
 
     return update_weight
+
+
+def start_relay(actor: Any, engines: list[list[str]], link: dict[str, Any], local: dict[str, Any]) -> str:
+    """Run in the engine actor that leads its host (``actor.__ray_call__``): a ``NodeRelay`` for ``engines`` (their
+    workers' addresses, this actor's engine first), reached over ``link`` (the trainer's transport), forwarding over
+    ``local`` (shared memory); its address, for the trainer's writers. It lives as long as the actor."""
+    old = getattr(actor, "_rlsync_relay", None)
+    if old is not None:  # a sync group made again: its relay replaces the last one
+        old.close()
+    actor._rlsync_relay = NodeRelay(engines, options=SyncOptions.from_mapping(link, where="the node relay"),
+                                    local=SyncOptions.from_mapping(local, where="the node relay"))
+    return str(actor._rlsync_relay.address)

@@ -47,6 +47,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sampling-mask", choices=("auto", "off"), default="auto",
                    help="the actor's log-probs under the rollouts' top-p (OpenRLHF's --rollout.top_p): auto, wherever it "
                         "is below 1; off: OpenRLHF's full-softmax log-probs")
+    p.add_argument("--relay", choices=("auto", "on", "off"), default="auto",
+                   help="a host of several vLLM engines takes each version once, in one engine actor there, which "
+                        "forwards it to the others over shared memory (rlsync.NodeRelay); auto: where the transport "
+                        "crosses hosts (tcp, nixl), on: also with shm, off: every engine takes its own copy")
     p.add_argument("--max-staleness", type=int, default=None,
                    help="async mode: drop samples generated more than N weight versions ago (rlsync's MaxStaleness)")
     return p
@@ -102,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         opts = {"rlsync": __version__, "openrlhf": version, "transport": args.transport, "host": args.host,
                 "timeout": args.timeout, "max_staleness": args.max_staleness,
                 "wire": args.wire, "canary": args.canary, "lora_rank": lora_rank(theirs), "lora_sync": args.lora_sync,
-                "routing_replay": args.routing_replay, "sampling_mask": args.sampling_mask}
+                "routing_replay": args.routing_replay, "sampling_mask": args.sampling_mask, "relay": args.relay}
         start_ray(opts)
     sys.argv = [ENTRY, *theirs]
     runpy.run_module(ENTRY, run_name="__main__", alter_sys=True)

@@ -9,7 +9,10 @@ engine worker receives only the part its loader reads (its tensor-parallel slice
 once all of it has landed from every rank (``rlsync.layouts.flat_partitions`` to the engine's layout).
 
 ``_init_vllm_sync_group`` (rank 0, as OpenRLHF calls it) is the handshake: the engines answer with their
-workers' addresses only if their side is patched too; otherwise it fails at once, naming the side.
+workers' addresses only if their side is patched too; otherwise it fails at once, naming the side. Before it, where
+the launcher's ``--relay`` says so, rank 0 asks Ray which node each engine runs on: the engines of a node of several
+take their bytes over shared memory from an ``rlsync.NodeRelay`` in the first one's actor, and the trainer's ranks
+send that node one copy (issue #40's node fan-out).
 
 The canary (``rlsync.Canary``; launcher ``--no-canary`` turns it off): every rank computes the actor's log-probs of
 a small fixed batch with the weights it sends (under ZeRO-3 that forward is collective, as OpenRLHF's own are);
@@ -32,7 +35,7 @@ from typing import Any
 import torch
 
 from rlsync import Canary, ConfigError, SyncOptions, TensorMeta, WeightsWriter, __version__
-from rlsync.adapters.openrlhf._engine_actor import adapter_sync, kept_versions
+from rlsync.adapters.openrlhf._engine_actor import adapter_sync, kept_versions, start_relay
 from rlsync.adapters.openrlhf._versions import clock
 from rlsync.adapters.openrlhf._worker import APPLY, HANDSHAKE, SETTLE
 from rlsync.adapters.vllm import canary_sampling_params, prompt_logprobs_of
@@ -132,8 +135,11 @@ def init_vllm_sync_group(self: Any, backend: str) -> None:
              "host": opts["host"], "timeout": float(opts["timeout"]), "canary": bool(opts["canary"]),
              "tensors": [[m.name, m.dtype, list(m.shape)] for m in (_meta(n, p) for n, p, _ in _params(self))],
              **adapter}
-    address = HANDSHAKE + json.dumps(hello)
-    refs = [engine.init_process_group.remote(address, 0, 0, 0, "rlsync", backend, False) for engine in self.vllm_engines]
+    groups = _relay_groups(self.vllm_engines, opts, bool(adapter))
+    behind = {i for group in groups for i in group}  # their bytes come from their host's relay, over shared memory
+    local = {**hello, "transport": "shm", "host": "127.0.0.1"}
+    refs = [engine.init_process_group.remote(HANDSHAKE + json.dumps(local if i in behind else hello), 0, 0, 0, "rlsync",
+                                             backend, False) for i, engine in enumerate(self.vllm_engines)]
     try:
         answers = ray.get(refs, timeout=float(opts["timeout"]))
     except Exception as exc:
@@ -143,8 +149,44 @@ def init_vllm_sync_group(self: Any, backend: str) -> None:
                               "processes need rlsync installed beside vLLM (its vllm.general_plugins entry point patches "
                               "them) and the RLSYNC_OPENRLHF environment `rlsync launch openrlhf` sets") from exc
         raise
-    self._rlsync_addresses = [list(a) for a in answers]  # per engine, one address per worker
+    # per reader of the trainer's: an engine's workers, one address each, or a relay's in place of its host's engines
+    self._rlsync_addresses = _through_relays(self.vllm_engines, [list(a) for a in answers], groups, opts)
+    self._rlsync_relays = len(groups)
     self._rlsync_version = 0
+
+
+def _relay_groups(engines: list[Any], opts: dict[str, Any], adapter: bool) -> list[list[int]]:
+    """The engines (indices) that share a host, per host of several, where the launcher's ``--relay`` puts a relay:
+    ``auto`` where the transport crosses hosts (not ``shm``), ``on`` with any transport. An adapter sync needs none
+    (its bytes are few)."""
+    import ray
+
+    mode = opts.get("relay", "auto")
+    if adapter or len(engines) < 2 or mode == "off" or (mode == "auto" and opts["transport"] == "shm"):
+        return []
+    # the Ray node each engine actor runs on (asked before the handshake: any actor answers, patched or not)
+    nodes = ray.get([engine.__ray_call__.remote(lambda actor: ray.get_runtime_context().get_node_id())
+                     for engine in engines], timeout=float(opts["timeout"]))
+    hosts: dict[str, list[int]] = {}
+    for index, node in enumerate(nodes):
+        hosts.setdefault(node, []).append(index)
+    return [group for group in hosts.values() if len(group) > 1]
+
+
+def _through_relays(engines: list[Any], addresses: list[list[str]], groups: list[list[int]],
+                    opts: dict[str, Any]) -> list[list[str]]:
+    """``addresses`` (per engine, its workers') with each group's engines replaced by the address of a relay that
+    its first engine's actor runs for them (``start_relay``), where that engine stood."""
+    import ray
+
+    link = {"transport": opts["transport"], "host": opts["host"], "timeout": float(opts["timeout"]),
+            "canary": bool(opts["canary"])}
+    local = {**link, "transport": "shm", "host": "127.0.0.1"}
+    started = {group[0]: engines[group[0]].__ray_call__.remote(start_relay, [addresses[i] for i in group], link, local)
+               for group in groups}
+    relays = dict(zip(started, ray.get(list(started.values()), timeout=float(opts["timeout"]))))
+    behind = {i for group in groups for i in group[1:]}
+    return [[relays[i]] if i in relays else addresses[i] for i in range(len(engines)) if i not in behind]
 
 
 def _my_parts(trainer: Any, rank: int, world: int) -> dict[str, Any]:
@@ -254,7 +296,9 @@ def broadcast_to_vllm(self: Any) -> None:
         sent = sum(w.last_bytes for w in self._rlsync_writers)
         checked = "" if deviation is None else f"; canary deviation {deviation:.4f}"
         what = "adapter version" if _adapter_only(self.actor.model.module) else "version"
-        print(f"rlsync: {what} {version} live on {len(self.vllm_engines)} vLLM engine(s); rank 0 sent {sent / 1e6:.1f} MB "
+        relays = getattr(self, "_rlsync_relays", 0)
+        through = f" ({relays} host(s) through a node relay)" if relays else ""
+        print(f"rlsync: {what} {version} live on {len(self.vllm_engines)} vLLM engine(s){through}; rank 0 sent {sent / 1e6:.1f} MB "
               f"of {world} ranks' shares in {time.perf_counter() - started:.2f} s{checked}", flush=True)
     self._rlsync_version = version
     dist.barrier()

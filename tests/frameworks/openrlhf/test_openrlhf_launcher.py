@@ -148,6 +148,59 @@ def _with(opts: dict[str, object], **changes: object) -> dict[str, str]:
     return {OPTIONS_ENV: json.dumps({**opts, **changes})}
 
 
+
+@pytest.mark.timeout(600)
+def test_two_engines_of_one_host_take_each_version_once_through_a_relay(launched_ray: dict[str, object],
+                                                                        tmp_path: Path) -> None:
+    """``--transport tcp`` (as across hosts) and ``--relay auto``: the two engines share a host, so the trainer's ranks
+    send each version there once, to a relay in the first engine's actor, which forwards it to both over shared
+    memory (a delta from the trainer, whole to the engines); both serve every version exactly, and the canary each
+    checked reaches the trainer."""
+    import ray
+
+    model_dir = tmp_path / "v0"
+    parts.models.build("qwen2", 100).save_pretrained(model_dir)
+    model_bytes = sum(p.numel() * p.element_size() for p in parts.models.build("qwen2", 100).parameters())
+    engines = [_engine(model_dir), _engine(model_dir)]
+    ranks = _ranks(engines, zero_stage=2, **_with(launched_ray, transport="tcp", relay="auto"))
+    ray.get([r.load.remote(100) for r in ranks])
+    ray.get([r.init_sync.remote() for r in ranks])
+    ray.get([r.load.remote(201) for r in ranks])
+    assert ray.get([r.sync.remote() for r in ranks]) == [1, 1]
+    assert sum(ray.get([r.sent.remote() for r in ranks])) == model_bytes  # one copy for the host, not one per engine
+    deviation = canary_deviation()  # each engine checked the canary the relay forwarded; the verdict came back
+    assert deviation is not None and deviation < 0.05, deviation
+    parts.models.build("qwen2", 201).save_pretrained(tmp_path / "v1")
+    want = parts.fresh_greedy(str(tmp_path / "v1"))
+    assert [parts.greedy_of_engine(e) for e in engines] == [want, want]
+    ray.get([r.load.remote(201, True) for r in ranks])  # a small step: a delta crosses to the relay
+    assert ray.get([r.sync.remote() for r in ranks]) == [2, 2]
+    assert 0 < sum(ray.get([r.sent.remote() for r in ranks])) < 0.2 * model_bytes
+    parts.nudged(201).save_pretrained(tmp_path / "v2")
+    want = parts.fresh_greedy(str(tmp_path / "v2"))
+    assert [parts.greedy_of_engine(e) for e in engines] == [want, want]
+    for actor in (*ranks, *engines):
+        ray.kill(actor)
+
+
+def test_the_relay_goes_only_where_the_option_and_the_transport_say() -> None:
+    """No engine is asked where it runs (nothing here is an engine) where no relay can go: ``--relay off``, ``auto``
+    over shared memory (one machine: every rank writes into every engine's memory itself), an adapter sync, one
+    engine. A typo in the option is a usage error that names the choices."""
+    import subprocess
+    import sys
+
+    from rlsync.adapters.openrlhf._trainer import _relay_groups
+
+    two = [object(), object()]  # anything asked where it runs would fail: not an actor
+    for opts, adapter in (({"transport": "tcp", "relay": "off"}, False), ({"transport": "shm", "relay": "auto"}, False),
+                          ({"transport": "tcp", "relay": "on"}, True)):
+        assert _relay_groups(two, {**opts, "timeout": 1}, adapter) == []
+    assert _relay_groups(two[:1], {"transport": "tcp", "relay": "on", "timeout": 1}, False) == []
+    typo = subprocess.run([sys.executable, "-m", "rlsync.adapters.openrlhf", "--relay", "yes", "--", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert typo.returncode == 2 and "argument --relay: invalid choice: 'yes' (choose from 'auto', 'on', 'off')" in typo.stderr
+
 @pytest.mark.timeout(600)
 def test_a_lora_actor_syncs_its_adapter_alone_and_the_engine_serves_each_version(launched_ray: dict[str, object],
                                                                                 tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 from rlsync import ConfigError, SyncOptions
 from rlsync.bench._link import Link, slow_link
 from rlsync.bench._weights import _read, bench_spec, memcpy_gbps, parse_size
+from rlsync.plugins import remove_stale_regions
 
 
 #: engine ranks on the far host behind one ``NodeRelay`` (``--link-gbps``), unless ``--fanout-ranks`` says otherwise
@@ -48,7 +49,10 @@ def memory_needed(nbytes: int, device: str, fanout: int) -> dict[str, float]:
 
 
 def _check_memory(nbytes: int, device: str, fanout: int, size: str) -> None:
-    """Refuse a run that would not fit this machine's memory, naming what to change (before a process starts)."""
+    """Refuse a run that would not fit this machine's memory, naming what to change (before a process starts).
+    Shared memory that killed runs left (their readers' landings: 8 GB after a relay host the kernel killed) is freed
+    first: only the next shared-memory landing would free it otherwise, and a run over tcp creates none."""
+    remove_stale_regions()
     needed = memory_needed(nbytes, device, fanout)
     available = _available_bytes()
     if available is None or sum(needed.values()) <= available:

@@ -75,6 +75,26 @@ def test_a_wire_bench_larger_than_memory_is_refused_before_it_starts() -> None:
     assert "--fanout-ranks" not in out.stderr  # no relay host without --link-gbps: not a fix to offer
 
 
+def test_the_shared_memory_a_killed_run_left_is_freed_before_memory_is_counted() -> None:
+    """A run the kernel killed leaves its readers' landings in /dev/shm (8 GB after a relay host at 1 GiB), counted
+    as taken by the next run's memory check: the bench frees a dead process's ``rlsync-<pid>-*`` files first."""
+    import os
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    left = f"/dev/shm/rlsync-{gone.pid}-slot0"
+    with open(left, "wb") as f:
+        f.write(b"\0" * 4096)
+    try:
+        out = subprocess.run([sys.executable, "-m", "rlsync.cli", "bench", "--wire", "delta", "--size", "4TiB", "--json"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "needs about" in out.stderr
+        assert not os.path.exists(left)
+    finally:
+        if os.path.exists(left):
+            os.unlink(left)
+
+
 def test_fanout_ranks_without_a_link_is_a_usage_error() -> None:
     out = subprocess.run([sys.executable, "-m", "rlsync.cli", "bench", "--wire", "delta", "--fanout-ranks", "2"],
                          capture_output=True, text=True, timeout=60)

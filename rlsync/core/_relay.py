@@ -40,7 +40,8 @@ from rlsync.core._layout import Layout, TensorMeta
 from rlsync.core._layout_exchange import reader_layout
 from rlsync.core._options import SyncOptions
 from rlsync.core._reader import WeightsReader
-from rlsync.core._regions import as_tensor
+from rlsync.core._memory import free_memory
+from rlsync.core._regions import as_tensor, region_offsets
 from rlsync.core._transport import Region
 from rlsync.core._writer import WeightsWriter
 
@@ -84,6 +85,7 @@ class NodeRelay:
                               " relay engines of one kind")
         else:  # rank 0 holds, whole, every tensor any engine here holds
             union = replicated(_union([layout for layout in layouts if layout is not None]))
+            _check_room(union)
             self._writers = [WeightsWriter(union, dst, 0, addresses, options=self._local, plugins=plugins)
                              for dst, addresses in zip(layouts, self._engines)]
             self._reader = WeightsReader(None, union, 0, options=options, landing="direct", on_version=self._forward,
@@ -151,6 +153,17 @@ class NodeRelay:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_room(layout: Layout) -> None:
+    """The relay lands its host's tensors twice (the version landing, the one it forwarded) in host memory: refused
+    before a byte is allocated where that does not fit, rather than killed by the kernel mid-version."""
+    nbytes = 2 * region_offsets(layout, 0)[1]
+    room = free_memory(None)
+    if nbytes > room:
+        raise ConfigError(f"NodeRelay: landing its host's tensors takes {nbytes / 2**30:.1f} GiB of host memory (two "
+                          f"copies: the version landing and the one it forwarded), and {room / 2**30:.1f} GiB are free "
+                          f"here: run no relay on this host (each engine then takes its own copy)")
 
 
 def _layout_of(address: str, local: SyncOptions) -> Layout | None:

@@ -222,3 +222,21 @@ def test_the_trainers_canary_reaches_every_engine_behind_a_relay_and_their_verdi
         relay.close()
         for engine in engines:
             engine.close()
+
+
+def test_a_relay_whose_two_copies_do_not_fit_in_host_memory_is_refused_before_it_allocates(
+        sync: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlsync import ConfigError
+    from rlsync.core import _relay
+
+    _, whole = sync.layouts("plain")
+    engine = WeightsReader(None, whole, 0, options=LOCAL)
+    needed = 2 * sum(t.nbytes for t in whole.tensors)
+    monkeypatch.setattr(_relay, "free_memory", lambda device: needed // 2)  # room for one copy, not two
+    try:
+        with pytest.raises(ConfigError, match=r"takes .* GiB of host memory \(two copies.* run no relay on this host"):
+            NodeRelay([[engine.address]], options=SyncOptions(transport="tcp"), local=LOCAL)
+        monkeypatch.setattr(_relay, "free_memory", lambda device: 4 * needed)
+        NodeRelay([[engine.address]], options=SyncOptions(transport="tcp"), local=LOCAL).close()
+    finally:
+        engine.close()

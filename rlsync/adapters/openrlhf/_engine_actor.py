@@ -103,6 +103,10 @@ def start_relay(actor: Any, engines: list[list[str]], link: dict[str, Any], loca
     old = getattr(actor, "_rlsync_relay", None)
     if old is not None:  # a sync group made again: its relay replaces the last one
         old.close()
-    actor._rlsync_relay = NodeRelay(engines, options=SyncOptions.from_mapping(link, where="the node relay"),
-                                    local=SyncOptions.from_mapping(local, where="the node relay"))
+    actor._rlsync_relay = None
+    try:
+        actor._rlsync_relay = NodeRelay(engines, options=SyncOptions.from_mapping(link, where="the node relay"),
+                                        local=SyncOptions.from_mapping(local, where="the node relay"))
+    except ConfigError as exc:  # no room for it, say: named with the launcher's option that does without
+        raise ConfigError(f"{exc} (rlsync launch openrlhf --relay off)") from exc
     return str(actor._rlsync_relay.address)

@@ -203,6 +203,25 @@ def test_the_relay_goes_only_where_the_option_and_the_transport_say() -> None:
                           capture_output=True, text=True, timeout=120)
     assert typo.returncode == 2 and "argument --relay: invalid choice: 'yes' (choose from 'auto', 'on', 'off')" in typo.stderr
 
+
+def test_a_relay_without_room_names_the_launchers_option_that_does_without(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from rlsync import ConfigError, WeightsReader
+    from rlsync.adapters.openrlhf._engine_actor import start_relay
+    from rlsync.core import _relay
+    from rlsync.layouts import from_state_dict
+
+    engine = WeightsReader(None, from_state_dict({"w": torch.zeros(64, 64)}), 0)
+    monkeypatch.setattr(_relay, "free_memory", lambda device: 1024)
+    actor = SimpleNamespace()
+    try:
+        with pytest.raises(ConfigError, match=r"GiB are free here.*\(rlsync launch openrlhf --relay off\)"):
+            start_relay(actor, [[engine.address]], {"transport": "tcp"}, {"transport": "shm"})
+        assert actor._rlsync_relay is None
+    finally:
+        engine.close()
+
 @pytest.mark.timeout(600)
 def test_a_lora_actor_syncs_its_adapter_alone_and_the_engine_serves_each_version(launched_ray: dict[str, object],
                                                                                 tmp_path: Path) -> None:

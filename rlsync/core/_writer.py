@@ -164,7 +164,8 @@ class WeightsWriter:
             _log.warning("WeightsWriter rank %d: wire='delta' over transport %r, where a full version usually lands "
                          "sooner (measured: 1 GB over shared memory 0.24 s full, 2.0 s as a delta on 2 CPU cores; 4 GiB over "
                          "cuda_ipc on an H100 26 ms full, 138 ms as a delta). A delta pays where the link is the limit (tcp "
-                         "across hosts, below about 6 Gbit/s per writer rank on CPUs): wire='full' here",
+                         "across hosts, below about 6 Gbit/s per writer rank on 2 CPU cores, about 14 Gbit/s from an H100 "
+                         "into host readers): wire='full' here",
                          rank, self._transport.name)
         self._inboxes: dict[int, tuple[Link, int, int]] = {}  # reader rank -> (inbox link, offset, capacity)
         self._inbox_staging: dict[int, Any] = {}  # reader rank -> the buffer its deltas are written from, reused

@@ -4,6 +4,7 @@ reader touched every page when it allocated them)."""
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import secrets
@@ -12,7 +13,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from rlsync import Landing, Link, PeerLostError, Run, Transport
+from rlsync import ConfigError, Landing, Link, PeerLostError, Run, Transport
 
 SHM_DIR = "/dev/shm"
 
@@ -52,6 +53,19 @@ def _map(path: str, nbytes: int, create: bool) -> tuple[mmap.mmap, np.ndarray]:
     return mapping, np.frombuffer(mapping, dtype=np.uint8)
 
 
+def _check_room(nbytes: int) -> None:
+    """Refuse a landing that /dev/shm cannot hold, before a page is touched: touching a page past a tmpfs's size
+    kills the process with SIGBUS ("Bus error", no traceback). Docker gives a container 64 MB of /dev/shm."""
+    stat = os.statvfs(SHM_DIR)
+    free = stat.f_bavail * stat.f_frsize
+    if nbytes > free:
+        raise ConfigError(
+            f"shared memory is too small for this reader: its landing needs {nbytes / 2**20:,.0f} MiB in {SHM_DIR} "
+            f"and {free / 2**20:,.0f} MiB are free there. In Docker start the container with "
+            f"--shm-size={math.ceil(nbytes / 2**30) + 1}g (its default is 64 MB); on Kubernetes mount an emptyDir "
+            f"with medium: Memory at {SHM_DIR}; or choose SyncOptions(transport='tcp'), which needs no shared memory")
+
+
 class ShmLanding(Landing):
     name: ClassVar[str] = "shm"
     same_host_only: ClassVar[bool] = True
@@ -63,6 +77,7 @@ class ShmLanding(Landing):
     def __init__(self, nbytes: int, slots: int, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(nbytes, slots, options)
         remove_stale_regions()  # a killed reader's files would otherwise hold shared memory until reboot
+        _check_room(max(nbytes, 1) * slots)
         tag = f"rlsync-{os.getpid()}-{secrets.token_hex(4)}"
         self._paths = [os.path.join(SHM_DIR, f"{tag}-{i}") for i in range(slots)]
         self._maps: list[mmap.mmap] = []

@@ -123,3 +123,42 @@ def test_a_killed_readers_shared_memory_is_removed_by_the_next_reader(sync: Any)
     assert not any(f"rlsync-{live.pid}-" in path for path in removed)
     assert not glob.glob(f"/dev/shm/rlsync-{doomed.pid}-*")
     assert glob.glob(f"/dev/shm/rlsync-{live.pid}-*")
+
+
+_SMALL_SHM_CHILD = """
+import os, torch
+from rlsync import ConfigError, SyncOptions, WeightsReader
+from rlsync.layouts import from_state_dict
+
+options = SyncOptions(transport="shm")
+fits = from_state_dict({"w": torch.zeros(2**16)})  # 256 KiB, two slots: fits in 1 MiB
+with WeightsReader(fits, fits, 0, landing="direct", options=options):
+    print("small reader allocated")
+big = from_state_dict({"w": torch.zeros(2**20)})  # 4 MiB, two slots
+try:
+    WeightsReader(big, big, 0, landing="direct", options=options)
+except ConfigError as exc:
+    print("refused:", exc)
+print("left in /dev/shm:", os.listdir("/dev/shm"))
+"""
+
+
+def test_a_reader_whose_shared_memory_is_too_small_names_the_fix_instead_of_dying_of_sigbus() -> None:
+    """Docker gives a container 64 MB of /dev/shm, and touching a page past a tmpfs's size kills the process with
+    SIGBUS ("Bus error", no traceback). Here /dev/shm is a 1 MiB tmpfs in a mount namespace of the child's own: a
+    reader that fits allocates, one of 8 MiB refuses with the fix, the process lives, nothing is left behind."""
+    import os
+    import shlex
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a tmpfs of its own needs root and util-linux's unshare")
+    script = f"mount -t tmpfs -o size=1M tmpfs /dev/shm && exec {shlex.quote(sys.executable)} -c {shlex.quote(_SMALL_SHM_CHILD)}"
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # 135 / -7: killed by SIGBUS
+    assert "small reader allocated" in done.stdout
+    assert "refused: shared memory is too small for this reader: its landing needs 8 MiB in /dev/shm" in done.stdout
+    assert "--shm-size=2g" in done.stdout and "transport='tcp'" in done.stdout
+    assert "left in /dev/shm: []" in done.stdout

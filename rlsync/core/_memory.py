@@ -8,10 +8,13 @@ import torch
 
 
 def free_memory(device: str | None) -> int:
-    """Bytes free on ``device`` (a CUDA device: what the driver reports free), else host memory this process could
-    still get (Linux's MemAvailable; elsewhere the physical memory)."""
+    """Bytes free on ``device`` (a CUDA device: what the driver reports free, plus what torch's allocator holds
+    unused and would hand out first), else host memory this process could still get (Linux's MemAvailable;
+    elsewhere the physical memory)."""
     if device is not None and torch.device(device).type == "cuda":
-        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+        cuda = torch.device(device)
+        cached = torch.cuda.memory_reserved(cuda) - torch.cuda.memory_allocated(cuda)
+        return int(torch.cuda.mem_get_info(cuda)[0] + cached)
     try:
         with open("/proc/meminfo") as info:
             for line in info:

@@ -179,10 +179,14 @@ class WeightsReader:
 
     def _set_dst(self, dst: Layout) -> None:
         """Receive into ``dst``: this rank's buffers and their landing memory."""
+        offsets, nbytes = region_offsets(dst, self.rank)
+        slots = 2 if self.landing_mode == "direct" else 1
+        if self.landing_mode != "in_place":
+            self._check_room(nbytes * slots, slots)
         self.dst = dst
         self._dst_fingerprint = dst.fingerprint()
         self._dst_tensors = tensor_fingerprints(dst)
-        self._offsets, self._nbytes = region_offsets(dst, self.rank)
+        self._offsets, self._nbytes = offsets, nbytes
         self._sizes = {b.name: b.numel * dtype_size(b.dtype) for b in dst.buffers if b.rank == self.rank}
         self._order = list(self._offsets)  # the buffers in region order (region_offsets lays them out in that order)
         self._starts = [self._offsets[name] for name in self._order]
@@ -193,8 +197,18 @@ class WeightsReader:
             self._landing = self._transport.landing.over([self._targets[n] for n in self._order], self._transport_options)
             self._save()
             return
-        slots = 2 if self.landing_mode == "direct" else 1
         self._landing = self._transport.landing(self._nbytes, slots, self._transport_options)
+
+    def _check_room(self, nbytes: int, slots: int) -> None:
+        """Refused before a byte is allocated where the landing cannot fit: filling it would get the process killed
+        by the kernel mid-version (host memory, no traceback), and a replica's layout comes from a peer."""
+        device = self._transport_options.get("device")
+        room = free_memory(device)
+        if nbytes > room:
+            where = "host" if device is None else str(device)
+            raise ConfigError(f"reader rank {self.rank}: its landing needs {nbytes / 2**30:.1f} GiB of landing memory "
+                              f"({where}; {slots} slot(s), landing={self.landing_mode!r}), and {room / 2**30:.1f} GiB are "
+                              f"free here: refused" + (" (landing='staged' keeps one slot)" if slots == 2 else ""))
 
     def _adopt(self, src: Layout) -> None:
         """Build this rank's plan from the writers' layout ``src``."""
@@ -369,13 +383,7 @@ class WeightsReader:
     def _replicate(self, src: Layout | None) -> None:
         """A replica reader (``dst=None, replicas=N``) holds a whole copy of the writers' tensors."""
         if self.dst is None and src is not None and self.replicas is not None:
-            dst = replicated(src.tensors, tuple(range(self.replicas)))
-            nbytes = region_offsets(dst, self.rank)[1] * (2 if self.landing_mode == "direct" else 1)
-            room = free_memory(self._transport_options.get("device"))
-            if nbytes > room:  # checked before a byte is allocated: the layout came from a peer
-                raise WeightMismatchError(f"the writers' layout needs {nbytes / 2**30:.1f} GiB of landing memory on reader "
-                                          f"rank {self.rank}, and {room / 2**30:.1f} GiB are free here: refused")
-            self._set_dst(dst)
+            self._set_dst(replicated(src.tensors, tuple(range(self.replicas))))  # its room checked first
             self._adopt(src)
 
     def _layout_asked(self, identity: bytes, msg: AskLayout) -> None:

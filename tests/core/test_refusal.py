@@ -140,3 +140,21 @@ def test_a_writer_without_checksums_is_refused_by_a_verifying_engine_naming_the_
         engine.join()
         assert isinstance(engine.error, ConfigError) and "SyncOptions(verify=True)" in str(engine.error)
         writer.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_reader_whose_landing_cannot_fit_in_memory_refuses_before_it_allocates(transport: str) -> None:
+    """A landing larger than the host's available memory would get the engine killed by the kernel mid-version (no
+    traceback): the reader refuses when it is built, saying what it needs and that one slot would do with less."""
+    import glob
+    import os
+
+    from rlsync import TensorMeta, WeightsReader
+
+    huge = from_state_dict([TensorMeta("w", "float32", (2**38,))])  # 1 TiB, two slots: no test machine has that
+    before = set(glob.glob(f"/dev/shm/rlsync-{os.getpid()}-*"))
+    with pytest.raises(ConfigError, match=r"reader rank 0: its landing needs 2048\.0 GiB of landing memory \(host; 2 "
+                                          r"slot\(s\), landing='direct'\), and .* GiB are free here: refused \(landing="
+                                          r"'staged' keeps one slot\)"):
+        WeightsReader(huge, huge, 0, options=SyncOptions(transport=transport))
+    assert set(glob.glob(f"/dev/shm/rlsync-{os.getpid()}-*")) == before  # nothing allocated

@@ -142,7 +142,11 @@ def _why_not(transport: str) -> str:
 
 def _machine_rows() -> list[tuple[str, str]]:
     shm = shutil.disk_usage("/dev/shm") if os.path.isdir("/dev/shm") else None
-    rows = [("cores", str(os.cpu_count())), ("/dev/shm free", f"{shm.free / 2**30:.1f} GiB" if shm else "absent")]
+    shm_row = f"{shm.free / 2**30:.1f} GiB" if shm else "absent"
+    if shm is not None and shm.total < 2**30:  # a container's default (Docker: 64 MB): every shm reader would refuse
+        shm_row = (f"{shm.free / 2**20:.0f} MiB of {shm.total / 2**20:.0f} MiB: too small for the shm transport, whose readers land up to two "
+                    f"copies of the weights there: start the container with --shm-size (for example --shm-size=16g)")
+    rows = [("cores", str(os.cpu_count())), ("/dev/shm free", shm_row)]
     try:
         import torch
 

@@ -69,3 +69,23 @@ def test_launch_openrlhf_help_shows_the_launchers_own_flags() -> None:
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "--max-staleness" in done.stdout and "--lora-sync" in done.stdout and "after `--`" in done.stdout
+
+
+def test_doctor_says_when_dev_shm_is_a_containers_small_default() -> None:
+    """Docker gives a container 64 MB of /dev/shm, where every shm reader refuses: the doctor names the fix. Here
+    /dev/shm is a 64 MiB tmpfs in a mount namespace of the child's own."""
+    import os
+    import shlex
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a tmpfs of its own needs root and util-linux's unshare")
+    doctor = f"{shlex.quote(sys.executable)} -m rlsync.cli doctor"
+    script = f"mount -t tmpfs -o size=64M tmpfs /dev/shm && COLUMNS=400 {doctor}"
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode in (0, 1), done.stderr[-2000:]  # 1: an installed engine cannot import (not this test's)
+    assert "of 64 MiB: too small for the shm transport" in done.stdout and "--shm-size" in done.stdout, done.stdout
+    roomy = subprocess.run(["sh", "-c", f"COLUMNS=400 {doctor}"], capture_output=True, text=True, timeout=120)
+    assert "--shm-size" not in roomy.stdout or shutil.disk_usage("/dev/shm").total < 2**30

@@ -4,20 +4,33 @@ Readers bind a ROUTER socket, writers connect DEALER sockets. **No reader accept
 included: every message carries an HMAC-SHA256 under a key only the run's processes hold. The key is the reader's
 own, random per reader and carried in its address (``tcp://127.0.0.1:PORT#KEY``, a capability, like a notebook
 server's token URL: whoever was handed the address may talk to it, and nobody else), or a shared ``secret``
-(``secret=`` or ``RLSYNC_SECRET``) where addresses are typed by hand across hosts. Binding a non-loopback address
-without either is refused.
+(``secret=`` or ``RLSYNC_SECRET``, at least 128 bits: ``check_secret``) where addresses are typed by hand across
+hosts. Binding a non-loopback address without either is refused. Keys never print: errors and log lines show
+``#<key>`` (``rlsync.core._redact``).
 
-**Sessions.** A writer's ``Hello`` carries a fresh nonce; the reader answers ``Welcome`` with a session id and a
-nonce of its own, and from then on both sides sign with a key derived from the two nonces and number every message
-(frame ``envelope``: session id, counter). A message of an unknown session, of another peer's session, or whose
-counter does not exceed the last one is refused: messages recorded in an earlier run, or earlier in this one, do not
-replay, and one peer cannot speak in another's session.
+**Separate keys per use.** The long-term key signs nothing itself: the control plane signs with one key derived
+from it (label "control"), the data plane's connect challenge (the tcp landing) proves another ("data plane"), and
+sessions sign with keys derived from the control key and both sides' nonces.
 
-Every socket refuses a message longer than ``max_control_bytes()`` (1 GiB, ``RLSYNC_MAX_CONTROL_BYTES`` to change):
+**Sessions, opened by a challenge.** Before anything else a writer ``Knock``s with a fresh nonce; the reader answers
+``Challenge`` (a session id, its own fresh nonce, and whether it needs the writer's layout), signed under a key bound
+to the writer's nonce. Every later message of both sides, the ``Hello`` and the ``AskLayout`` included, goes in that
+session: signed with the session key (derived from both nonces) and numbered (frame ``envelope``: session id,
+counter). A ``Hello`` or ``AskLayout`` counts only as the first message of a session that a ``Knock`` just opened, so
+nothing a reader adopts was recorded earlier (a restarted reader's nonces are new), and a ``Welcome`` or ``LayoutIs``
+comes in the writer's own fresh session. A message of an unknown session, of another peer's session, or whose
+counter does not exceed the last one is refused.
+
+**What an outsider costs.** A frame outside a session (``Knock`` is the only such message a reader takes) longer
+than ``PRE_SESSION_BYTES`` is refused before it is hashed; a frame naming a session is refused unhashed unless the
+session exists and is its sender's. A reader answers a frame it cannot authenticate with an unsigned ``Refuse``
+(nothing signed under its key for a stranger to guess it from), at most ``UNAUTHENTICATED_ANSWERS`` per second.
+Every socket refuses a message longer than its bound (``max_control_bytes``; a reader sizes it from its layout):
 ZeroMQ allocates a frame's length from its header before a byte of it arrives, so without the bound a peer that
 merely claims 2 GiB would be given them while it trickles bytes. ZeroMQ drops such a peer at the header; the others
-go on. Whatever else a frame holds (bytes that do not decode, invalid UTF-8, deep nesting, a bad signature), it
-is a ``BadFrame`` for that frame alone.
+go on. A connection that does not finish ZeroMQ's handshake within ``HANDSHAKE_MS`` is dropped. Whatever else a
+frame holds (bytes that do not decode, invalid UTF-8, deep nesting, a bad signature), it is a ``BadFrame`` for that
+frame alone.
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ import errno
 import hashlib
 import hmac
 import ipaddress
+import math
 import os
 import secrets
 import struct
@@ -38,12 +52,29 @@ import msgspec
 import zmq
 
 from rlsync.core._canary import Canary
-from rlsync.core._errors import ConfigError, TransportError
+from rlsync.core._errors import ConfigError, TransferTimeoutError, TransportError
 from rlsync.core._layout import Layout
 
 
+class Knock(msgspec.Struct, tag=True):
+    """Writer -> reader, first and outside any session: a fresh nonce. Answered with ``Challenge``."""
+
+    nonce: bytes
+
+
+class Challenge(msgspec.Struct, tag=True):
+    """Reader -> writer: the session this ``Knock`` opened (signed under a key bound to the writer's nonce), the
+    reader's own fresh nonce, whether it still needs the writers' layout (``Hello.src``, ``AskLayout.src``), and the
+    longest message it accepts."""
+
+    session: int
+    nonce: bytes
+    needs_src: bool = True
+    max_bytes: int = 1 << 30
+
+
 class Hello(msgspec.Struct, tag=True):
-    """Writer -> reader: who I am and which plan I will run.
+    """Writer -> reader, as the first message of a session a ``Knock`` opened: who I am and which plan I will run.
 
     ``session`` is new for every writer object: a rank whose session changes restarted, so whatever
     its earlier session did for an unfinished version is void. ``src`` is the writer's layout, for a
@@ -59,13 +90,12 @@ class Hello(msgspec.Struct, tag=True):
     delta: bool = False
     #: the writer sends checksums with every version (``SyncOptions(verify=True)``)
     checksums: bool = False
-    #: fresh per Hello: the session key derives from it and the reader's nonce (``Welcome``)
-    nonce: bytes = b""
 
 
 class AskLayout(msgspec.Struct, tag=True):
-    """Writer -> reader: which destination layout do you receive into? ``src``: the writers' layout, from
-    which a replica reader (one holding a whole copy) derives its own."""
+    """Writer -> reader, as the first message of a session a ``Knock`` opened: which destination layout do you
+    receive into? ``src``: the writers' layout, from which a replica reader (one holding a whole copy) derives its
+    own."""
 
     src: Layout | None = None
 
@@ -94,9 +124,6 @@ class Welcome(msgspec.Struct, tag=True):
     #: the landing is the engine's own tensors, one region per buffer of this rank (in layout order): the writer
     #: asks with ``Begin`` before each version (the engine pauses) and writes ``(src, buffer index, offset, n)``
     in_place: bool = False
-    #: the session this Welcome opens (every later message of both sides is signed under it), and the reader's nonce
-    session: int = 0
-    nonce: bytes = b""
 
 
 class Refuse(msgspec.Struct, tag=True):
@@ -145,7 +172,7 @@ class Ack(msgspec.Struct, tag=True):
     digest: str | None = None
 
 
-Message = Union[Hello, AskLayout, LayoutIs, Welcome, Refuse, Done, Ack, Begin, Go]
+Message = Union[Knock, Challenge, Hello, AskLayout, LayoutIs, Welcome, Refuse, Done, Ack, Begin, Go]
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
@@ -159,14 +186,38 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+MIN_SECRET_BITS = 128
+_CLASSES = ((str.islower, 26), (str.isupper, 26), (str.isdigit, 10))
+
+
+def secret_bits(secret: str) -> float:
+    """An upper estimate of a secret's entropy: its length times the bits of the character classes it uses (a
+    random 22-character letters-and-digits string has about 131)."""
+    alphabet = sum(n for has, n in _CLASSES if any(has(c) for c in secret)) + (33 if any(not c.isalnum() for c in secret) else 0)
+    return 0.0 if len(set(secret)) < 8 else len(secret) * math.log2(max(alphabet, 2))
+
+
+def check_secret(secret: str, what: str = "the shared secret") -> None:
+    """Refuse a secret weaker than ``MIN_SECRET_BITS``: anyone who can talk to a reader sees messages signed under
+    keys derived from it, and a short one falls to an offline guess (a six-letter one in about a hundred)."""
+    if secret_bits(secret) < MIN_SECRET_BITS:
+        raise ConfigError(f"{what} is too weak to sign weights with (about {secret_bits(secret):.0f} bits of the "
+                          f"{MIN_SECRET_BITS} required: a random string of 22 or more letters and digits): make one with "
+                          f"`python -c 'import secrets; print(secrets.token_urlsafe(32))'` and give every process the same")
+
+
 def resolve_secret(host: str, secret: str | None) -> bytes | None:
-    """The shared secret for ``host``: required off loopback, optional on it (where a reader makes its own key)."""
+    """The shared secret for ``host``: required off loopback, optional on it (where a reader makes its own key);
+    refused when weaker than ``MIN_SECRET_BITS``."""
+    from_env = secret is None and bool(os.environ.get("RLSYNC_SECRET"))
     secret = secret if secret is not None else os.environ.get("RLSYNC_SECRET") or None
     if secret is None and not is_loopback(host):
         raise ConfigError(
             f"refusing to listen on non-loopback address {host!r} without a shared secret: "
             f"pass secret=... or set RLSYNC_SECRET on every process (or bind 127.0.0.1)"
         )
+    if secret:
+        check_secret(secret, "RLSYNC_SECRET" if from_env else "SyncOptions(secret=...)")
     return secret.encode() if secret else None
 
 
@@ -211,21 +262,42 @@ def host_port(address: str) -> tuple[str, int]:
 
 
 def max_control_bytes() -> int:
-    """The longest control message a socket accepts. The largest real ones carry a layout (every tensor's shards on
-    every rank) or a checksum per tensor."""
+    """The longest control message a socket accepts unless its layout says less (``bound_for``). The largest real
+    ones carry a layout (every tensor's shards on every rank) or a checksum per tensor."""
     return int(os.environ.get("RLSYNC_MAX_CONTROL_BYTES", 1 << 30))
+
+
+MIN_BOUND = 64 << 20
+_LAYOUT_FACTOR = 64  # the writers' layout (in a Hello) against the engine's: 64 writer ranks per engine rank's shard
+
+
+def bound_for(layout: Layout | None) -> int:
+    """The longest control message a reader with ``layout`` accepts: 64 times the layout's encoded size (what an
+    honest writer sends, its own layout and a checksum per tensor, scales with it), at least ``MIN_BOUND``, at most
+    ``max_control_bytes()``; ``RLSYNC_MAX_CONTROL_BYTES`` set, or no layout yet (a replica reader): that."""
+    if layout is None or "RLSYNC_MAX_CONTROL_BYTES" in os.environ:
+        return max_control_bytes()
+    return min(max_control_bytes(), max(MIN_BOUND, _LAYOUT_FACTOR * len(_encoder.encode(layout))))
+
+
+PRE_SESSION_BYTES = 4096  # a Knock, a Challenge or an unsigned Refuse: anything longer outside a session is no peer's
+HANDSHAKE_MS = 5000  # a connection that has not finished ZeroMQ's greeting by then is dropped (ZeroMQ's default: 30 s)
+RECEIVE_QUEUE = 16  # messages ZeroMQ reads ahead per connection (its default, 1000, times the bound, per peer)
+UNAUTHENTICATED_ANSWERS = 20  # unsigned refusals a reader sends per second, to all strangers together; the rest unanswered
 
 
 class BadFrame(TransportError):
     """A control message that is not one: unsigned or signed with another key, of an unknown or another peer's
-    session, replayed, or not decodable. ``identity``: the sender, where a router can answer it."""
+    session, replayed, or not decodable. ``identity``: the sender, where a router can answer it; ``authenticated``:
+    whether it was signed by a holder of the key (an insider's frame) or not (anyone's)."""
 
-    def __init__(self, message: str, identity: bytes | None) -> None:
+    def __init__(self, message: str, identity: bytes | None, authenticated: bool = False) -> None:
         super().__init__(message)
         self.identity = identity
+        self.authenticated = authenticated
 
 
-_ENVELOPE = struct.Struct("!QQ")  # session id (0: before a session, signed with the key itself), counter
+_ENVELOPE = struct.Struct("!QQ")  # session id (0: before a session: a Knock or its Challenge), counter
 MAX_SESSIONS = 4096  # sessions a reader keeps (the oldest go first): far more than writers of one engine
 
 
@@ -241,8 +313,18 @@ class Session:
     sent: int = 0
 
 
-def session_key(key: bytes, session: int, writer_nonce: bytes, reader_nonce: bytes) -> bytes:
-    return hmac.new(key, b"rlsync session" + _ENVELOPE.pack(session, 0) + writer_nonce + reader_nonce, hashlib.sha256).digest()
+def derive(key: bytes, label: bytes) -> bytes:
+    """A key for one use (``label``) derived from ``key``: what signs one thing cannot be made to sign another."""
+    return hmac.new(key, b"rlsync " + label, hashlib.sha256).digest()
+
+
+def session_key(control_key: bytes, session: int, writer_nonce: bytes, reader_nonce: bytes) -> bytes:
+    return derive(control_key, b"session" + _ENVELOPE.pack(session, 0) + writer_nonce + reader_nonce)
+
+
+def challenge_key(control_key: bytes, writer_nonce: bytes) -> bytes:
+    """What a reader signs its ``Challenge`` with: bound to the writer's fresh nonce (an old one does not replay)."""
+    return derive(control_key, b"challenge" + writer_nonce)
 
 
 def new_nonce() -> bytes:
@@ -254,14 +336,21 @@ def new_session_id() -> int:
 
 
 class Channel:
-    """One ZeroMQ socket speaking signed ``Message``s (``key``: the reader's key or the shared secret), in sessions
-    once they are opened (``open_session``)."""
+    """One ZeroMQ socket speaking signed ``Message``s in sessions (``key``: the reader's key or the shared secret,
+    from which the control and data-plane keys derive). A writer's channel opens its session with ``knock``; a
+    reader's answers each ``Knock`` with ``answer_knock``."""
 
     def __init__(self, socket: zmq.Socket[bytes], key: bytes) -> None:
         self.socket = socket
-        self.key = key
+        self.control_key = derive(key, b"control")
+        #: what the data plane's connect challenge proves (hex: transports take it as their "secret")
+        self.data_key = derive(key, b"data plane").hex()
         self.sessions: OrderedDict[int, Session] = OrderedDict()
         self._of_peer: dict[bytes | None, int] = {}  # peer -> its newest session: what is sent to it is signed there
+        self._knock: bytes | None = None  # a writer's nonce while its Knock waits for the Challenge
+        self.limit = max_control_bytes()  # the longest message the peer takes (a writer learns its reader's)
+        self._answers = float(UNAUTHENTICATED_ANSWERS)  # unsigned answers' token bucket (UNAUTHENTICATED_ANSWERS a second)
+        self._answered_at = time.monotonic()
 
     def open_session(self, session: Session) -> None:
         """Sign what goes to ``session.peer`` under ``session`` from now on, and accept messages of it."""
@@ -275,19 +364,68 @@ class Channel:
     def _mac(self, key: bytes, envelope: bytes, payload: bytes) -> bytes:
         return hmac.new(key, envelope + payload, hashlib.sha256).digest()
 
-    def send(self, message: Message, identity: bytes | None = None) -> None:
+    def _encode(self, message: Message) -> bytes:
         payload = _encoder.encode(message)
-        if len(payload) > max_control_bytes():  # the peer would drop us at the header without a word
-            raise ConfigError(f"a {type(message).__name__} control message of {len(payload)} bytes is longer than "
-                              f"RLSYNC_MAX_CONTROL_BYTES={max_control_bytes()}: raise it on every process")
+        if len(payload) > self.limit:  # the peer would drop us at the header without a word
+            raise ConfigError(f"a {type(message).__name__} control message of {len(payload)} bytes is longer than the "
+                              f"{self.limit} the reader accepts (sized from its layout): set RLSYNC_MAX_CONTROL_BYTES "
+                              f"above it on every process")
+        return payload
+
+    def send(self, message: Message, identity: bytes | None = None) -> None:
+        """``message`` in the peer's session; a ``Knock`` signed with the control key; to a peer without a session
+        (a reader's answer to a stranger), unsigned and rate-limited (``send_unsigned``)."""
+        payload = self._encode(message)
         session = self.sessions.get(self._of_peer.get(identity, 0))
-        if session is None or isinstance(message, (Hello, Welcome)):  # a session opens with these: signed with the key
-            envelope, key = _ENVELOPE.pack(0, 0), self.key
+        if isinstance(message, Knock):
+            envelope, key = _ENVELOPE.pack(0, 0), self.control_key
+        elif session is None:
+            self.send_unsigned(message, identity)
+            return
         else:
             session.sent += 1
             envelope, key = _ENVELOPE.pack(session.id, session.sent), session.key
         frames = [envelope, payload, self._mac(key, envelope, payload)]
         self.socket.send_multipart(([identity] if identity is not None else []) + frames)
+
+    def send_unsigned(self, message: Message, identity: bytes | None) -> bool:
+        """``message`` with no signature (nothing signed under the key for a stranger to guess the key from), at most
+        ``UNAUTHENTICATED_ANSWERS`` a second; whether it went."""
+        now = time.monotonic()
+        self._answers = min(UNAUTHENTICATED_ANSWERS, self._answers + (now - self._answered_at) * UNAUTHENTICATED_ANSWERS)
+        self._answered_at = now
+        if self._answers < 1:
+            return False
+        self._answers -= 1
+        payload = _encoder.encode(message)[:PRE_SESSION_BYTES]
+        self.socket.send_multipart(([identity] if identity is not None else []) + [_ENVELOPE.pack(0, 0), payload, b""])
+        return True
+
+    def answer_knock(self, identity: bytes, knock: Knock, needs_src: bool, max_bytes: int) -> Session:
+        """A reader's answer to a writer's ``Knock``: a new session, its id and the reader's nonce in a ``Challenge``
+        signed under a key bound to the writer's nonce."""
+        nonce = new_nonce()
+        session = Session(new_session_id(), b"", peer=identity)
+        session.key = session_key(self.control_key, session.id, knock.nonce, nonce)
+        envelope, payload = _ENVELOPE.pack(0, 0), _encoder.encode(Challenge(session.id, nonce, needs_src, max_bytes))
+        self.socket.send_multipart([identity, envelope, payload, self._mac(challenge_key(self.control_key, knock.nonce), envelope, payload)])
+        self.open_session(session)
+        return session
+
+    def knock(self, timeout_ms: int) -> Challenge | None:
+        """A writer opens its session: ``Knock``, and the reader's ``Challenge`` (None: no answer within the
+        timeout). Every message after it goes in the session."""
+        self._knock = new_nonce()
+        self.send(Knock(self._knock))
+        got = self.recv(timeout_ms)
+        if got is None:
+            return None
+        challenge = got[1]
+        assert isinstance(challenge, Challenge)  # recv takes nothing else outside a session on a writer's side
+        self.open_session(Session(challenge.session, session_key(self.control_key, challenge.session, self._knock, challenge.nonce)))
+        self._knock = None
+        self.limit = min(self.limit, challenge.max_bytes)
+        return challenge
 
     def recv(self, timeout_ms: int | None = None) -> tuple[bytes | None, Message, Session | None] | None:
         """``(identity or None, message, its session or None)``, or None when nothing arrived within the timeout."""
@@ -306,7 +444,17 @@ class Channel:
             if session is None or session.peer != identity:
                 raise BadFrame("a control message of an unknown session, or of another peer's (replayed from an earlier "
                                "run, or forged)", identity)
-        key = self.key if session is None else session.key
+            key = session.key
+        elif len(payload) > PRE_SESSION_BYTES:  # refused unhashed: outside a session only a Knock (or its answer) comes
+            raise BadFrame(f"a control message of {len(payload)} bytes outside a session", identity)
+        elif router:
+            key = self.control_key
+        elif self._knock is not None and mac:
+            key = challenge_key(self.control_key, self._knock)
+        else:
+            raise BadFrame("the reader could not authenticate this writer's messages: the peers' keys differ (give the "
+                           "writer the reader's address as the reader gives it, with its #KEY, or the same "
+                           "SyncOptions(secret=...) or RLSYNC_SECRET on every process)", identity)
         if not hmac.compare_digest(mac, self._mac(key, envelope, payload)):
             raise BadFrame("a control message with a bad signature: the peers' keys differ (give the writer the "
                            "reader's address as the reader gives it, with its #KEY, or the same SyncOptions(secret=...) "
@@ -314,32 +462,39 @@ class Channel:
         if session is not None:
             if counter <= session.received:
                 raise BadFrame(f"a control message replayed or out of order in its session (counter {counter} after "
-                               f"{session.received})", identity)
+                               f"{session.received})", identity, authenticated=True)
             session.received = counter
         try:
             message = _decoder.decode(payload)
         except Exception as exc:  # noqa: BLE001 - msgspec raises more than DecodeError (invalid UTF-8, deep nesting)
-            raise BadFrame(f"a malformed control message ({type(exc).__name__}: {exc})", identity) from exc
+            raise BadFrame(f"a malformed control message ({type(exc).__name__}: {exc})", identity, authenticated=True) from exc
+        if session is None and not isinstance(message, Knock if router else Challenge):
+            raise BadFrame(f"a {type(message).__name__} outside a session (a writer Knocks first)", identity, authenticated=True)
+        if session is not None and isinstance(message, (Knock, Challenge)):
+            raise BadFrame(f"a {type(message).__name__} inside a session", identity, authenticated=True)
         return identity, message, session
 
     def close(self) -> None:
         self.socket.close(linger=0)
 
 
-def _socket(kind: int) -> zmq.Socket[bytes]:
+def _socket(kind: int, max_bytes: int) -> zmq.Socket[bytes]:
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, max_control_bytes())
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)  # set before bind: a listener keeps the options it was bound with
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
+    sock.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
     return sock
 
 
-def bind_router(host: str = "127.0.0.1", port: int = 0, secret: str | None = None) -> tuple[Channel, str]:
+def bind_router(host: str = "127.0.0.1", port: int = 0, secret: str | None = None,
+                max_bytes: int | None = None) -> tuple[Channel, str]:
     """A ROUTER channel for a reader, and the address writers connect to: with a secret (``secret`` or
     ``RLSYNC_SECRET``) the plain ``tcp://host:port``; without one, the reader makes its own key and the address
-    carries it (``tcp://host:port#KEY``)."""
+    carries it (``tcp://host:port#KEY``). ``max_bytes``: the longest message it accepts (``bound_for``)."""
     shared = resolve_secret(host, secret)
     key = new_key()
-    sock = _socket(zmq.ROUTER)
+    sock = _socket(zmq.ROUTER, max_bytes or max_control_bytes())
     if port:
         _bind(sock, f"tcp://{host}:{port}")
     else:
@@ -371,6 +526,24 @@ def connect_dealer(address: str, secret: str | None = None) -> Channel:
         raise ConfigError(f"the reader address {address!r} carries no key and no secret was given: pass the address "
                           f"exactly as the reader gives it (WeightsReader.address, with its #KEY), or give every "
                           f"process the same SyncOptions(secret=...) or RLSYNC_SECRET")
-    sock = _socket(zmq.DEALER)
+    if key is not None:
+        check_secret(key, "the key of the reader address")
+    sock = _socket(zmq.DEALER, max_control_bytes())
     sock.connect(base)
     return Channel(sock, key.encode() if key is not None else shared)  # type: ignore[arg-type]
+
+
+def open_channel(address: str, secret: str | None, timeout: float) -> tuple[Channel, Challenge]:
+    """A writer's channel to the reader at ``address``, its session opened (``Knock``, ``Challenge``): what it sends
+    next is the first message of a fresh session (a ``Hello`` or an ``AskLayout``)."""
+    channel = connect_dealer(address, secret)
+    try:
+        challenge = channel.knock(int(timeout * 1000))
+    except BaseException:
+        channel.close()
+        raise
+    if challenge is None:
+        channel.close()
+        raise TransferTimeoutError(f"the reader at {address} did not answer within {timeout} s: is the engine up, and is "
+                                   f"this its address?")
+    return channel, challenge

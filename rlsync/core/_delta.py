@@ -448,8 +448,8 @@ def _zstd() -> Any:
 
 def apply(payload: torch.Tensor, region: torch.Tensor) -> int:
     """Write an ``encode``-d delta into ``region`` (``uint8``, any device; XOR segments XOR into the bits it
-    holds); the number of values written. Decodes and checks every segment against the region before writing any
-    (a bad delta raises ``ValueError`` and changes nothing). Uncompressed frames are decoded where the payload is
+    holds); the number of values written. Checks the values all segments claim against the region, then decodes and
+    checks every segment before writing any (a bad delta raises ``ValueError`` and changes nothing). Uncompressed frames are decoded where the payload is
     (on a GPU: on the device, one wait for all the checks)."""
     if not payload.numel():
         return 0
@@ -459,6 +459,12 @@ def apply(payload: torch.Tensor, region: torch.Tensor) -> int:
     if segments < 0 or 8 + 40 * segments > payload.numel():
         raise ValueError(f"a {payload.numel()}-byte delta cannot hold {segments} segment headers")
     headers = payload[8 : 8 + 40 * segments].cpu().view(torch.int64).reshape(-1, 5).tolist()
+    # the whole frame bounded before any segment is decoded: every value lands on its own element of the region, so
+    # all segments together hold at most the region's bytes (a lying count cannot make each segment decode to it)
+    claimed = sum(count * itemsize for _, itemsize, count, _, _ in headers if itemsize in _WORD and count > 0)
+    if claimed > region.numel():
+        raise ValueError(f"a delta of {segments} segments claims {claimed} bytes of values, more than the "
+                         f"{region.numel()}-byte region holds")
     at = 8 + 40 * segments
     parts: list[tuple[int, torch.Tensor, torch.Tensor, int, int]] = []
     for base, itemsize, count, mode, nbytes in headers:

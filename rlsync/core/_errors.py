@@ -25,6 +25,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlsync.core import _redact
+
+_redact.install()  # every module that logs imports this one: its records leave with keys hidden
+
 __all__ = [
     "ConfigError",
     "LayoutError",
@@ -44,7 +48,11 @@ __all__ = [
 
 
 class RlsyncError(Exception):
-    """Base class of every error rlsync raises on purpose."""
+    """Base class of every error rlsync raises on purpose. A reader address in its message shows without its key
+    (``tcp://host:port#<key>``): error messages end up in logs that others can read."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*(_redact.redact(a) if isinstance(a, str) else a for a in args))
 
 
 class LayoutError(RlsyncError, ValueError):

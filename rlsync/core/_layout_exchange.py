@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlsync.core._control import AskLayout, LayoutIs, Refuse, connect_dealer
+from rlsync.core._control import AskLayout, LayoutIs, Refuse, open_channel
 from rlsync.core._errors import TransferTimeoutError, TransportError, WeightMismatchError
 from rlsync.core._layout import Layout
 from rlsync.core._options import DEFAULT_TIMEOUT
@@ -19,9 +19,9 @@ def reader_layout(address: str, *, secret: str | None = None, timeout: float = D
 def ask_layout(address: str, src: Layout | None, secret: str | None, timeout: float) -> tuple[Layout, int]:
     """``(destination layout, live version)`` of the reader at ``address``; ``src`` lets a replica reader
     (``dst=None, replicas=N``) derive its layout from the writers'."""
-    channel = connect_dealer(address, secret)
+    channel, challenge = open_channel(address, secret, timeout)
     try:
-        channel.send(AskLayout(src))
+        channel.send(AskLayout(src if challenge.needs_src else None))
         got = channel.recv(timeout_ms=int(timeout * 1000))
     finally:
         channel.close()

@@ -44,15 +44,14 @@ from rlsync.core._control import (
     Done,
     Go,
     Hello,
+    Knock,
     LayoutIs,
     MAX_SESSIONS,
     Refuse,
     Session,
     Welcome,
     bind_router,
-    new_nonce,
-    new_session_id,
-    session_key,
+    bound_for,
 )
 from rlsync.core._delta import INBOX_SHARE
 from rlsync.core._delta import apply as apply_delta
@@ -71,6 +70,7 @@ from rlsync.core._transport import Landing, Region
 #: ``"in_place"`` (the engine's own tensors, the engine paused while a version lands)
 LandingMode = Literal["direct", "staged", "in_place"]
 MAX_VERSION = 2**53  # versions are step counts: a claim past this is no step (and no float64 holds it exactly)
+REJECTIONS_LOGGED_EVERY = 10.0  # seconds between log lines about rejected messages (a stream of them is counted)
 _log = logging.getLogger("rlsync")
 K = TypeVar("K")
 V = TypeVar("V")
@@ -132,9 +132,10 @@ class WeightsReader:
         self._pair_runs: dict[tuple[int, int], PairRuns] = {}
         self._tensors_of: dict[tuple[int, str], str] = {}  # (writer rank, its buffer) -> the tensor it holds
         self._transport = resolve_transport(options.transport, self._plugins)
-        self._channel, self.address = bind_router(options.host, options.port, options.secret)
-        # the data plane proves the control plane's key at connect (the tcp landing's challenge)
-        self._transport_options = {**options.link_options, "secret": self._channel.key.decode()}
+        self._bound = bound_for(dst)  # the longest control message it takes (from its layout: set before it listens)
+        self._channel, self.address = bind_router(options.host, options.port, options.secret, self._bound)
+        # the data plane proves a key derived from the control plane's at connect (the tcp landing's challenge)
+        self._transport_options = {**options.link_options, "secret": self._channel.data_key}
         self._landing: Landing | None = None
         if dst is not None:
             self._set_dst(dst)
@@ -143,8 +144,12 @@ class WeightsReader:
         self._checksum = options.verify
         self._on_version = on_version
         self._on_refused = on_refused
-        #: why the last writer that tried to connect was refused; None again once a writer is welcomed
+        #: why the last writer that tried to connect was refused (a writer that proved the key: no stranger sets it,
+        #: and an engine's wait fails while it stands); None again once a writer is welcomed
         self.refusal: str | None = None
+        #: why the last message no honest writer sends was rejected (a bad frame, a wrong key, a replay): for a
+        #: person to read; nothing waits on it
+        self.last_rejection: str | None = None
         #: the trainer's canary of the version being handed to ``on_version`` (None outside it, or none sent)
         self.landed_canary: Canary | None = None
         #: set by the engine's check of ``landed_canary`` (``check_canary``); reported to the writers with the Ack
@@ -162,10 +167,12 @@ class WeightsReader:
         self._welcomed: dict[int, tuple[int, str]] = {}  # control session id -> (writer rank, its writer session)
         self._active: dict[int, int] = {}  # writer rank -> the control session its Begin/Done must come in
         self._hellos: dict[int, set[str]] = {}  # writer rank -> writer sessions welcomed since its last took effect
-        self._nonces: dict[bytes, None] = {}  # writer nonces of the Hellos answered (newest MAX_SESSIONS): no replay
+        self._nonces: dict[bytes, None] = {}  # writer nonces of the Knocks answered (newest MAX_SESSIONS): no replay
+        self._fresh: dict[int, None] = {}  # sessions a Knock opened that have not spoken: a Hello or AskLayout may
         #: messages refused because they were not what an honest writer sends (bad frames, out of session, replays)
         self.rejected = 0
-        self._said: set[str] = set()  # the kinds of rejection logged once already
+        self._logged_at = -REJECTIONS_LOGGED_EVERY  # when a rejection was last logged; those since are counted
+        self._unlogged = 0
         self._epoch = 0  # counts writer restarts
         self.discarded: list[int] = []  # unfinished versions given up because a writer restarted
         self.delta_seconds = 0.0  # copying live parts and applying deltas, over every version so far
@@ -333,10 +340,13 @@ class WeightsReader:
             self._undo("the reader closed")
 
     def _handle(self, identity: bytes, msg: object, session: Session | None) -> None:
-        if isinstance(msg, (Hello, AskLayout)) and session is not None:
-            self._reject(identity, f"a {type(msg).__name__} inside a session: it opens one")
+        if isinstance(msg, Knock):
+            self._knocked(identity, msg)
+        elif isinstance(msg, (Hello, AskLayout)) and not self._opens(session):
+            self._reject(identity, f"a {type(msg).__name__} that is not the first message of a session a Knock opened")
         elif isinstance(msg, Hello):
-            self._hello(identity, msg)
+            assert session is not None
+            self._hello(identity, msg, session)
         elif isinstance(msg, AskLayout):
             self._layout_asked(identity, msg)
         elif isinstance(msg, (Begin, Done)):
@@ -350,17 +360,18 @@ class WeightsReader:
             self._reject(identity, f"a {type(msg).__name__} is not for a reader")
 
     def _reject(self, identity: bytes | None, reason: str) -> None:
-        """A message no honest writer sends: counted, logged once per kind, answered (the peer may be a
-        misconfigured writer that needs the reason), and the reader goes on."""
+        """A message no honest writer sends: counted, logged (one line per ``REJECTIONS_LOGGED_EVERY`` seconds at
+        most), answered (the peer may be a misconfigured writer that needs the reason: in its session, or unsigned
+        and rate-limited to a peer without one), and the reader goes on. Nothing else changes: an engine's wait
+        reads none of it, so a stranger that can reach the port cannot stop a rollout."""
         self.rejected += 1
-        # said to whoever reads ``refusal`` (a misconfigured trainer's key shows here), but no unauthenticated frame
-        # fails a waiting engine (``on_refused``): a stranger that can reach the port must not stop a rollout
-        self.refusal = reason
-        kind = reason.split(":")[0][:80]
-        if kind not in self._said:
-            self._said.add(kind)
-            _log.warning("reader rank %d rejected a control message (further ones like it are counted in "
-                         "WeightsReader.rejected, not logged): %s", self.rank, reason)
+        self.last_rejection = reason
+        self._unlogged += 1
+        now = time.monotonic()
+        if now - self._logged_at >= REJECTIONS_LOGGED_EVERY:
+            _log.warning("reader rank %d rejected %d control message(s) since the last line (all are counted in "
+                         "WeightsReader.rejected), the last: %s", self.rank, self._unlogged, reason)
+            self._logged_at, self._unlogged = now, 0
         if identity is not None:
             try:
                 self._channel.send(Refuse(reason), identity)
@@ -393,7 +404,24 @@ class WeightsReader:
             return
         self._channel.send(LayoutIs(self.dst, self._version), identity)
 
-    def _hello(self, identity: bytes, msg: Hello) -> None:
+    def _opens(self, session: Session | None) -> bool:
+        """Whether ``session`` was just opened by a Knock and has not spoken: it may say one Hello or AskLayout."""
+        if session is None or session.id not in self._fresh:
+            return False
+        del self._fresh[session.id]
+        return True
+
+    def _knocked(self, identity: bytes, knock: Knock) -> None:
+        """A writer opens a session: a fresh nonce (one seen before was recorded: refused) is answered with the
+        reader's ``Challenge``; the session may then say one Hello or AskLayout."""
+        if len(knock.nonce) < 16 or knock.nonce in self._nonces:
+            self._reject(identity, "a Knock without a fresh nonce (replayed, or from an older rlsync): refused")
+            return
+        _keep_newest(self._nonces, knock.nonce, None)
+        session = self._channel.answer_knock(identity, knock, needs_src=self.plan is None, max_bytes=self._bound)
+        _keep_newest(self._fresh, session.id, None)
+
+    def _hello(self, identity: bytes, msg: Hello, session: Session) -> None:
         self._replicate(msg.src)
         if self.dst is not None and msg.dst_fingerprint != self._dst_fingerprint:
             self._refuse_writer(identity, f"the writer was built for another destination layout than reader rank {self.rank} "
@@ -420,27 +448,18 @@ class WeightsReader:
                                           f"sends no checksums: build the trainer's writer with SyncOptions(verify=True) "
                                           f"(the same verify as the engine's: vLLM's init_info 'verify', verl's verify=true)")
             return
-        if not msg.nonce or msg.nonce in self._nonces:
-            self._reject(identity, "a Hello without a fresh nonce (replayed, or from an older rlsync): refused")
-            return
         if self.refusal is not None:
             _log.info("reader rank %d: writer rank %d welcomed; the earlier refusal no longer stands", self.rank, msg.writer_rank)
         self.refusal = None
-        _keep_newest(self._nonces, msg.nonce, None)
         in_place = self.landing_mode == "in_place"
-        session = Session(new_session_id(), b"", peer=identity)
-        nonce = new_nonce()
-        session.key = session_key(self._channel.key, session.id, msg.nonce, nonce)
         welcome = Welcome(self.rank, self._transport.name, self._landing.describe(), self._version, self._target_slot,
-                          checksum=for_memory(self._landing.memory), in_place=in_place, session=session.id, nonce=nonce)
+                          checksum=for_memory(self._landing.memory), in_place=in_place)
         if msg.delta and not in_place:  # in place, the engine's tensors are the only copy: versions come whole
             inbox = self._open_inbox()
             welcome.inbox = inbox.describe()
             welcome.inbox_offset, welcome.inbox_capacity = self._inbox_parts.get(msg.writer_rank, (0, 0))
-        self._channel.send(welcome, identity)
-        # the session counts only once it speaks (its first Begin or Done, signed under it): a Hello replayed from
-        # an earlier run, which can say nothing more, changes nothing here
-        self._channel.open_session(session)
+        self._channel.send(welcome, identity)  # in the writer's fresh session: bound to its nonce
+        # the session counts for its writer rank only once it speaks again (its first Begin or Done)
         _keep_newest(self._welcomed, session.id, (msg.writer_rank, msg.session))
         self._hellos.setdefault(msg.writer_rank, set()).add(msg.session)
 

@@ -34,11 +34,8 @@ from rlsync.core._control import (
     Go,
     Hello,
     Refuse,
-    Session,
     Welcome,
-    connect_dealer,
-    new_nonce,
-    session_key,
+    open_channel,
 )
 from rlsync.core._delta import ChangeLog
 from rlsync.core._delta import encode as encode_delta
@@ -271,14 +268,13 @@ class WeightsWriter:
     def _connect(self, dst_rank: int) -> None:
         if dst_rank in self._links:
             return
-        channel = connect_dealer(self._readers[dst_rank], self._secret)
+        channel, challenge = open_channel(self._readers[dst_rank], self._secret, self.timeout)
         src_fp, dst_fp, dst_tensors = self._fingerprints
-        nonce = new_nonce()
-        channel.send(Hello(self.rank, src_fp, dst_fp, dst_tensors, self._session, self.src, delta=self._changes is not None,
-                           checksums=self._checksum, nonce=nonce))
         try:
+            channel.send(Hello(self.rank, src_fp, dst_fp, dst_tensors, self._session, self.src if challenge.needs_src else None,
+                               delta=self._changes is not None, checksums=self._checksum))
             got = channel.recv(timeout_ms=int(self.timeout * 1000))
-        except TransportError:
+        except (TransportError, ConfigError):
             channel.close()
             raise
         if got is None:
@@ -288,16 +284,15 @@ class WeightsWriter:
         if isinstance(msg, Refuse):
             channel.close()
             raise WeightMismatchError(f"reader rank {dst_rank} refused: {msg.reason}")
-        if not isinstance(msg, Welcome) or not msg.session:
+        if not isinstance(msg, Welcome):
             channel.close()
-            raise TransportError(f"reader rank {dst_rank} answered {type(msg).__name__} without a session to a Hello: "
+            raise TransportError(f"reader rank {dst_rank} answered {type(msg).__name__} to a Hello: "
                                  f"is {self._readers[dst_rank]} a reader of this rlsync version?")
         if msg.transport != self._transport.name:
             channel.close()
             raise TransportError(f"reader rank {dst_rank} uses transport {msg.transport!r}, this writer {self._transport.name!r}")
-        channel.open_session(Session(msg.session, session_key(channel.key, msg.session, nonce, msg.nonce)))
-        # the data plane proves the same key at connect (the tcp landing's challenge): the reader's, or the secret
-        options = {**self._options, "secret": channel.key.decode()}
+        # the data plane proves a key derived from the same one at connect (the tcp landing's challenge)
+        options = {**self._options, "secret": channel.data_key}
         self._links[dst_rank] = self._transport.open(msg.description, options)
         self._channels[dst_rank] = channel
         self._slots[dst_rank] = msg.next_slot

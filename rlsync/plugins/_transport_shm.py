@@ -1,13 +1,21 @@
 """``shm``: same-host shared memory. The reader's regions are files in /dev/shm, mapped by both
 processes; the writer copies straight into them (one copy in all, at memcpy speed because the
-reader touched every page when it allocated them)."""
+reader touched every page when it allocated them).
+
+A live reader holds a lock (``flock``) on each of its files for as long as it lives; the kernel drops the lock when
+the process dies, however it dies. A file nobody holds a lock on is a dead reader's, and the next reader removes it
+(``remove_stale_regions``). Locks, not process ids: a container that shares the host's /dev/shm (``--ipc=host``)
+sees another container's readers under pids it cannot signal, and took them for dead."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import math
 import mmap
 import os
 import secrets
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -19,37 +27,53 @@ SHM_DIR = "/dev/shm"
 
 
 def remove_stale_regions() -> list[str]:
-    """Unlink the regions of readers that died without closing (SIGKILL, OOM): files named
-    ``rlsync-<pid>-*`` that this user owns and whose process is gone. Returns the paths removed."""
+    """Unlink the regions of readers that died without closing (SIGKILL, OOM): files named ``rlsync-*`` that this
+    user owns and that no process holds a lock on. Returns the paths removed."""
     removed = []
     for entry in os.scandir(SHM_DIR):
-        parts = entry.name.split("-")
-        if len(parts) < 3 or parts[0] != "rlsync" or not parts[1].isdigit():
+        creating = entry.name.startswith(".rlsync-")  # a reader killed while it made its file, or one making it now
+        if not (entry.name.startswith("rlsync-") or creating):
             continue
         try:
-            if entry.stat().st_uid != os.getuid():
+            if entry.stat().st_uid != os.getuid() or (creating and time.time() - entry.stat().st_mtime < 60):
                 continue
-            os.kill(int(parts[1]), 0)
-        except ProcessLookupError:
+            fd = os.open(entry.path, os.O_RDONLY)
+        except OSError:  # gone meanwhile, or not ours to open
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # granted only where no live reader holds its lock
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+        else:
             try:
                 os.unlink(entry.path)
                 removed.append(entry.path)
             except FileNotFoundError:  # another reader cleaned it up first
                 pass
-        except (PermissionError, FileNotFoundError):  # alive under another user, or already gone
-            continue
+        finally:
+            os.close(fd)
     return removed
 
 
-def _map(path: str, nbytes: int, create: bool) -> tuple[mmap.mmap, np.ndarray]:
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)
+def _create_locked(path: str, nbytes: int) -> int:
+    """``path``, ``nbytes`` long, created under another name, locked, then renamed: no other reader ever sees it
+    unlocked. Returns the descriptor that holds the lock (closed, the lock goes)."""
+    creating = os.path.join(SHM_DIR, "." + os.path.basename(path))
+    fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        if create:
-            os.ftruncate(fd, nbytes)
-        mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.ftruncate(fd, nbytes)
+        os.rename(creating, path)
+    except BaseException:
         os.close(fd)
+        os.unlink(creating)
+        raise
+    return fd
+
+
+def _map(fd: int, nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
+    mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     return mapping, np.frombuffer(mapping, dtype=np.uint8)
 
 
@@ -82,8 +106,10 @@ class ShmLanding(Landing):
         self._paths = [os.path.join(SHM_DIR, f"{tag}-{i}") for i in range(slots)]
         self._maps: list[mmap.mmap] = []
         self._regions: list[np.ndarray] = []
+        self._locks: list[int] = []  # held open for the landing's life: the files are a live reader's
         for path in self._paths:
-            mapping, region = _map(path, max(nbytes, 1), create=True)
+            self._locks.append(_create_locked(path, max(nbytes, 1)))
+            mapping, region = _map(self._locks[-1], max(nbytes, 1))
             region.fill(0)  # touch every page now: a first write into fresh shm runs at a tenth of memcpy
             self._maps.append(mapping)
             self._regions.append(region)
@@ -107,6 +133,9 @@ class ShmLanding(Landing):
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+        for fd in self._locks:
+            os.close(fd)
+        self._locks.clear()
 
 
 class ShmLink(Link):
@@ -120,9 +149,13 @@ class ShmLink(Link):
         self._regions = []
         for path in description["paths"]:
             try:
-                mapping, region = _map(path, max(int(description["nbytes"]), 1), create=False)
+                fd = os.open(path, os.O_RDWR)
             except FileNotFoundError as exc:
                 raise PeerLostError(f"the reader's shared memory {path} is gone: the reader exited") from exc
+            try:
+                mapping, region = _map(fd, max(int(description["nbytes"]), 1))
+            finally:
+                os.close(fd)
             self._maps.append(mapping)
             self._regions.append(region)
 

@@ -1,16 +1,26 @@
 """``tcp``: a portable fallback. The reader runs a thread that receives each run straight into
 its region (``recv_into``, no intermediate copy); the writer streams runs with a small fixed
-header. Loopback by default; another address requires the shared secret, proven by an
-HMAC challenge before any byte is accepted."""
+header. Loopback by default; another address requires the shared secret. Every connection proves the
+data-plane key (derived from the reader's key or the secret: ``options["secret"]``) by an HMAC challenge
+before any byte is accepted.
+
+What a stranger costs: one thread accepts and challenges every connection; one that has not answered within
+``CHALLENGE_SECONDS`` is dropped, and past ``MAX_UNPROVEN`` waiting the oldest is (an honest writer answers within a
+round trip); the accept loop outlives running out of file descriptors (it waits and goes on). A flood of idle
+connections costs a descriptor each for a few seconds, and cannot end the landing."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
+import logging
 import secrets
+import selectors
 import socket
 import struct
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -20,6 +30,15 @@ from rlsync import Landing, Link, PeerLostError, Run, Transport, resolve_secret
 
 _HEADER = struct.Struct("!IQQ")  # slot, offset, nbytes; nbytes == 0 asks for a flush acknowledgement
 _FLUSH_SLOT = 0xFFFFFFFF
+_LABEL = b"rlsync tcp landing"  # what the proof signs besides the nonce: the key proves nothing else with it
+CHALLENGE_SECONDS = 5.0
+MAX_UNPROVEN = 256
+_OUT_OF = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)  # accept fails, the listener is fine
+_log = logging.getLogger("rlsync")
+
+
+def proof(secret: bytes, nonce: bytes) -> bytes:
+    return hmac.new(secret, _LABEL + nonce, hashlib.sha256).digest()
 
 
 def _recv_exact(conn: socket.socket, view: memoryview) -> None:
@@ -42,6 +61,10 @@ class TcpLanding(Landing):
         self._server = socket.create_server((host, int(self.options.get("port", 0))))
         self._address = (host, self._server.getsockname()[1])
         self._closed = False
+        #: connections dropped unanswered because ``MAX_UNPROVEN`` newer ones were waiting, and accepts that failed
+        #: for want of file descriptors or memory (the landing went on)
+        self.turned_away = 0
+        self.accept_failures = 0
         self._thread = threading.Thread(target=self._serve, name="rlsync-tcp-landing", daemon=True)
         self._thread.start()
 
@@ -53,25 +76,89 @@ class TcpLanding(Landing):
         return {"host": self._address[0], "port": self._address[1]}
 
     def _serve(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return
+        """Accept connections and challenge them, all in this one thread (a stranger's idle connection costs a
+        descriptor and a table entry, not a thread); a connection that proves the key gets a thread of its own."""
+        unproven: dict[socket.socket, tuple[bytes, float, bytearray]] = {}  # oldest first
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._server, selectors.EVENT_READ)
+            while not self._closed:
+                try:
+                    ready = selector.select(timeout=0.5)
+                except (OSError, ValueError):  # the listener was closed
+                    break
+                for key, _ in ready:
+                    if key.fileobj is self._server:
+                        self._accept(selector, unproven)
+                    else:
+                        self._answered(selector, unproven, key.fileobj)  # type: ignore[arg-type]
+                now = time.monotonic()
+                for conn in [c for c, (_, deadline, _) in unproven.items() if deadline < now]:
+                    self._drop(selector, unproven, conn)
+            for conn in list(unproven):
+                self._drop(selector, unproven, conn)
+
+    def _accept(self, selector: selectors.BaseSelector, unproven: dict[socket.socket, tuple[bytes, float, bytearray]]) -> None:
+        try:
+            conn, _ = self._server.accept()
+        except OSError as exc:
+            if exc.errno in _OUT_OF:  # out of descriptors: the connections that hold them time out; wait
+                self.accept_failures += 1
+                if self.accept_failures == 1:
+                    _log.warning("tcp landing on port %d: accept failed (%s); it waits for connections to close",
+                                 self._address[1], exc)
+                time.sleep(0.05)
+            return
+        if not self._secret:
             threading.Thread(target=self._receive, args=(conn,), daemon=True).start()
+            return
+        if len(unproven) >= MAX_UNPROVEN:  # the oldest goes: an honest writer answers within a round trip
+            self.turned_away += 1
+            self._drop(selector, unproven, next(iter(unproven)))
+        nonce = secrets.token_bytes(16)
+        try:
+            conn.setblocking(False)
+            conn.send(nonce)  # 16 bytes into an empty send buffer
+        except OSError:
+            conn.close()
+            return
+        unproven[conn] = (nonce, time.monotonic() + CHALLENGE_SECONDS, bytearray())
+        selector.register(conn, selectors.EVENT_READ)
+
+    def _answered(self, selector: selectors.BaseSelector, unproven: dict[socket.socket, tuple[bytes, float, bytearray]],
+                  conn: socket.socket) -> None:
+        nonce, _, answer = unproven[conn]
+        try:
+            got = conn.recv(32 - len(answer))
+        except BlockingIOError:
+            return
+        except OSError:
+            got = b""
+        answer += got
+        if got and len(answer) < 32:
+            return
+        selector.unregister(conn)
+        del unproven[conn]
+        if not got or not hmac.compare_digest(bytes(answer), proof(self._secret, nonce)):  # type: ignore[arg-type]
+            conn.close()
+            return
+        conn.setblocking(True)
+        threading.Thread(target=self._receive, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _drop(selector: selectors.BaseSelector, unproven: dict[socket.socket, tuple[bytes, float, bytearray]],
+              conn: socket.socket) -> None:
+        unproven.pop(conn, None)
+        try:
+            selector.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
 
     def _receive(self, conn: socket.socket) -> None:
         header = bytearray(_HEADER.size)
         with conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
-                if self._secret:
-                    nonce = secrets.token_bytes(16)
-                    conn.sendall(nonce)
-                    proof = bytearray(32)
-                    _recv_exact(conn, memoryview(proof))
-                    if not hmac.compare_digest(bytes(proof), hmac.new(self._secret, nonce, hashlib.sha256).digest()):
-                        return
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 while True:
                     _recv_exact(conn, memoryview(header))
                     slot, offset, nbytes = _HEADER.unpack(header)
@@ -102,8 +189,11 @@ class TcpLink(Link):
         secret = resolve_secret(host, (options or {}).get("secret"))
         if secret:
             nonce = bytearray(16)
-            _recv_exact(self._sock, memoryview(nonce))
-            self._sock.sendall(hmac.new(secret, bytes(nonce), hashlib.sha256).digest())
+            try:
+                _recv_exact(self._sock, memoryview(nonce))
+                self._sock.sendall(proof(secret, bytes(nonce)))
+            except OSError as exc:
+                raise PeerLostError(f"the reader's tcp landing at {host}:{port} closed the connection at its challenge: {exc}") from exc
 
     def write(self, source: np.ndarray, runs: Sequence[Run]) -> None:
         view = source.data  # a memoryview of the bytes

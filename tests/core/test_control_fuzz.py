@@ -11,8 +11,6 @@ fuzzing (atheris: ``tests/fuzz/control_atheris.py``)."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import os
 import resource
@@ -32,12 +30,13 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _support.insider import ENVELOPE, Insider
 from rlsync import ConfigError, StagedReceiver, SyncOptions, WeightsWriter
 from rlsync.layouts import from_state_dict
 
 TENSORS = [["model.embed_tokens.weight", "float32", [16, 8]], ["model.norm.weight", "float32", [8]]]
 STATE = {"model.embed_tokens.weight": torch.randn(16, 8), "model.norm.weight": torch.randn(8)}
-TYPES = ["Hello", "AskLayout", "LayoutIs", "Welcome", "Refuse", "Done", "Ack", "Begin", "Go", "Nonsense"]
+TYPES = ["Knock", "Challenge", "Hello", "AskLayout", "LayoutIs", "Welcome", "Refuse", "Done", "Ack", "Begin", "Go", "Nonsense"]
 EXAMPLES = 150  # per message type
 
 huge = st.sampled_from([2**31, 2**40, 2**63 - 1, -(2**63), -1, 0])
@@ -47,7 +46,8 @@ value: st.SearchStrategy[Any] = st.recursive(
     max_leaves=12)
 FIELDS = ["writer_rank", "src_fingerprint", "dst_fingerprint", "dst_tensors", "session", "src", "delta", "checksums",
           "layout", "live_version", "reader_rank", "transport", "description", "next_slot", "inbox", "inbox_offset",
-          "inbox_capacity", "reason", "kind", "version", "slot", "delta_base", "delta_nbytes", "canary", "digest"]
+          "inbox_capacity", "reason", "kind", "version", "slot", "delta_base", "delta_nbytes", "canary", "digest", "nonce",
+          "needs_src", "max_bytes"]
 
 
 def _peak_rss_mb() -> float:
@@ -62,38 +62,23 @@ def receiver() -> Any:
 
 @pytest.fixture(scope="module")
 def peer(receiver: StagedReceiver) -> Any:
-    sock = zmq.Context.instance().socket(zmq.DEALER)  # a process on the reader's host, not an rlsync writer
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(receiver.address.split("#")[0])
-    yield sock
-    sock.close()
+    made = Insider(receiver.address)  # a process on the reader's host holding its key, not an rlsync writer
+    yield made
+    made.close()
 
 
-ENVELOPE = struct.Struct("!QQ")
-
-
-def signed(key: bytes, payload: bytes, session: int = 0, counter: int = 0) -> list[bytes]:
-    """Frames as a peer holding the reader's key sends them."""
-    envelope = ENVELOPE.pack(session, counter)
-    return [envelope, payload, hmac.new(key, envelope + payload, hashlib.sha256).digest()]
-
-
-def key_of(receiver: StagedReceiver) -> bytes:
-    return receiver.address.partition("#")[2].encode()
-
-
-def probe_answers(receiver: StagedReceiver, peer: Any) -> None:
+def probe_answers(receiver: StagedReceiver, peer: Insider) -> None:
     """The reader answers a layout request (after whatever came before it on this peer's connection)."""
-    while peer.poll(200):  # answers to earlier inputs (a fuzzed AskLayout's LayoutIs among them) are not the probe's
-        peer.recv_multipart()
-    peer.send_multipart(signed(key_of(receiver), msgspec.msgpack.encode({"type": "AskLayout"})))
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if peer.poll(1000):
-            frames = peer.recv_multipart()
-            if len(frames) == 3 and msgspec.msgpack.decode(frames[1]).get("type") == "LayoutIs":
-                return
-    pytest.fail("the reader did not answer a layout request after the fuzzed input")
+    while peer.sock.poll(200):  # answers to earlier inputs (a fuzzed AskLayout's LayoutIs among them) are not the probe's
+        peer.sock.recv_multipart()
+    try:
+        peer.knock()
+    except TimeoutError:
+        pytest.fail("the reader did not answer a Knock after the fuzzed input")
+    peer.send({"type": "AskLayout"})
+    answer = peer.answer()
+    if answer is None or answer["type"] != "LayoutIs":
+        pytest.fail(f"the reader did not answer a layout request after the fuzzed input: {answer}")
 
 
 @pytest.mark.parametrize("kind", TYPES)
@@ -102,14 +87,17 @@ def test_every_message_type_fuzzed_is_refused_or_dropped(kind: str, receiver: St
 
     @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(fields=st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=8), value, max_size=8),
-           shape=st.sampled_from(["signed", "signed", "signed-bytes", "unsigned", "one-frame", "four-frames"]))
+           shape=st.sampled_from(["in-session", "in-session", "in-session-bytes", "before-session", "unsigned",
+                                  "one-frame", "four-frames"]))
     def send(fields: dict[str, Any], shape: str) -> None:
         payload = msgspec.msgpack.encode({"type": kind, **fields})
-        key = key_of(receiver)
-        frames = {"signed": signed(key, payload), "signed-bytes": signed(key, payload[: len(payload) // 2] + b"\xc1\xff"),
-                  "unsigned": [ENVELOPE.pack(0, 0), payload, b""], "one-frame": [payload],
-                  "four-frames": [payload, b"", b"", b""]}[shape]
-        peer.send_multipart(frames)
+        if shape.startswith("in-session"):  # a fresh session each: a Hello or AskLayout reaches its handler there
+            peer.knock()
+        frames = {"in-session": lambda: peer.in_session(payload),
+                  "in-session-bytes": lambda: peer.in_session(payload[: len(payload) // 2] + b"\xc1\xff"),
+                  "before-session": lambda: peer.pre_session(payload), "unsigned": lambda: [ENVELOPE.pack(0, 0), payload, b""],
+                  "one-frame": lambda: [payload], "four-frames": lambda: [payload, b"", b"", b""]}[shape]()
+        peer.sock.send_multipart(frames)
 
     send()
     probe_answers(receiver, peer)
@@ -120,9 +108,9 @@ def test_every_message_type_fuzzed_is_refused_or_dropped(kind: str, receiver: St
 def _valid_messages(receiver: StagedReceiver) -> list[bytes]:
     layout = from_state_dict(STATE)
     hello = {"type": "Hello", "writer_rank": 0, "src_fingerprint": layout.fingerprint(), "dst_fingerprint": "",
-             "dst_tensors": {}, "session": "fuzz", "src": msgspec.to_builtins(layout), "nonce": b"n" * 16}
+             "dst_tensors": {}, "session": "fuzz", "src": msgspec.to_builtins(layout)}
     return [msgspec.msgpack.encode(m) for m in (
-        hello, {"type": "AskLayout", "src": msgspec.to_builtins(layout)},
+        hello, {"type": "AskLayout", "src": msgspec.to_builtins(layout)}, {"type": "Knock", "nonce": b"k" * 16},
         {"type": "Done", "writer_rank": 0, "version": 7, "slot": 0, "checksums": {"w": 1}},
         {"type": "Begin", "writer_rank": 0, "version": 7})]
 
@@ -147,31 +135,39 @@ def _mutate(payload: bytes, how: str, at: int, byte: int) -> bytes:
 MUTATIONS = ["truncate", "flip", "not-utf8", "deep", "ext", "oversized", "noise"]
 
 
-def test_byte_level_mutations_of_valid_messages_are_refused_and_the_reader_goes_on(receiver: StagedReceiver, peer: Any) -> None:
+def test_byte_level_mutations_of_valid_messages_are_refused_and_the_reader_goes_on(receiver: StagedReceiver, peer: Insider) -> None:
     messages = _valid_messages(receiver)
     before = _peak_rss_mb()
 
     @settings(max_examples=EXAMPLES * 2, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(which=st.integers(0, len(messages) - 1), how=st.sampled_from(MUTATIONS), at=st.integers(0, 4096),
-           byte=st.integers(0, 255), session=st.sampled_from([0, 1, 2**63 - 1]), insider=st.booleans())
-    def send(which: int, how: str, at: int, byte: int, session: int, insider: bool) -> None:
+           byte=st.integers(0, 255), session=st.sampled_from(["own", "none", "made-up"]), insider=st.booleans())
+    def send(which: int, how: str, at: int, byte: int, session: str, insider: bool) -> None:
         payload = _mutate(messages[which], how, at, byte)
-        frames = signed(key_of(receiver), payload, session, at + 1) if insider else [ENVELOPE.pack(session, 1), payload, b"x" * 32]
-        peer.send_multipart(frames)
+        if not insider:
+            frames = [ENVELOPE.pack({"own": peer.session, "none": 0, "made-up": 2**63 - 1}[session], 1), payload, b"x" * 32]
+        elif session == "none":
+            frames = peer.pre_session(payload)
+        else:
+            peer.knock()
+            if session == "made-up":
+                peer.session = 2**63 - 1
+            frames = peer.in_session(payload)
+        peer.sock.send_multipart(frames)
 
     send()
     probe_answers(receiver, peer)
     assert _peak_rss_mb() - before < 256 and receiver.reader._thread.is_alive()  # type: ignore[attr-defined]
 
 
-def test_an_honest_sessions_messages_replayed_from_another_peer_are_refused(receiver: StagedReceiver, peer: Any,
+def test_an_honest_sessions_messages_replayed_from_another_peer_are_refused(receiver: StagedReceiver, peer: Insider,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A writer's session recorded on the wire, then sent again, from another connection and from its own order."""
     sent: list[list[bytes]] = []
     original = zmq.Socket.send_multipart
 
     def record(sock: Any, frames: Any, *args: Any, **kwargs: Any) -> Any:
-        if sock.type == zmq.DEALER and sock is not peer:
+        if sock.type == zmq.DEALER and sock is not peer.sock:
             sent.append([bytes(f) for f in frames])
         return original(sock, frames, *args, **kwargs)
 
@@ -181,12 +177,11 @@ def test_an_honest_sessions_messages_replayed_from_another_peer_are_refused(rece
     assert any(len(frames) == 3 and b"Done" in frames[1] for frames in sent), sent
     live, rejected = receiver.reader.version, receiver.reader.rejected
     for frames in sent:
-        peer.send_multipart(frames)
-    taking = [f for f in sent if b"AskLayout" not in f[1]]  # a replayed layout request is answered: it only reads
+        peer.sock.send_multipart(frames)
     deadline = time.monotonic() + 10
-    while receiver.reader.rejected < rejected + len(taking) and time.monotonic() < deadline:
+    while receiver.reader.rejected < rejected + len(sent) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert receiver.reader.rejected == rejected + len(taking)  # every replayed Hello and Done refused, none taken
+    assert receiver.reader.rejected == rejected + len(sent)  # every replayed Knock, Hello, AskLayout and Done refused
     assert receiver.reader.version == live
 
 
@@ -224,7 +219,7 @@ def _zmtp_peer(address: str) -> socket.socket:
     return conn
 
 
-@pytest.mark.parametrize("claimed", [2**31, 2**40, 2**62])
+@pytest.mark.parametrize("claimed", [2**27, 2**31, 2**40, 2**62])  # 128 MiB: past this small layout's bound (64 MiB)
 def test_a_frame_that_claims_more_than_the_bound_drops_its_peer_at_the_header(receiver: StagedReceiver,
                                                                              claimed: int) -> None:
     conn = _zmtp_peer(receiver.address)
@@ -246,16 +241,20 @@ def test_a_frame_that_claims_more_than_the_bound_drops_its_peer_at_the_header(re
     test_after_the_fuzzing_a_real_writer_still_lands_a_version(receiver)
 
 
-def test_a_message_over_the_bound_is_refused_by_its_sender_naming_the_setting(receiver: StagedReceiver,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RLSYNC_MAX_CONTROL_BYTES", "200")  # the writer's Hello carries its layout: longer than this
-    with pytest.raises(ConfigError, match="control message of .* RLSYNC_MAX_CONTROL_BYTES=200: raise it"):
-        writer = WeightsWriter(from_state_dict(STATE), None, 0, [receiver.address], options=SyncOptions(timeout=5))
-        try:
-            writer.multi_put(STATE)
-            writer.complete(writer.next_version)
-        finally:
-            writer.close()
+def test_a_message_over_the_bound_is_refused_by_its_sender_naming_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader tells a writer the longest message it takes (its Challenge); a writer whose Hello is longer hears it
+    at once, naming the setting, instead of being dropped at the header without a word."""
+    monkeypatch.setenv("RLSYNC_MAX_CONTROL_BYTES", "200")  # the engine's: its bound, shorter than the writer's Hello
+    with StagedReceiver(TENSORS, options=SyncOptions(timeout=30)) as small:
+        monkeypatch.delenv("RLSYNC_MAX_CONTROL_BYTES")
+        layout = from_state_dict(STATE)
+        with pytest.raises(ConfigError, match="control message of .* longer than the 200 .* RLSYNC_MAX_CONTROL_BYTES"):
+            writer = WeightsWriter(layout, small.reader.dst, 0, [small.address], options=SyncOptions(timeout=5))
+            try:
+                writer.multi_put(STATE)
+                writer.complete(writer.next_version)
+            finally:
+                writer.close()
 
 
 ATHERIS_RUNS = 20000

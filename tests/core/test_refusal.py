@@ -76,24 +76,28 @@ def test_without_a_refusal_the_engine_waits_its_timeout() -> None:
 
 
 def test_a_wrong_secret_and_a_foreign_frame_are_refused_and_the_reader_goes_on() -> None:
-    """The writer with the wrong secret hears why at once; the engine's ``refusal`` says it too, but its wait goes
-    on: an unauthenticated frame (which is all a wrong secret sends) must not fail a waiting engine, or any
-    stranger that reaches the port could stop rollouts. The honest writer's version then lands in that wait."""
-    options = SyncOptions(secret="right")
+    """The writer with the wrong secret hears why at once; the engine's ``last_rejection`` says it too, but nothing
+    an unauthenticated frame (which is all a wrong secret sends) does touches what a waiting engine reads
+    (``refusal``): any stranger that reaches the port could otherwise stop rollouts. The honest writer's version then
+    lands in that wait."""
+    options = SyncOptions(secret="Right-secret-of-enough-strength-0123")
     with StagedReceiver(TENSORS, options=options) as receiver:
         engine = WaitingEngine(receiver)
-        with pytest.raises(TransportError, match="secret"):  # it asks the engine's layout: the answer is not signed its way
-            WeightsWriter(from_state_dict(STATE), None, 0, [receiver.address], options=SyncOptions(secret="wrong", timeout=5))
-        assert "keys differ" in str(receiver.reader.refusal) and engine.error is None and engine.version is None
+        with pytest.raises(TransportError, match="keys differ"):  # it asks the engine's layout: the answer is not signed its way
+            WeightsWriter(from_state_dict(STATE), None, 0, [receiver.address],
+                          options=SyncOptions(secret="Wrong-secret-of-enough-strength-0123", timeout=5))
+        assert "keys differ" in str(receiver.reader.last_rejection) and receiver.reader.refusal is None
+        time.sleep(0.2)  # the engine's wait looks at the refusal every 50 ms
+        assert engine.error is None and engine.version is None
 
         probe = zmq.Context.instance().socket(zmq.DEALER)  # not an rlsync peer: one frame of garbage
         probe.setsockopt(zmq.LINGER, 0)
         probe.connect(receiver.address)
         probe.send(b"\x00garbage")
         deadline = time.monotonic() + 5
-        while "frames" not in str(receiver.reader.refusal) and time.monotonic() < deadline:
+        while "frames" not in str(receiver.reader.last_rejection) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert "a control message of 2 frames" in str(receiver.reader.refusal)
+        assert "a control message of 2 frames" in str(receiver.reader.last_rejection)
         probe.close()
 
         writer = WeightsWriter(from_state_dict(STATE), None, 0, [receiver.address], options=options)

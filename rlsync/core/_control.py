@@ -8,9 +8,16 @@ server's token URL: whoever was handed the address may talk to it, and nobody el
 hosts. Binding a non-loopback address without either is refused. Keys never print: errors and log lines show
 ``#<key>`` (``rlsync.core._redact``).
 
-**Separate keys per use.** The long-term key signs nothing itself: the control plane signs with one key derived
-from it (label "control"), the data plane's connect challenge (the tcp landing) proves another ("data plane"), and
-sessions sign with keys derived from the control key and both sides' nonces.
+**Strangers are dropped at the handshake.** Every control socket speaks ZeroMQ's CURVE: the reader's key pair and
+the writers' derive from the key (labels "curve reader", "curve writer"), so only a holder of the key can compute the
+reader's public key, and a peer without it fails the handshake before it sends a byte that rlsync reads (ZeroMQ
+counts it, ``Channel.failed_handshakes``; a writer whose key differs hears so at once). A connection that has not
+finished the handshake within ``HANDSHAKE_MS`` is dropped. CURVE also encrypts the control plane and binds it to
+each connection: a recording replays into nothing.
+
+**Separate keys per use.** The long-term key signs nothing itself: the CURVE key pairs, the control plane's HMACs
+(label "control"), the data plane's connect challenge (the tcp landing: "data plane"), and the sessions' keys (from
+the control key and both sides' nonces) are each derived from it.
 
 **Sessions, opened by a challenge.** Before anything else a writer ``Knock``s with a fresh nonce; the reader answers
 ``Challenge`` (a session id, its own fresh nonce, and whether it needs the writer's layout), signed under a key bound
@@ -21,16 +28,15 @@ nothing a reader adopts was recorded earlier (a restarted reader's nonces are ne
 comes in the writer's own fresh session. A message of an unknown session, of another peer's session, or whose
 counter does not exceed the last one is refused.
 
-**What an outsider costs.** A frame outside a session (``Knock`` is the only such message a reader takes) longer
-than ``PRE_SESSION_BYTES`` is refused before it is hashed; a frame naming a session is refused unhashed unless the
-session exists and is its sender's. A reader answers a frame it cannot authenticate with an unsigned ``Refuse``
-(nothing signed under its key for a stranger to guess it from), at most ``UNAUTHENTICATED_ANSWERS`` per second.
-Every socket refuses a message longer than its bound (``max_control_bytes``; a reader sizes it from its layout):
-ZeroMQ allocates a frame's length from its header before a byte of it arrives, so without the bound a peer that
-merely claims 2 GiB would be given them while it trickles bytes. ZeroMQ drops such a peer at the header; the others
-go on. A connection that does not finish ZeroMQ's handshake within ``HANDSHAKE_MS`` is dropped. Whatever else a
-frame holds (bytes that do not decode, invalid UTF-8, deep nesting, a bad signature), it is a ``BadFrame`` for that
-frame alone.
+**What a key holder's bad message costs.** A frame outside a session (``Knock`` is the only such message a reader
+takes) longer than ``PRE_SESSION_BYTES`` is refused unread; a frame naming a session is refused unhashed unless the
+session exists and is its sender's; frames are hashed and decoded where ZeroMQ received them (no copy). A reader
+answers a frame it cannot authenticate with an unsigned ``Refuse`` (nothing signed under its key), at most
+``UNAUTHENTICATED_ANSWERS`` per second. Every socket refuses a message longer than its bound (``max_control_bytes``;
+a reader sizes it from its layout, ``bound_for``): ZeroMQ allocates a frame's length from its header before a byte of
+it arrives, so without the bound a peer that merely claims 2 GiB would be given them while it trickles bytes. ZeroMQ
+drops such a peer at the header; the others go on. Whatever else a frame holds (bytes that do not decode, invalid
+UTF-8, deep nesting, a bad signature), it is a ``BadFrame`` for that frame alone.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ from typing import Any, Union
 
 import msgspec
 import zmq
+from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
 
 from rlsync.core._canary import Canary
 from rlsync.core._errors import ConfigError, TransferTimeoutError, TransportError
@@ -261,10 +269,13 @@ def host_port(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+MIN_CONTROL_BYTES = 16 << 10  # ZeroMQ's CURVE handshake commands count too: a few hundred bytes each
+
+
 def max_control_bytes() -> int:
     """The longest control message a socket accepts unless its layout says less (``bound_for``). The largest real
     ones carry a layout (every tensor's shards on every rank) or a checksum per tensor."""
-    return int(os.environ.get("RLSYNC_MAX_CONTROL_BYTES", 1 << 30))
+    return max(MIN_CONTROL_BYTES, int(os.environ.get("RLSYNC_MAX_CONTROL_BYTES", 1 << 30)))
 
 
 MIN_BOUND = 64 << 20
@@ -282,7 +293,7 @@ def bound_for(layout: Layout | None) -> int:
 
 PRE_SESSION_BYTES = 4096  # a Knock, a Challenge or an unsigned Refuse: anything longer outside a session is no peer's
 HANDSHAKE_MS = 5000  # a connection that has not finished ZeroMQ's greeting by then is dropped (ZeroMQ's default: 30 s)
-RECEIVE_QUEUE = 16  # messages ZeroMQ reads ahead per connection (its default, 1000, times the bound, per peer)
+RECEIVE_QUEUE = 8  # messages ZeroMQ reads ahead per connection (its default, 1000, times the bound, per peer)
 UNAUTHENTICATED_ANSWERS = 20  # unsigned refusals a reader sends per second, to all strangers together; the rest unanswered
 
 
@@ -340,8 +351,9 @@ class Channel:
     from which the control and data-plane keys derive). A writer's channel opens its session with ``knock``; a
     reader's answers each ``Knock`` with ``answer_knock``."""
 
-    def __init__(self, socket: zmq.Socket[bytes], key: bytes) -> None:
+    def __init__(self, socket: zmq.Socket[bytes], key: bytes, monitor: zmq.Socket[bytes] | None = None) -> None:
         self.socket = socket
+        self._monitor = monitor  # the socket's handshake events (a reader's: failed ones; a writer's: until its Knock)
         self.control_key = derive(key, b"control")
         #: what the data plane's connect challenge proves (hex: transports take it as their "secret")
         self.data_key = derive(key, b"data plane").hex()
@@ -361,8 +373,10 @@ class Channel:
             if self._of_peer.get(old.peer) == old.id:
                 del self._of_peer[old.peer]
 
-    def _mac(self, key: bytes, envelope: bytes, payload: bytes) -> bytes:
-        return hmac.new(key, envelope + payload, hashlib.sha256).digest()
+    def _mac(self, key: bytes, envelope: bytes, payload: bytes | memoryview) -> bytes:
+        signature = hmac.new(key, envelope, hashlib.sha256)
+        signature.update(payload)
+        return signature.digest()
 
     def _encode(self, message: Message) -> bytes:
         payload = _encoder.encode(message)
@@ -412,12 +426,46 @@ class Channel:
         self.open_session(session)
         return session
 
+    def failed_handshakes(self) -> int:
+        """How many peers failed ZeroMQ's CURVE handshake since the last call (peers without the key)."""
+        failed = 0
+        while self._monitor is not None and self._monitor.poll(0):
+            failed += recv_monitor_message(self._monitor)["event"] & _FAILED != 0
+        return failed
+
+    def _handshake_failed(self) -> bool:
+        """A writer's: whether its reader dropped it at the handshake (it took the writer's keys for another's)."""
+        while self._monitor is not None and self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event & zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._close_monitor()
+                return False
+            if event & (_FAILED | zmq.EVENT_DISCONNECTED):
+                return True
+        return False
+
+    def _close_monitor(self) -> None:
+        if self._monitor is not None:
+            self.socket.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
+
     def knock(self, timeout_ms: int) -> Challenge | None:
         """A writer opens its session: ``Knock``, and the reader's ``Challenge`` (None: no answer within the
-        timeout). Every message after it goes in the session."""
+        timeout). Every message after it goes in the session. A reader that drops the writer at ZeroMQ's CURVE
+        handshake (its key differs) is a ``TransportError`` at once, not a timeout."""
         self._knock = new_nonce()
         self.send(Knock(self._knock))
-        got = self.recv(timeout_ms)
+        deadline = time.monotonic() + timeout_ms / 1000
+        while not self.socket.poll(min(50, max(0, int((deadline - time.monotonic()) * 1000)))):
+            if self._handshake_failed():
+                raise TransportError("the reader dropped this writer at the handshake: the peers' keys differ (give the "
+                                     "writer the reader's address as the reader gives it, with its #KEY, or the same "
+                                     "SyncOptions(secret=...) or RLSYNC_SECRET on every process)")
+            if time.monotonic() >= deadline:
+                return None
+        self._close_monitor()
+        got = self.recv(0)
         if got is None:
             return None
         challenge = got[1]
@@ -431,13 +479,16 @@ class Channel:
         """``(identity or None, message, its session or None)``, or None when nothing arrived within the timeout."""
         if timeout_ms is not None and not self.socket.poll(timeout_ms):
             return None
-        frames = self.socket.recv_multipart()
+        parts = self.socket.recv_multipart(copy=False)  # lengths are checked before a byte is copied
         router = self.socket.type == zmq.ROUTER
-        identity = frames[0] if router and frames else None
-        if len(frames) != (4 if router else 3) or len(frames[-3]) != _ENVELOPE.size:
-            raise BadFrame(f"a control message of {len(frames)} frames (not an rlsync peer?)", identity)
-        envelope, payload, mac = frames[-3], frames[-2], frames[-1]
+        identity = parts[0].bytes if router and parts else None
+        if len(parts) != (4 if router else 3) or len(parts[-3]) != _ENVELOPE.size or len(parts[-1]) > 64:
+            raise BadFrame(f"a control message of {len(parts)} frames (not an rlsync peer?)", identity)
+        envelope, mac = parts[-3].bytes, parts[-1].bytes
         session_id, counter = _ENVELOPE.unpack(envelope)
+        if not session_id and len(parts[-2]) > PRE_SESSION_BYTES:  # refused unread: outside a session only a Knock comes
+            raise BadFrame(f"a control message of {len(parts[-2])} bytes outside a session", identity)
+        payload = parts[-2].buffer  # hashed and decoded where ZeroMQ received it
         session = None
         if session_id:
             session = self.sessions.get(session_id)
@@ -445,8 +496,6 @@ class Channel:
                 raise BadFrame("a control message of an unknown session, or of another peer's (replayed from an earlier "
                                "run, or forged)", identity)
             key = session.key
-        elif len(payload) > PRE_SESSION_BYTES:  # refused unhashed: outside a session only a Knock (or its answer) comes
-            raise BadFrame(f"a control message of {len(payload)} bytes outside a session", identity)
         elif router:
             key = self.control_key
         elif self._knock is not None and mac:
@@ -475,11 +524,31 @@ class Channel:
         return identity, message, session
 
     def close(self) -> None:
+        self._close_monitor()
         self.socket.close(linger=0)
 
 
-def _socket(kind: int, max_bytes: int) -> zmq.Socket[bytes]:
+_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+
+
+def curve_keys(key: bytes) -> tuple[bytes, bytes, bytes, bytes]:
+    """The reader's CURVE key pair and the writers', derived from ``key`` (z85: secret, public, secret, public). Only a
+    holder of the key can compute the reader's public key, and ZeroMQ's CURVE handshake needs it: a peer without it is
+    dropped at the handshake, before it sends a byte rlsync reads."""
+    server, client = z85.encode(derive(key, b"curve reader")), z85.encode(derive(key, b"curve writer"))
+    return server, zmq.curve_public(server), client, zmq.curve_public(client)
+
+
+def _socket(kind: int, max_bytes: int, key: bytes) -> zmq.Socket[bytes]:
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(kind)
+    server_secret, server_public, client_secret, client_public = curve_keys(key)
+    if kind == zmq.ROUTER:
+        sock.curve_secretkey = server_secret
+        sock.curve_server = True
+    else:
+        sock.curve_serverkey = server_public
+        sock.curve_publickey = client_public
+        sock.curve_secretkey = client_secret
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)  # set before bind: a listener keeps the options it was bound with
     sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
@@ -494,13 +563,14 @@ def bind_router(host: str = "127.0.0.1", port: int = 0, secret: str | None = Non
     carries it (``tcp://host:port#KEY``). ``max_bytes``: the longest message it accepts (``bound_for``)."""
     shared = resolve_secret(host, secret)
     key = new_key()
-    sock = _socket(zmq.ROUTER, max_bytes or max_control_bytes())
+    sock = _socket(zmq.ROUTER, max_bytes or max_control_bytes(), shared or key.encode())
+    monitor = sock.get_monitor_socket(_FAILED)
     if port:
         _bind(sock, f"tcp://{host}:{port}")
     else:
         port = sock.bind_to_random_port(f"tcp://{host}")
     address = f"tcp://{host}:{port}"
-    return (Channel(sock, shared), address) if shared else (Channel(sock, key.encode()), f"{address}#{key}")
+    return (Channel(sock, shared, monitor), address) if shared else (Channel(sock, key.encode(), monitor), f"{address}#{key}")
 
 
 def _bind(sock: zmq.Socket[bytes], endpoint: str, wait: float = 2.0) -> None:
@@ -528,9 +598,11 @@ def connect_dealer(address: str, secret: str | None = None) -> Channel:
                           f"process the same SyncOptions(secret=...) or RLSYNC_SECRET")
     if key is not None:
         check_secret(key, "the key of the reader address")
-    sock = _socket(zmq.DEALER, max_control_bytes())
+    secret_key: bytes = key.encode() if key is not None else shared  # type: ignore[assignment]
+    sock = _socket(zmq.DEALER, max_control_bytes(), secret_key)
+    monitor = sock.get_monitor_socket(_FAILED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
     sock.connect(base)
-    return Channel(sock, key.encode() if key is not None else shared)  # type: ignore[arg-type]
+    return Channel(sock, secret_key, monitor)
 
 
 def open_channel(address: str, secret: str | None, timeout: float) -> tuple[Channel, Challenge]:

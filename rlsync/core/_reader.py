@@ -322,6 +322,9 @@ class WeightsReader:
                 self._landing.progress()
             if self._paused_at is not None and time.monotonic() - self._paused_at > self.options.timeout:
                 self._undo(f"version {self._pending_version} did not complete within {self.options.timeout} s (a writer died?)")
+            for _ in range(self._channel.failed_handshakes()):  # a peer without the key: counted, nothing else
+                self._reject(None, "a peer failed the control socket's handshake: the peers' keys differ (another "
+                                   "secret, an address without its #KEY, or a stranger)")
             try:
                 got = self._channel.recv(timeout_ms=20)
             except BadFrame as exc:  # a wrong key or a hostile frame: refused, and the reader goes on

@@ -5,8 +5,8 @@ data-plane key (derived from the reader's key or the secret: ``options["secret"]
 before any byte is accepted.
 
 What a stranger costs: one thread accepts and challenges every connection; one that has not answered within
-``CHALLENGE_SECONDS`` is dropped, and past ``MAX_UNPROVEN`` waiting the oldest is (an honest writer answers within a
-round trip); the accept loop outlives running out of file descriptors (it waits and goes on). A flood of idle
+``CHALLENGE_SECONDS`` is dropped, and past ``MAX_UNPROVEN`` waiting (or an eighth of the process's file descriptors)
+the oldest is (an honest writer answers within a round trip); the accept loop outlives running out of file descriptors (it waits and goes on). A flood of idle
 connections costs a descriptor each for a few seconds, and cannot end the landing."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import errno
 import hashlib
 import hmac
 import logging
+import resource
 import secrets
 import selectors
 import socket
@@ -65,6 +66,8 @@ class TcpLanding(Landing):
         #: for want of file descriptors or memory (the landing went on)
         self.turned_away = 0
         self.accept_failures = 0
+        # strangers' connections may hold an eighth of the process's descriptors at most: the engine needs the rest
+        self._max_unproven = min(MAX_UNPROVEN, max(4, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 8))
         self._thread = threading.Thread(target=self._serve, name="rlsync-tcp-landing", daemon=True)
         self._thread.start()
 
@@ -111,7 +114,7 @@ class TcpLanding(Landing):
         if not self._secret:
             threading.Thread(target=self._receive, args=(conn,), daemon=True).start()
             return
-        if len(unproven) >= MAX_UNPROVEN:  # the oldest goes: an honest writer answers within a round trip
+        if len(unproven) >= self._max_unproven:  # the oldest goes: an honest writer answers within a round trip
             self.turned_away += 1
             self._drop(selector, unproven, next(iter(unproven)))
         nonce = secrets.token_bytes(16)

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 import zmq
+from zmq.utils import z85
 
 ENVELOPE = struct.Struct("!QQ")  # session id (0: outside a session), counter
 
@@ -35,8 +36,35 @@ def key_in(address: str) -> bytes:
 
 
 def raw_peer(address: str) -> Any:
+    """A plain ZeroMQ peer (no CURVE keys: a stranger). Its sends give up after a second: a reader never completes
+    its handshake, so nothing it sends is delivered."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, 1000)
+    sock.connect(base(address))
+    return sock
+
+
+def stranger_sends(address: str, *messages: list[bytes]) -> Any:
+    """A stranger's peer that sends ``messages`` (each a list of frames) as far as ZeroMQ lets it; the socket."""
+    sock = raw_peer(address)
+    for frames in messages:
+        try:
+            sock.send_multipart(frames)
+        except zmq.Again:
+            break
+    return sock
+
+
+def curve_peer(address: str, key: bytes) -> Any:
+    """A DEALER that passes the reader's CURVE handshake: its keys derived from ``key`` as the docs say."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    server = z85.encode(derive(key, b"curve reader"))
+    client = z85.encode(derive(key, b"curve writer"))
+    sock.curve_serverkey = zmq.curve_public(server)
+    sock.curve_publickey = zmq.curve_public(client)
+    sock.curve_secretkey = client
     sock.connect(base(address))
     return sock
 
@@ -45,8 +73,9 @@ class Insider:
     """A peer holding ``key`` (default: the one ``address`` carries), on its own connection (or ``sock``)."""
 
     def __init__(self, address: str, key: bytes | None = None, sock: Any = None) -> None:
-        self.sock = sock if sock is not None else raw_peer(address)
-        self.control = derive(key if key is not None else key_in(address), b"control")
+        key = key if key is not None else key_in(address)
+        self.sock = sock if sock is not None else curve_peer(address, key)
+        self.control = derive(key, b"control")
         self.session = 0
         self.session_key = b""
         self.counter = 0

@@ -144,8 +144,9 @@ def reader_main(args: argparse.Namespace) -> None:
     seen: int | None = None
     refused: str | None = None
     while time.monotonic() < deadline:
-        if reader.refusal != refused:
-            refused = reader.refusal
+        said = reader.refusal or reader.last_rejection  # a writer refused, or a peer that failed the handshake
+        if said != refused:
+            refused = said
             print(json.dumps({"refused": refused}), flush=True)
         if reader.version != seen:
             report: dict[str, object] = {}

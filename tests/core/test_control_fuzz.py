@@ -206,37 +206,50 @@ def test_after_the_fuzzing_a_real_writer_still_lands_a_version(receiver: StagedR
 
 
 
-def _zmtp_peer(address: str) -> socket.socket:
-    """A raw TCP peer that speaks ZeroMQ's wire protocol (ZMTP 3.0, NULL mechanism) up to its first message frame."""
+def _zmtp_greeting(address: str, mechanism: bytes) -> socket.socket:
+    """A raw TCP peer that opens ZeroMQ's wire protocol (ZMTP 3.0) by hand with ``mechanism``."""
     host, port = address.split("#")[0].removeprefix("tcp://").rsplit(":", 1)
     conn = socket.create_connection((host, int(port)), timeout=5)
-    conn.sendall(b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31)
-    greeting = b""
-    while len(greeting) < 64:
-        greeting += conn.recv(64 - len(greeting))
-    ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack("!I", 6) + b"DEALER"
-    conn.sendall(b"\x04" + bytes([len(ready)]) + ready)
+    conn.sendall(b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + mechanism.ljust(20, b"\x00") + b"\x00" + b"\x00" * 31)
     return conn
 
 
-@pytest.mark.parametrize("claimed", [2**27, 2**31, 2**40, 2**62])  # 128 MiB: past this small layout's bound (64 MiB)
-def test_a_frame_that_claims_more_than_the_bound_drops_its_peer_at_the_header(receiver: StagedReceiver,
-                                                                             claimed: int) -> None:
-    conn = _zmtp_peer(receiver.address)
+@pytest.mark.parametrize("claimed", [2**27, 2**31, 2**40, 2**62])
+def test_a_stranger_speaking_zeromq_by_hand_is_dropped_at_its_greeting(receiver: StagedReceiver, claimed: int) -> None:
+    """A peer without the key cannot get a frame to the reader at all (the control socket speaks CURVE): one that
+    greets with ZeroMQ's NULL mechanism and then claims a frame of ``claimed`` bytes is dropped at the greeting, and
+    the reader allocates nothing for it. (Before CURVE, ZeroMQ allocated the claim up to the bound.)"""
+    conn = _zmtp_greeting(receiver.address, b"NULL")
+    before = _peak_rss_mb()
     try:
-        conn.sendall(b"\x02" + struct.pack("!Q", claimed) + b"x" * 64)  # a long frame's header, then a trickle
-        before = _peak_rss_mb()
-        conn.settimeout(5)
-        dropped = b""
-        try:
-            while chunk := conn.recv(4096):  # the reader's READY, then the end of the connection
-                dropped += chunk
-        except TimeoutError:
-            pytest.fail(f"a peer claiming a {claimed}-byte frame was still connected after 5 s (no bound: ZeroMQ "
-                        f"allocated the claim and waits for the bytes)")
-        assert _peak_rss_mb() - before < 64
+        ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack("!I", 6) + b"DEALER"
+        conn.sendall(b"\x04" + bytes([len(ready)]) + ready + b"\x02" + struct.pack("!Q", claimed) + b"x" * 64)
+    except OSError:
+        pass  # already dropped
+    conn.settimeout(5)
+    try:
+        while conn.recv(4096):  # the reader's greeting, then the end of the connection
+            pass
+    except TimeoutError:
+        pytest.fail("a stranger greeting with the NULL mechanism was still connected after 5 s")
+    except OSError:
+        pass  # reset: dropped
     finally:
         conn.close()
+    assert _peak_rss_mb() - before < 64
+    assert receiver.reader._thread.is_alive()  # type: ignore[attr-defined]
+
+
+def test_a_key_holders_message_over_the_bound_drops_its_connection_unread(receiver: StagedReceiver) -> None:
+    """The reader's bound (from its layout: 64 MiB for this small one) holds for key holders too: a 128 MiB message
+    drops the connection that sent it at its header; the reader goes on and the next writer lands a version."""
+    assert receiver.reader._bound == 64 << 20  # type: ignore[attr-defined]
+    insider = Insider(receiver.address)
+    insider.knock()
+    insider.sock.send_multipart(insider.in_session(bytes(128 << 20)))
+    insider.send({"type": "AskLayout"})  # never read: the connection is gone
+    assert insider.answer(2000) is None
+    insider.close()
     assert receiver.reader._thread.is_alive()  # type: ignore[attr-defined]
     test_after_the_fuzzing_a_real_writer_still_lands_a_version(receiver)
 
@@ -244,14 +257,15 @@ def test_a_frame_that_claims_more_than_the_bound_drops_its_peer_at_the_header(re
 def test_a_message_over_the_bound_is_refused_by_its_sender_naming_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     """A reader tells a writer the longest message it takes (its Challenge); a writer whose Hello is longer hears it
     at once, naming the setting, instead of being dropped at the header without a word."""
-    monkeypatch.setenv("RLSYNC_MAX_CONTROL_BYTES", "200")  # the engine's: its bound, shorter than the writer's Hello
-    with StagedReceiver(TENSORS, options=SyncOptions(timeout=30)) as small:
+    many = [[f"layer.{i}.weight", "float32", [4]] for i in range(500)]  # a Hello of about 50 KB (the layout in it)
+    monkeypatch.setenv("RLSYNC_MAX_CONTROL_BYTES", str(16 << 10))  # the engine's: its bound, below the writer's Hello
+    with StagedReceiver(many, options=SyncOptions(timeout=30)) as small:
         monkeypatch.delenv("RLSYNC_MAX_CONTROL_BYTES")
-        layout = from_state_dict(STATE)
-        with pytest.raises(ConfigError, match="control message of .* longer than the 200 .* RLSYNC_MAX_CONTROL_BYTES"):
-            writer = WeightsWriter(layout, small.reader.dst, 0, [small.address], options=SyncOptions(timeout=5))
+        state = {name: torch.zeros(4) for name, _, _ in many}
+        with pytest.raises(ConfigError, match="control message of .* longer than the 16384 .* RLSYNC_MAX_CONTROL_BYTES"):
+            writer = WeightsWriter(from_state_dict(state), small.reader.dst, 0, [small.address], options=SyncOptions(timeout=5))
             try:
-                writer.multi_put(STATE)
+                writer.multi_put(state)
                 writer.complete(writer.next_version)
             finally:
                 writer.close()

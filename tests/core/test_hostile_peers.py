@@ -21,7 +21,7 @@ import pytest
 import torch
 import zmq
 
-from _support.insider import ENVELOPE, Insider, raw_peer
+from _support.insider import ENVELOPE, Insider, curve_peer, stranger_sends
 from rlsync import SyncOptions, WeightsReader, WeightsWriter
 from rlsync.layouts import from_state_dict
 
@@ -62,12 +62,12 @@ DEEP = msgspec.msgpack.encode({"type": "AskLayout", "x": 1}).replace(b"\xa1x\x01
 def test_no_frame_stops_the_reader_thread(frame: bytes, who: str) -> None:
     with WeightsReader(LAYOUT, LAYOUT, 0) as reader:
         honest_version(reader, 1, 1.0)
-        peer = Insider(reader.address)
         if who == "insider":
+            peer = Insider(reader.address)
             peer.knock()
             peer.sock.send_multipart(peer.in_session(frame))
-        else:
-            peer.sock.send_multipart([frame, b""])
+        else:  # dropped at the CURVE handshake: the frame never reaches the reader
+            peer = stranger_sends(reader.address, [frame, b""])
         settle(reader, 1)
         assert reader._thread.is_alive()  # type: ignore[attr-defined]
         serves(reader, 1, 1.0)
@@ -136,10 +136,9 @@ def test_a_stranger_cannot_fix_the_layout_before_the_trainer() -> None:
     refused unread; the real trainer's layout is the one the reader plans for."""
     with WeightsReader(None, None, 0, replicas=1) as reader:
         other = from_state_dict({"x": torch.zeros(4)})
-        peer = raw_peer(reader.address)
         hello = {"type": "Hello", "writer_rank": 0, "src_fingerprint": other.fingerprint(), "dst_fingerprint": "",
                  "dst_tensors": {}, "session": "s", "src": msgspec.to_builtins(other)}
-        peer.send_multipart([msgspec.msgpack.encode(hello), b""])
+        peer = stranger_sends(reader.address, [msgspec.msgpack.encode(hello), b""])
         settle(reader, 1)
         assert reader.dst is None
         honest_version(reader, 1, 2.0)
@@ -162,8 +161,9 @@ class Recorder:
 
 
 def test_messages_recorded_in_an_earlier_run_do_not_replay_into_a_restarted_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With a shared secret (addresses typed by hand), a Hello and a Done recorded on the wire replay into a restarted
-    engine on the same port: it must not go live on them (with direct landing that was all-zero weights)."""
+    """With a shared secret (addresses typed by hand), a Hello and a Done recorded in an earlier run replay into a
+    restarted engine on the same port: it must not go live on them (with direct landing that was all-zero weights).
+    CURVE keeps a host on the path from reading or replaying a recording at all; a key holder replays the plaintext."""
     options = SyncOptions(secret=SECRET, timeout=20)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -175,7 +175,7 @@ def test_messages_recorded_in_an_earlier_run_do_not_replay_into_a_restarted_engi
     monkeypatch.undo()
     assert any(b"Done" in frames[1] for frames in recorded if len(frames) == 3)
     with WeightsReader(LAYOUT, LAYOUT, 0, options=options.replace(port=port)) as restarted:
-        peer = raw_peer(restarted.address)
+        peer = curve_peer(restarted.address, SECRET.encode())
         for frames in recorded:
             peer.send_multipart(frames)
             time.sleep(0.05)
@@ -237,31 +237,38 @@ def test_one_unsigned_frame_does_not_fail_an_engines_wait_for_its_next_version()
         thread.join(20)
         thread = threading.Thread(target=engine)
         thread.start()  # the engine waits for version 2
-        stranger = raw_peer(receiver.address)
-        stranger.send_multipart([NOT_UTF8, b""])
-        settle(receiver.reader, 1)
+        stranger = stranger_sends(receiver.address, [NOT_UTF8, b""])
+        insider = Insider(receiver.address)  # and a key holder's frame that is no message: the same
+        insider.sock.send_multipart([NOT_UTF8, b""])
+        settle(receiver.reader, 2)
         time.sleep(0.3)  # the engine's wait looks at the reader's refusal every 50 ms
         assert receiver.reader.refusal is None and "error" not in got, got
-        assert "frames" in str(receiver.reader.last_rejection)  # for a person to read
+        assert receiver.reader.rejected >= 2 and receiver.reader.last_rejection  # for a person to read
         writer.multi_put({n: t * 2 for n, t in STATE.items()})
         writer.complete(2)
         thread.join(20)
         assert "error" not in got and got["version"] == 2, got
         assert torch.equal(got["views"]["w"], STATE["w"] * 2)
         stranger.close()
+        insider.close()
         writer.close()
 
 
-def test_a_stranger_is_answered_unsigned_and_a_key_holder_in_its_session() -> None:
-    """A reader answers what it cannot authenticate without a signature: nothing signed under its key (or a weak
-    secret) for a stranger to guess the key from offline (a six-letter secret fell in 113 guesses)."""
+def test_a_stranger_hears_nothing_and_an_unauthenticated_frame_is_answered_unsigned() -> None:
+    """Nothing signed under a reader's key (or a weak secret) reaches anyone who could guess the key from it offline
+    (a six-letter secret fell in 113 guesses): a stranger is dropped at the handshake and hears nothing; a frame that
+    fails its HMAC is answered unsigned; a key holder is answered in its session."""
     with WeightsReader(LAYOUT, LAYOUT, 0) as reader:
-        stranger = raw_peer(reader.address)
-        stranger.send_multipart([ENVELOPE.pack(0, 0), msgspec.msgpack.encode({"type": "AskLayout"}), b"\x00" * 32])
-        assert stranger.poll(5000)
-        envelope, payload, signature = stranger.recv_multipart()
-        assert signature == b"" and msgspec.msgpack.decode(payload)["type"] == "Refuse"
+        ask = [ENVELOPE.pack(0, 0), msgspec.msgpack.encode({"type": "AskLayout"}), b"\x00" * 32]
+        stranger = stranger_sends(reader.address, ask)
+        assert not stranger.poll(1000)
+        settle(reader, 1)
+        assert reader.rejected >= 1 and "handshake" in str(reader.last_rejection)
         insider = Insider(reader.address)
+        insider.sock.send_multipart(ask)
+        assert insider.sock.poll(5000)
+        envelope, payload, signature = insider.sock.recv_multipart()
+        assert signature == b"" and msgspec.msgpack.decode(payload)["type"] == "Refuse"
         insider.knock()
         insider.send({"type": "AskLayout"})
         assert insider.answer()["type"] == "LayoutIs"  # type: ignore[index]
@@ -303,7 +310,7 @@ def test_a_recorded_hello_and_ask_layout_replayed_into_a_restarted_reader_adopt_
         monkeypatch.undo()
         assert any(b"Hello" in frames[1] for frames in recorded) and any(b"AskLayout" in frames[1] for frames in recorded)
         with WeightsReader(None, None if replicas else LAYOUT, 0, replicas=replicas, options=options.replace(port=port)) as restarted:
-            peer = raw_peer(restarted.address)
+            peer = curve_peer(restarted.address, SECRET.encode())  # a key holder's plaintext recording
             for frames in recorded:
                 peer.send_multipart(frames)
             settle(restarted, sum(b"Knock" not in frames[1] for frames in recorded))  # a Knock is answered: harmless
@@ -325,7 +332,13 @@ def test_a_recorded_challenge_does_not_open_a_session_for_a_writer() -> None:
         assert insider.sock.poll(5000)
         recorded = insider.sock.recv_multipart()
         insider.close()
-    fake = zmq.Context.instance().socket(zmq.ROUTER)
+    from zmq.utils import z85
+
+    from _support.insider import derive
+
+    fake = zmq.Context.instance().socket(zmq.ROUTER)  # a key holder posing as the reader (it passes the handshake)
+    fake.curve_secretkey = z85.encode(derive(SECRET.encode(), b"curve reader"))
+    fake.curve_server = True
     fake.setsockopt(zmq.LINGER, 0)
     port = fake.bind_to_random_port("tcp://127.0.0.1")
     import threading

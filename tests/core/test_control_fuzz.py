@@ -160,6 +160,81 @@ def test_byte_level_mutations_of_valid_messages_are_refused_and_the_reader_goes_
     assert _peak_rss_mb() - before < 256 and receiver.reader._thread.is_alive()  # type: ignore[attr-defined]
 
 
+def test_framing_mutations_are_refused_and_the_reader_goes_on(receiver: StagedReceiver, peer: Insider) -> None:
+    """Frames as a key holder sends them, mutated at the framing level: short or long envelopes, sessions unknown, its
+    own or another peer's, counters at the edges, signatures cut or padded, frames missing or extra."""
+    other = Insider(receiver.address)
+    other.knock()
+    messages = [msgspec.msgpack.encode(m) for m in ({"type": "AskLayout"}, {"type": "Begin", "writer_rank": 0, "version": 9},
+                                                     {"type": "Knock", "nonce": b"k" * 16})]
+    before = _peak_rss_mb()
+
+    @settings(max_examples=EXAMPLES * 2, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(which=st.integers(0, len(messages) - 1), envelope=st.integers(0, 24), session=st.sampled_from(["own", "other", "none", "made-up"]),
+           counter=st.sampled_from([0, 1, 2**64 - 1, "last", "next"]), mac=st.sampled_from([0, 31, 32, 33, 64, 65, "right"]),
+           before_frames=st.integers(0, 2), after_frames=st.integers(0, 2), knock=st.booleans())
+    def send(which: int, envelope: int, session: str, counter: Any, mac: Any, before_frames: int, after_frames: int,
+             knock: bool) -> None:
+        if knock:
+            peer.knock()
+        sid = {"own": peer.session, "other": other.session, "none": 0, "made-up": 2**63 - 1}[session]
+        number = {"last": peer.counter, "next": peer.counter + 1}.get(counter, counter)
+        if session == "own" and mac == "right":  # signed rightly in its own session (the counter may still be off)
+            frames = peer.in_session(messages[which], counter=max(0, min(number, 2**64 - 1)))
+        else:
+            head = ENVELOPE.pack(sid, max(0, min(number, 2**64 - 1)))
+            frames = [head, messages[which], bytes(32 if mac == "right" else mac)]
+        frames[0] = (frames[0] + bytes(24))[:envelope] if envelope != ENVELOPE.size else frames[0]
+        peer.sock.send_multipart([b"x"] * before_frames + frames + [b"y" * 40] * after_frames)
+
+    send()
+    probe_answers(receiver, peer)
+    other.close()
+    assert _peak_rss_mb() - before < 256 and receiver.reader._thread.is_alive()  # type: ignore[attr-defined]
+
+
+def test_connections_half_open_slow_and_many_leave_the_reader_serving(receiver: StagedReceiver, peer: Insider) -> None:
+    """Connection-level abuse of the control port: 100 connections that greet halfway and go silent, 8 that trickle
+    their greeting a byte at a time, 300 key holders that Knock and never say more (each opens a session: the table
+    is bounded), then 300 that connect and close at once. The reader answers a probe and a writer lands a version."""
+    import threading
+
+    host, port = receiver.address.split("#")[0].removeprefix("tcp://").rsplit(":", 1)
+    greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"CURVE".ljust(20, b"\x00") + b"\x00" * 32
+    half_open = []
+    for _ in range(100):
+        conn = socket.create_connection((host, int(port)), timeout=5)
+        conn.sendall(greeting[:30])
+        half_open.append(conn)
+
+    def trickle() -> None:
+        with socket.create_connection((host, int(port)), timeout=5) as conn:
+            try:
+                for byte in greeting:
+                    conn.sendall(bytes([byte]))
+                    time.sleep(0.02)
+            except OSError:
+                pass
+
+    slow = [threading.Thread(target=trickle) for _ in range(8)]
+    for thread in slow:
+        thread.start()
+    knocking = [Insider(receiver.address) for _ in range(300)]
+    for one in knocking:
+        one.knock()
+    for _ in range(300):
+        socket.create_connection((host, int(port)), timeout=5).close()
+    probe_answers(receiver, peer)
+    for one in knocking:
+        one.close()
+    for conn in half_open:
+        conn.close()
+    for thread in slow:
+        thread.join()
+    assert receiver.reader._thread.is_alive()  # type: ignore[attr-defined]
+    test_after_the_fuzzing_a_real_writer_still_lands_a_version(receiver)
+
+
 def test_an_honest_sessions_messages_replayed_from_another_peer_are_refused(receiver: StagedReceiver, peer: Insider,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A writer's session recorded on the wire, then sent again, from another connection and from its own order."""

@@ -5,8 +5,8 @@ inference engine, or anything else of rlsync (``rlsync.plugins``, ``rlsync.wire`
 implementation lives in private modules; this package is the one place the rest of rlsync imports from.
 """
 
-from rlsync.core._buffer import Batch, MemoryStorage, RolloutBuffer, Storage, Ticket
-from rlsync.core._builders import (
+from rlsync.core.rollouts import Batch, MemoryStorage, RolloutBuffer, Storage, Ticket
+from rlsync.core.layouts import (
     chunk_bounds,
     data_parallel,
     flat_partitions,
@@ -18,14 +18,13 @@ from rlsync.core._builders import (
     tied_aliases,
     zero3,
 )
-from rlsync.core._canary import Canary, canary_tokens, causal_lm_logprobs
-from rlsync.core._checksum import Checksums, same_bytes, version_label
-from rlsync.core._control import host_port, is_loopback, keyed, resolve_secret, shift_port, split_address
-from rlsync.core._delta import INBOX_SHARE, ChangeLog
-from rlsync.core._episodes import Claim, Episode, EpisodeLog, MemoryEpisodes, Turn
-from rlsync.core._delta import apply as apply_delta
-from rlsync.core._delta import encode as encode_delta
-from rlsync.core._device_order import CurrentStreams, synchronize_devices
+from rlsync.core.sync import Canary, canary_tokens, causal_lm_logprobs
+from rlsync.core.sync import Checksums, same_bytes, version_label
+from rlsync.core.sync import host_port, is_loopback, keyed, resolve_secret, shift_port, split_address
+from rlsync.core.sync import INBOX_SHARE, ChangeLog
+from rlsync.core.rollouts import Claim, Episode, EpisodeLog, MemoryEpisodes, Turn
+from rlsync.core.sync import apply_delta, encode_delta
+from rlsync.core.sync import CurrentStreams, synchronize_devices
 from rlsync.core._errors import (
     CanaryError,
     ConfigError,
@@ -43,11 +42,11 @@ from rlsync.core._errors import (
     VersionError,
     WeightMismatchError,
 )
-from rlsync.core._gates import Decision, Gate, MaxStaleness, freshest_per_group, importance_weights
-from rlsync.core._handoff import Finish, LandedVersions
-from rlsync.core._hookspecs import hookimpl, hookspec
-from rlsync.core._host_staging import HostStaging
-from rlsync.core._layout import (
+from rlsync.core.rollouts import Decision, Gate, MaxStaleness, freshest_per_group, importance_weights
+from rlsync.core.sync import Finish, LandedVersions
+from rlsync.core.hooks import hookimpl, hookspec
+from rlsync.core.sync import HostStaging
+from rlsync.core.layouts import (
     Box,
     BufferSpec,
     Layout,
@@ -58,34 +57,33 @@ from rlsync.core._layout import (
     dtype_size,
     make_layout,
 )
-from rlsync.core._layout_exchange import reader_layout
-from rlsync.core._layout_parallel import engine_tp, megatron
-from rlsync.core._make_buffer import make_buffer
-from rlsync.core._options import DEFAULT_TIMEOUT, WIRES, SyncOptions
-from rlsync.core._planner import Plan, PlanStats, build_plan
-from rlsync.core._plugins import (
+from rlsync.core.sync import reader_layout
+from rlsync.core.layouts import engine_tp, megatron
+from rlsync.core.rollouts import make_buffer
+from rlsync.core.sync import DEFAULT_TIMEOUT, WIRES, SyncOptions
+from rlsync.core.layouts import Plan, PlanStats, build_plan
+from rlsync.core.hooks import (
     BUILTIN_PLUGINS,
     ENTRY_POINT_GROUP,
     buffer_backends,
     default_plugin_manager,
     make_plugin_manager,
-    resolve_transport,
     transports,
     wire_codecs,
 )
-from rlsync.core._presets import PRESETS, ModelSpec, Param, load_model_spec, model_spec
-from rlsync.core._reader import LandingMode, WeightsReader
-from rlsync.core._regions import region_offsets
-from rlsync.core._registry import Registry
-from rlsync.core._relay import NodeRelay
-from rlsync.core._samples import PolicyVersionClock, Sample, decode_sample, encode_sample
-from rlsync.core._sampling_mask import head_logprobs, kept_sizes, logits_logprobs, masked_logprobs, sampling_mask
-from rlsync.core._staging import SLACK, RankBoxes, StagedReceiver, engine_layout, tensor_metas, whole_tensor_view
-from rlsync.core._transfer import Transfer
-from rlsync.core._transport import Landing, Link, Region, Run, Transport
-from rlsync.core._views import allocate, copy_transfers, gather_shards, raw_dtype, scatter
-from rlsync.core._wire import WireCodec
-from rlsync.core._writer import WeightsWriter
+from rlsync.core.layouts import PRESETS, ModelSpec, Param, load_model_spec, model_spec
+from rlsync.core.sync import LandingMode, WeightsReader
+from rlsync.core.sync import region_offsets
+from rlsync.core.hooks import Registry
+from rlsync.core.sync import NodeRelay
+from rlsync.core.rollouts import PolicyVersionClock, Sample, decode_sample, encode_sample
+from rlsync.core.rollouts import head_logprobs, kept_sizes, logits_logprobs, masked_logprobs, sampling_mask
+from rlsync.core.sync import SLACK, RankBoxes, StagedReceiver, engine_layout, tensor_metas, whole_tensor_view
+from rlsync.core.layouts import Transfer
+from rlsync.core.sync import Landing, Link, Region, Run, Transport, resolve_transport
+from rlsync.core.layouts import allocate, copy_transfers, gather_shards, raw_dtype, scatter
+from rlsync.core.sync import WireCodec
+from rlsync.core.sync import WeightsWriter
 
 __all__ = [
     "BUILTIN_PLUGINS", "DEFAULT_TIMEOUT", "ENTRY_POINT_GROUP", "PRESETS", "SLACK", "WIRES",

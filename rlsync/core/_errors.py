@@ -23,11 +23,9 @@ against plain Python conventions keeps working.
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any
-
-from rlsync.core import _redact
-
-_redact.install()  # every module that logs imports this one: its records leave with keys hidden
 
 __all__ = [
     "ConfigError",
@@ -52,7 +50,7 @@ class RlsyncError(Exception):
     (``tcp://host:port#<key>``): error messages end up in logs that others can read."""
 
     def __init__(self, *args: Any) -> None:
-        super().__init__(*(_redact.redact(a) if isinstance(a, str) else a for a in args))
+        super().__init__(*(redact(a) if isinstance(a, str) else a for a in args))
 
 
 class LayoutError(RlsyncError, ValueError):
@@ -118,3 +116,33 @@ class ConfigError(RlsyncError, ValueError):
 
 class RlsyncWarning(UserWarning):
     """Base class of warnings rlsync emits."""
+
+
+# -- reader addresses print without their key ------------------------------------------------------------------------
+# An address ``tcp://host:port#KEY`` is a capability: whoever reads the key may set an engine's weights. Errors and
+# log lines often end up in files others can read (a shared log directory, a CI log), so every ``RlsyncError`` message
+# and every record of the ``rlsync`` logger show ``tcp://host:port#<key>``; the address itself, where code passes it
+# on, keeps its key.
+
+# a key follows '#' right after an address's port (tcp://HOST:PORT#KEY; keys are URL-safe base64 or hex)
+_KEYED = re.compile(r"(tcp://[^\s#'\"]*:\d+)#[A-Za-z0-9_\-]+")
+HIDDEN = "#<key>"
+
+
+def redact(text: str) -> str:
+    """``text`` with the key of every reader address in it replaced by ``#<key>``."""
+    return _KEYED.sub(lambda m: m.group(1) + HIDDEN, text) if "#" in text else text
+
+
+class RedactKeys(logging.Filter):
+    """A filter for the ``rlsync`` logger: a record's message (with its arguments) leaves with its keys hidden."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        hidden = redact(message)
+        if hidden != message:
+            record.msg, record.args = hidden, None
+        return True
+
+
+logging.getLogger("rlsync").addFilter(RedactKeys())  # every module that logs imports this one

@@ -1,5 +1,5 @@
 """A raw ZeroMQ peer that speaks rlsync's control protocol by hand, written from its documentation
-(``rlsync/core/_control.py``), not from its code: what an attacker who read the docs sends. An *insider* holds the
+(``rlsync/core/sync/_control.py``), not from its code: what an attacker who read the docs sends. An *insider* holds the
 reader's key (a buggy or malicious process of the run, or one the key leaked to): it derives the control key, Knocks,
 checks the reader's Challenge and signs in the session it opens. An *outsider* knows only the host and port.
 """

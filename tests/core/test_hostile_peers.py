@@ -420,8 +420,8 @@ def test_a_delta_of_many_small_segments_is_refused_before_any_is_decoded(monkeyp
                                          + headers.numpy().tobytes() + frame * segments), dtype=torch.uint8)
     assert payload.numel() < 64 << 10
     decoded = []
-    real = __import__("rlsync.core._delta", fromlist=["_decompress"])._decompress
-    monkeypatch.setattr("rlsync.core._delta._decompress", lambda *a: decoded.append(1) or real(*a))
+    real = __import__("rlsync.core.sync._delta", fromlist=["_decompress"])._decompress
+    monkeypatch.setattr("rlsync.core.sync._delta._decompress", lambda *a: decoded.append(1) or real(*a))
     with pytest.raises(ValueError, match="claims .* more than the .*-byte region"):
         apply_delta(payload, region)
     assert not decoded and not region.any()

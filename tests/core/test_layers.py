@@ -29,8 +29,8 @@ def copy_of_the_package(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize(("module", "line", "contract"), [
-    ("rlsync/core/_writer.py", "from rlsync.wire import Fp8Codec", "Layers"),  # core imports a higher layer
-    ("rlsync/adapters/trl/_callback.py", "from rlsync.core._writer import WeightsWriter", "Private modules"),
+    ("rlsync/core/sync/_writer.py", "from rlsync.wire import Fp8Codec", "Layers"),  # core imports a higher layer
+    ("rlsync/adapters/trl/_callback.py", "from rlsync.core.sync._writer import WeightsWriter", "Private modules"),
     ("rlsync/patches/openrlhf/__init__.py", "from rlsync.adapters.openrlhf import main", "Layers"),
     ("rlsync/adapters/sglang/__init__.py", "from rlsync.adapters.vllm._probe import probe", "Private modules"),
 ])

@@ -48,7 +48,7 @@ def test_head_logprobs_equal_the_masked_logprobs_of_the_logits_with_their_gradie
     """From hidden states and an LM head, a few rows at a time (here 7): the log-probs and entropies of the masked
     distribution and the same gradients as the whole computation at once; a sampled token the mask would drop (the two
     sides' kernels round differently) still gets a finite log-prob, under the kept set with it added."""
-    from rlsync.core import _sampling_mask
+    from rlsync.core.rollouts import _sampling_mask
 
     monkeypatch.setattr(_sampling_mask, "_CHUNK_ELEMENTS", 40 * 7)
     gen = torch.Generator().manual_seed(0)
@@ -98,7 +98,7 @@ def test_logits_logprobs_score_a_batch_chunk_by_chunk_with_the_gradients_of_the_
     their gradients as autograd gives them over the whole at once, a few rows at a time (here 7); a sampled token the
     mask would drop still gets a finite log-prob."""
     from rlsync import logits_logprobs
-    from rlsync.core import _sampling_mask
+    from rlsync.core.rollouts import _sampling_mask
 
     monkeypatch.setattr(_sampling_mask, "_CHUNK_ELEMENTS", 40 * 7)
     gen = torch.Generator().manual_seed(1)
@@ -124,7 +124,7 @@ def test_top_p_alone_decides_from_the_most_likely_tokens_where_its_set_ends_amon
     """Top-p without top-k looks at the ``_TOP_P_PREFIX`` most likely tokens first (here 16) and sorts a whole row only
     where the set reaches past them: the same kept sets as the whole sort, for peaked rows (decided by the prefix) and
     flat ones (sorted) in one batch."""
-    from rlsync.core import _sampling_mask
+    from rlsync.core.rollouts import _sampling_mask
 
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(64, 1000, generator=gen)

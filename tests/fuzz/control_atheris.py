@@ -34,7 +34,7 @@ FIELDS = ["writer_rank", "src_fingerprint", "dst_fingerprint", "dst_tensors", "s
           "inbox_capacity", "reason", "kind", "version", "slot", "delta_base", "delta_nbytes", "canary", "digest",
           "tensors", "shards", "tokens", "logprobs", "tolerance", "nonce", "needs_src", "max_bytes"]
 HUGE = [2**31, 2**40, 2**63 - 1, -(2**63), -1, 0, 2**64 - 1]
-# each type's required fields and their types (rlsync/core/_control.py), so that most inputs decode and reach the
+# each type's required fields and their types (rlsync/core/sync/_control.py), so that most inputs decode and reach the
 # reader's handlers, where a wrong value is worse than a wrong type
 REQUIRED = {"Knock": {"nonce": bytes}, "Challenge": {"session": int, "nonce": bytes}, "Hello": {"writer_rank": int, "src_fingerprint": str, "dst_fingerprint": str, "dst_tensors": dict},
             "AskLayout": {}, "LayoutIs": {"layout": dict}, "Refuse": {"reason": str},

@@ -323,8 +323,8 @@ def test_a_delta_that_lies_is_refused_and_writes_nothing() -> None:
     repeated = np.array([1, 0], np.uint32).view(np.uint8).reshape(2, 4).T.tobytes()
     with pytest.raises(ValueError, match="not increasing"):
         apply(_payload(0, 2, repeated + values), region)
-    with pytest.raises(ValueError, match="reaches past"):
-        apply(_payload(0, 40, bytes(40 * 6)), region)  # 40 values of 2 bytes: more than 64 bytes hold
+    with pytest.raises(ValueError, match="claims 80 bytes of values, more than the 64-byte region"):
+        apply(_payload(0, 40, bytes(40 * 6)), region)  # 40 values of 2 bytes: more than 64 bytes hold (checked first)
     with pytest.raises(ValueError, match="is not a segment"):
         apply(_payload(0, 2, gaps + values, mode=4), region)
     assert not region.any()
@@ -420,7 +420,7 @@ def test_buffers_compared_together_find_what_one_by_one_finds(monkeypatch: pytes
     and flips as buffer by buffer, version after version; buffers that change size are laid out again (unknown once)."""
     import torch
 
-    monkeypatch.setattr("rlsync.core._delta._FLAT_ELEMENTS", 1000)
+    monkeypatch.setattr("rlsync.core.sync._delta._FLAT_ELEMENTS", 1000)
     gen = torch.Generator().manual_seed(11)
     sizes = {f"t{i}": int(torch.randint(1, 300, (1,), generator=gen)) for i in range(30)}
     sizes["big"] = 2500
@@ -450,7 +450,7 @@ def test_a_segment_holds_at_most_so_many_values_and_the_pieces_land_exact(monkey
     8 segments, each counting from the buffer's start, and land exact, compressed or not."""
     import torch
 
-    monkeypatch.setattr("rlsync.core._delta._HOST_SEGMENT", 7)
+    monkeypatch.setattr("rlsync.core.sync._delta._HOST_SEGMENT", 7)
     new = torch.arange(300, dtype=torch.int16)
     changed = torch.sort(torch.randperm(300, generator=torch.Generator().manual_seed(2))[:50]).values
     for compress in (True, False):
@@ -468,7 +468,7 @@ def test_segments_cut_across_many_buffers_land_exact(monkeypatch: pytest.MonkeyP
     values start and end inside buffers, cover several, and pass over buffers without a change; every value lands."""
     import torch
 
-    monkeypatch.setattr("rlsync.core._delta._HOST_SEGMENT", 7)
+    monkeypatch.setattr("rlsync.core.sync._delta._HOST_SEGMENT", 7)
     gen = torch.Generator().manual_seed(5)
     sizes = [int(torch.randint(1, 40, (1,), generator=gen)) for _ in range(12)]
     new = {f"b{i}": torch.randint(-2**15, 2**15, (n,), dtype=torch.int16, generator=gen) for i, n in enumerate(sizes)}
@@ -543,7 +543,7 @@ def test_the_positions_a_change_log_keeps_stay_below_the_size_of_its_copy(togeth
     each, 2 bytes of copy) outgrow the copy, keeping the one step a delta always needs."""
     import torch
 
-    from rlsync.core._delta import _held
+    from rlsync.core.sync._delta import _held
 
     raw = torch.zeros(3000 * 2, dtype=torch.uint8)
     log = ChangeLog({"w": 2}, depth=8, together=together)

@@ -227,7 +227,7 @@ def test_the_trainers_canary_reaches_every_engine_behind_a_relay_and_their_verdi
 def test_a_relay_whose_two_copies_do_not_fit_in_host_memory_is_refused_before_it_allocates(
         sync: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from rlsync import ConfigError
-    from rlsync.core import _relay
+    from rlsync.core.sync import _relay
 
     _, whole = sync.layouts("plain")
     engine = WeightsReader(None, whole, 0, options=LOCAL)

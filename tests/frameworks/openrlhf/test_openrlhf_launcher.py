@@ -209,7 +209,7 @@ def test_a_relay_without_room_names_the_launchers_option_that_does_without(monke
 
     from rlsync import ConfigError, WeightsReader
     from rlsync.adapters.openrlhf._engine_actor import start_relay
-    from rlsync.core import _relay
+    from rlsync.core.sync import _relay
     from rlsync.layouts import from_state_dict
 
     engine = WeightsReader(None, from_state_dict({"w": torch.zeros(64, 64)}), 0)

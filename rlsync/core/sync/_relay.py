@@ -34,16 +34,16 @@ from concurrent.futures import ThreadPoolExecutor
 import pluggy
 import torch
 
-from rlsync.core._builders import replicated
+from rlsync.core.layouts import replicated
 from rlsync.core._errors import ConfigError, PeerLostError, RlsyncError, WeightMismatchError
-from rlsync.core._layout import Layout, TensorMeta
-from rlsync.core._layout_exchange import reader_layout
-from rlsync.core._options import SyncOptions
-from rlsync.core._reader import WeightsReader
-from rlsync.core._memory import free_memory
-from rlsync.core._regions import as_tensor, region_offsets
-from rlsync.core._transport import Region
-from rlsync.core._writer import WeightsWriter
+from rlsync.core.layouts import Layout, TensorMeta
+from rlsync.core.sync._layout_exchange import reader_layout
+from rlsync.core.sync._options import SyncOptions
+from rlsync.core.sync._reader import WeightsReader
+from rlsync.core.sync._memory import free_memory
+from rlsync.core.sync._regions import as_tensor, region_offsets
+from rlsync.core.sync._transport import Region
+from rlsync.core.sync._writer import WeightsWriter
 
 
 class NodeRelay:

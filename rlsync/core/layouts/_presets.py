@@ -17,7 +17,7 @@ from typing import Any, Final, final
 import msgspec
 
 from rlsync.core._errors import LayoutError
-from rlsync.core._layout import TensorMeta
+from rlsync.core.layouts._layout import TensorMeta
 
 #: Roles and how they are split across tensor-parallel ranks.
 #:   replicated      every rank holds all of it (norms, routers, small projections)

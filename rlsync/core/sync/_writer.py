@@ -2,7 +2,7 @@
 ``complete(version)`` sends its part to every reader at once and returns when each has it live.
 
 A writer whose options say ``wire="delta"`` sends, where it can, only the values that changed since the
-version its part of the reader's target slot holds (``rlsync.core._delta``), into an inbox the reader
+version its part of the reader's target slot holds (``rlsync.core.sync._delta``), into an inbox the reader
 allocates for it; it sends in full when it does not know what the slot holds, or when the delta would
 not fit. A wire codec (``wire="fp8"``, registered through ``rlsync_register_wire_codecs``) changes the
 layout that crosses and encodes each tensor in ``put``.
@@ -23,10 +23,10 @@ import numpy as np
 import pluggy
 import torch
 
-from rlsync.core._builders import tied_aliases
-from rlsync.core._canary import Canary
-from rlsync.core._checksum import Checksums, digest
-from rlsync.core._control import (
+from rlsync.core.layouts import tied_aliases
+from rlsync.core.sync._canary import Canary
+from rlsync.core.sync._checksum import Checksums, digest
+from rlsync.core.sync._control import (
     Ack,
     Begin,
     Channel,
@@ -37,9 +37,9 @@ from rlsync.core._control import (
     Welcome,
     open_channel,
 )
-from rlsync.core._delta import ChangeLog
-from rlsync.core._delta import encode as encode_delta
-from rlsync.core._device_order import CurrentStreams, Ready, ready_events, wait_ready
+from rlsync.core.sync._delta import ChangeLog
+from rlsync.core.sync._delta import encode as encode_delta
+from rlsync.core.sync._device_order import CurrentStreams, Ready, ready_events, wait_ready
 from rlsync.core._errors import (
     CanaryError,
     ConfigError,
@@ -51,15 +51,16 @@ from rlsync.core._errors import (
     VersionError,
     WeightMismatchError,
 )
-from rlsync.core._host_staging import HostStaging
-from rlsync.core._layout import Layout, dtype_size
-from rlsync.core._layout_exchange import ask_layout
-from rlsync.core._options import SyncOptions
-from rlsync.core._planner import build_plan
-from rlsync.core._plugins import default_plugin_manager, resolve_transport, wire_codecs
-from rlsync.core._regions import PairRuns, as_bytes, region_offsets, runs_by_pair
-from rlsync.core._transport import Link, Run
-from rlsync.core._wire import WireCodec
+from rlsync.core.sync._host_staging import HostStaging
+from rlsync.core.layouts import Layout, dtype_size
+from rlsync.core.sync._layout_exchange import ask_layout
+from rlsync.core.sync._options import SyncOptions
+from rlsync.core.layouts import build_plan
+from rlsync.core.hooks import default_plugin_manager, wire_codecs
+from rlsync.core.sync._transport import resolve_transport
+from rlsync.core.sync._regions import PairRuns, as_bytes, region_offsets, runs_by_pair
+from rlsync.core.sync._transport import Link, Run
+from rlsync.core.sync._wire import WireCodec
 
 _log = logging.getLogger("rlsync")
 

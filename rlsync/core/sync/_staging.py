@@ -18,13 +18,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from rlsync.core._builders import from_state_dict, own_buffer_shard
+from rlsync.core.layouts import from_state_dict, own_buffer_shard
 from rlsync.core._errors import ConfigError
-from rlsync.core._handoff import Finish, LandedVersions
-from rlsync.core._layout import Box, BufferSpec, Layout, TensorMeta, contiguous_strides, make_layout
-from rlsync.core._options import SyncOptions
-from rlsync.core._reader import WeightsReader
-from rlsync.core._regions import as_tensor, region_offsets
+from rlsync.core.sync._handoff import Finish, LandedVersions
+from rlsync.core.layouts import Box, BufferSpec, Layout, TensorMeta, contiguous_strides, make_layout
+from rlsync.core.sync._options import SyncOptions
+from rlsync.core.sync._reader import WeightsReader
+from rlsync.core.sync._regions import as_tensor, region_offsets
 
 #: Per engine rank, ``{checkpoint tensor name: [offsets, sizes]}`` of the part that rank loads
 #: (what an engine's loader probe returns, one entry per worker in rank order).

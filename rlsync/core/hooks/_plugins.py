@@ -16,10 +16,9 @@ from typing import Any
 
 import pluggy
 
-from rlsync.core import _hookspecs
-from rlsync.core._errors import PluginError, TransportError
-from rlsync.core._registry import Registry
-from rlsync.core._transport import Transport
+from rlsync.core.hooks import _hookspecs
+from rlsync.core._errors import PluginError
+from rlsync.core.hooks._registry import Registry
 
 ENTRY_POINT_GROUP = "rlsync_plugins"
 
@@ -98,11 +97,3 @@ def buffer_backends(pm: pluggy.PluginManager | None = None) -> Registry[Any]:
 
 def wire_codecs(pm: pluggy.PluginManager | None = None) -> Registry[Any]:
     return collect(pm, "rlsync_register_wire_codecs", "wire codec")
-
-
-def resolve_transport(transport: str | type[Transport], pm: pluggy.PluginManager | None = None) -> type[Transport]:
-    """A transport class from a registered name (or the class itself), checked to run here."""
-    cls: type[Transport] = transports(pm).get(transport) if isinstance(transport, str) else transport  # type: ignore[assignment]  # registered classes
-    if not cls.available():
-        raise TransportError(f"transport {cls.name!r} cannot run here; install its extra (pip install 'rlsync[{cls.name}]') or pick another")
-    return cls

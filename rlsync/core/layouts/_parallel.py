@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from rlsync.core._builders import chunk_bounds, data_parallel, even_bounds, slice_box
+from rlsync.core.layouts._builders import chunk_bounds, data_parallel, even_bounds, slice_box
 from rlsync.core._errors import LayoutError
-from rlsync.core._layout import Box, Layout, Shard, contiguous_strides, make_layout
-from rlsync.core._presets import ModelSpec, Param
+from rlsync.core.layouts._layout import Box, Layout, Shard, contiguous_strides, make_layout
+from rlsync.core.layouts._presets import ModelSpec, Param
 
 #: Parameters packed into one local buffer: (buffer name, dim they are stacked along, [(param, box)])
 Packed = tuple[str, int, list[tuple[Param, Box]]]

@@ -25,7 +25,7 @@ from typing import Any, Final
 
 import torch
 
-from rlsync.core._regions import as_tensor
+from rlsync.core.sync._regions import as_tensor
 
 ALGORITHMS: Final = ("crc32", "sum64")
 _MASK: Final = 2**64 - 1

@@ -17,7 +17,7 @@ Landing modes:
 
 Writers that restart (a new session) make the reader discard unfinished parts that may pair with
 bytes the dead session never finished (``_discard_partners``). Delta writers get an inbox
-(``rlsync.core._delta``).
+(``rlsync.core.sync._delta``).
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ import numpy as np
 import pluggy
 import torch
 
-from rlsync.core._builders import replicated
-from rlsync.core._canary import Canary
-from rlsync.core._checksum import Checksums, digest, for_memory
-from rlsync.core._control import (
+from rlsync.core.layouts import replicated
+from rlsync.core.sync._canary import Canary
+from rlsync.core.sync._checksum import Checksums, digest, for_memory
+from rlsync.core.sync._control import (
     Ack,
     AskLayout,
     BadFrame,
@@ -53,18 +53,19 @@ from rlsync.core._control import (
     bind_router,
     bound_for,
 )
-from rlsync.core._delta import INBOX_SHARE
-from rlsync.core._delta import apply as apply_delta
-from rlsync.core._device_order import synchronize_devices
+from rlsync.core.sync._delta import INBOX_SHARE
+from rlsync.core.sync._delta import apply as apply_delta
+from rlsync.core.sync._device_order import synchronize_devices
 from rlsync.core._errors import CanaryError, ConfigError, RlsyncError, TransferTimeoutError, WeightMismatchError
-from rlsync.core._host_staging import HostStaging
-from rlsync.core._layout import Layout, dtype_size, tensor_fingerprints
-from rlsync.core._memory import free_memory
-from rlsync.core._options import SyncOptions
-from rlsync.core._planner import Plan, build_plan
-from rlsync.core._plugins import default_plugin_manager, resolve_transport
-from rlsync.core._regions import ALIGN, PairRuns, as_tensor, region_offsets, runs_by_pair
-from rlsync.core._transport import Landing, Region
+from rlsync.core.sync._host_staging import HostStaging
+from rlsync.core.layouts import Layout, dtype_size, tensor_fingerprints
+from rlsync.core.sync._memory import free_memory
+from rlsync.core.sync._options import SyncOptions
+from rlsync.core.layouts import Plan, build_plan
+from rlsync.core.hooks import default_plugin_manager
+from rlsync.core.sync._transport import resolve_transport
+from rlsync.core.sync._regions import ALIGN, PairRuns, as_tensor, region_offsets, runs_by_pair
+from rlsync.core.sync._transport import Landing, Region
 
 #: ``"direct"`` (two slots in the engine's memory), ``"staged"`` (one slot, handed to ``on_version``) or
 #: ``"in_place"`` (the engine's own tensors, the engine paused while a version lands)

@@ -4,7 +4,7 @@ A codec changes what the writer's layout holds (an fp8 weight and its block scal
 weight) and turns each tensor the trainer ``put``-s into the tensors of that layout. Codecs register by
 name through the ``rlsync_register_wire_codecs`` hook; ``SyncOptions(wire="fp8")`` picks one, and
 ``"fp8+delta"`` adds delta sending on top. Delta itself is not a codec: it is part of the writer/reader
-protocol, because it depends on what the reader's slot holds (``rlsync.core._delta``).
+protocol, because it depends on what the reader's slot holds (``rlsync.core.sync._delta``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from rlsync.core._layout import Layout
+from rlsync.core.layouts import Layout
 
 
 @runtime_checkable

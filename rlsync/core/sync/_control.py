@@ -6,7 +6,7 @@ own, random per reader and carried in its address (``tcp://127.0.0.1:PORT#KEY``,
 server's token URL: whoever was handed the address may talk to it, and nobody else), or a shared ``secret``
 (``secret=`` or ``RLSYNC_SECRET``, at least 128 bits: ``check_secret``) where addresses are typed by hand across
 hosts. Binding a non-loopback address without either is refused. Keys never print: errors and log lines show
-``#<key>`` (``rlsync.core._redact``).
+``#<key>`` (``rlsync.core._errors.redact``).
 
 **Strangers are dropped at the handshake.** Every control socket speaks ZeroMQ's CURVE: the reader's key pair and
 the writers' derive from the key (labels "curve reader", "curve writer"), so only a holder of the key can compute the
@@ -59,9 +59,9 @@ import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
-from rlsync.core._canary import Canary
+from rlsync.core.sync._canary import Canary
 from rlsync.core._errors import ConfigError, TransferTimeoutError, TransportError
-from rlsync.core._layout import Layout
+from rlsync.core.layouts import Layout
 
 
 class Knock(msgspec.Struct, tag=True):
@@ -94,7 +94,7 @@ class Hello(msgspec.Struct, tag=True):
     dst_tensors: dict[str, str]
     session: str = ""
     src: Layout | None = None
-    #: the writer may send deltas (``rlsync.core._delta``): the reader gives it an inbox
+    #: the writer may send deltas (``rlsync.core.sync._delta``): the reader gives it an inbox
     delta: bool = False
     #: the writer sends checksums with every version (``SyncOptions(verify=True)``)
     checksums: bool = False
@@ -127,7 +127,7 @@ class Welcome(msgspec.Struct, tag=True):
     inbox: dict[str, Any] | None = None
     inbox_offset: int = 0
     inbox_capacity: int = 0
-    #: the checksum a verifying writer computes (``rlsync.core._checksum``: where the reader's landing memory is)
+    #: the checksum a verifying writer computes (``rlsync.core.sync._checksum``: where the reader's landing memory is)
     checksum: str = "crc32"
     #: the landing is the engine's own tensors, one region per buffer of this rank (in layout order): the writer
     #: asks with ``Begin`` before each version (the engine pauses) and writes ``(src, buffer index, offset, n)``
@@ -176,7 +176,7 @@ class Ack(msgspec.Struct, tag=True):
     next_slot: int
     #: the engine's canary deviation for this version (mean nats per token), when it checked one
     canary_deviation: float | None = None
-    #: with checksums: ``rlsync.core._checksum.digest`` of this writer's checksums as the reader checked them
+    #: with checksums: ``rlsync.core.sync._checksum.digest`` of this writer's checksums as the reader checked them
     digest: str | None = None
 
 

@@ -83,8 +83,8 @@ class SyncOptions:
             raise ConfigError(f"transport_options={self.transport_options!r}: a mapping (dict) passed to the transport, or None")
 
     def _check_transport(self) -> None:
-        from rlsync.core._plugins import transports
-        from rlsync.core._transport import Transport
+        from rlsync.core.hooks import transports
+        from rlsync.core.sync._transport import Transport
 
         if isinstance(self.transport, type) and issubclass(self.transport, Transport):
             return

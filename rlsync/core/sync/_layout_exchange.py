@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from rlsync.core._control import AskLayout, LayoutIs, Refuse, open_channel
+from rlsync.core.sync._control import AskLayout, LayoutIs, Refuse, open_channel
 from rlsync.core._errors import TransferTimeoutError, TransportError, WeightMismatchError
-from rlsync.core._layout import Layout
-from rlsync.core._options import DEFAULT_TIMEOUT
+from rlsync.core.layouts import Layout
+from rlsync.core.sync._options import DEFAULT_TIMEOUT
 
 
 def reader_layout(address: str, *, secret: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> Layout:

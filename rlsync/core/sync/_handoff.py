@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 
 from rlsync.core._errors import ConfigError, TransferTimeoutError, WeightMismatchError
-from rlsync.core._options import DEFAULT_TIMEOUT
-from rlsync.core._transport import Region
+from rlsync.core.sync._options import DEFAULT_TIMEOUT
+from rlsync.core.sync._transport import Region
 
 Finish = Callable[[BaseException | None], None]
 _REFUSAL_POLL = 0.05  # seconds between looks at the reader's standing refusal while waiting

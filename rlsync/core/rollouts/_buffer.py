@@ -31,10 +31,10 @@ import numpy as np
 import pluggy
 
 from rlsync.core._errors import RolloutBufferError, VersionError
-from rlsync.core._gates import Decision, Gate, freshest_per_group, importance_weights
-from rlsync.core._plugins import default_plugin_manager
-from rlsync.core._samples import Sample
-from rlsync.core._telemetry import BufferTelemetry
+from rlsync.core.rollouts._gates import Decision, Gate, freshest_per_group, importance_weights
+from rlsync.core.hooks import default_plugin_manager
+from rlsync.core.rollouts._samples import Sample
+from rlsync.core.rollouts._telemetry import BufferTelemetry
 
 PartialPolicy = Literal["continue", "abort", "drain"]
 BUILTIN_GATES = "rlsync.plugins.gates"  # the plugin that holds MaxStaleness

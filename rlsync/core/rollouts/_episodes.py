@@ -39,7 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 
 from rlsync.core._errors import LeaseLostError, RolloutBufferError
-from rlsync.core._samples import Sample
+from rlsync.core.rollouts._samples import Sample
 
 
 class Claim(msgspec.Struct, frozen=True):

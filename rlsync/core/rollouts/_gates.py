@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from rlsync.core._samples import Sample
+from rlsync.core.rollouts._samples import Sample
 
 
 class Decision(Enum):

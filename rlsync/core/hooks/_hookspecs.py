@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from rlsync.core._registry import Registry
+    from rlsync.core.hooks._registry import Registry
 
 PROJECT = "rlsync"
 hookspec = pluggy.HookspecMarker(PROJECT)

@@ -25,8 +25,8 @@ import msgspec
 import numpy as np
 
 from rlsync.core._errors import LayoutError, PlanError, PlanMismatchError
-from rlsync.core._layout import Box, Layout, Shard, TensorMeta, dtype_size, tensor_fingerprints
-from rlsync.core._transfer import Transfer
+from rlsync.core.layouts._layout import Box, Layout, Shard, TensorMeta, dtype_size, tensor_fingerprints
+from rlsync.core.layouts._transfer import Transfer
 
 
 @final

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from rlsync.core._errors import LayoutError
-from rlsync.core._layout import (
+from rlsync.core.layouts._layout import (
     Box,
     BufferSpec,
     Layout,

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from rlsync.core._errors import WeightMismatchError
-from rlsync.core._layout import Layout, dtype_size
-from rlsync.core._transfer import Transfer
+from rlsync.core.layouts import Layout, dtype_size
+from rlsync.core.layouts import Transfer
 
 #: every buffer starts on this byte boundary inside its region
 ALIGN = 64

@@ -13,8 +13,8 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from rlsync.core._errors import LayoutError
-from rlsync.core._layout import Layout, Shard, dtype_size
-from rlsync.core._transfer import Transfer
+from rlsync.core.layouts._layout import Layout, Shard, dtype_size
+from rlsync.core.layouts._transfer import Transfer
 
 _RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 

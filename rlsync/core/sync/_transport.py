@@ -41,8 +41,10 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Union
 
 import numpy as np
+import pluggy
 
 from rlsync.core._errors import TransportError
+from rlsync.core.hooks import transports
 
 if TYPE_CHECKING:
     import torch
@@ -153,3 +155,11 @@ class Transport(ABC):
     @abstractmethod
     def open(cls, description: dict[str, Any], options: Mapping[str, Any] | None = None) -> Link:
         """Writer side: reach a reader's landing from its ``describe()`` output. Must override."""
+
+
+def resolve_transport(transport: str | type[Transport], pm: pluggy.PluginManager | None = None) -> type[Transport]:
+    """A transport class from a registered name (or the class itself), checked to run here."""
+    cls: type[Transport] = transports(pm).get(transport) if isinstance(transport, str) else transport  # type: ignore[assignment]  # registered classes
+    if not cls.available():
+        raise TransportError(f"transport {cls.name!r} cannot run here; install its extra (pip install 'rlsync[{cls.name}]') or pick another")
+    return cls

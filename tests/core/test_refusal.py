@@ -127,7 +127,7 @@ def test_a_verified_version_is_bound_to_the_digest_of_its_bytes(monkeypatch: pyt
         assert labels[0].startswith("1+") and labels[1].startswith("2+") and labels[0][2:] != labels[1][2:]
 
         # a reader that reports another digest than the bytes this writer sent: the writer names both
-        monkeypatch.setattr("rlsync.core.sync._reader.digest", lambda sums: "0" * 16)
+        monkeypatch.setattr("rlsync.core.sync._reader_versions.digest", lambda sums: "0" * 16)
         engine = WaitingEngine(receiver)
         writer.multi_put(STATE)
         with pytest.raises(VersionError, match=r"version 3 live with digest 0{16}, but this writer sent digest [0-9a-f]{16}"):

@@ -21,7 +21,8 @@ from rlsync.core.sync._host_staging import HostStaging
 from rlsync.core.sync._regions import region_offsets
 from rlsync.core.sync._layout_exchange import reader_layout
 from rlsync.core.sync._wire import WireCodec
-from rlsync.core.sync._reader import LandingMode, WeightsReader
+from rlsync.core.sync._reader import WeightsReader
+from rlsync.core.sync._reader_state import LandingMode
 from rlsync.core.sync._writer import WeightsWriter
 from rlsync.core.sync._staging import SLACK, RankBoxes, StagedReceiver, engine_layout, tensor_metas, whole_tensor_view
 from rlsync.core.sync._relay import NodeRelay

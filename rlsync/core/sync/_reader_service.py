@@ -1,0 +1,236 @@
+"""A reader's service thread: what comes in on its control socket is decoded, authenticated, dispatched or refused.
+
+``ReaderService`` is one part of ``WeightsReader`` (its other part, ``VersionLanding``, keeps the version state): sessions
+opened by a Knock, the writers' Hellos and layout requests, restarts of writer ranks, and the rejection of what no
+honest writer sends (counted and logged, never read by a waiting engine)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import TypeVar
+
+from rlsync.core.layouts import replicated
+from rlsync.core.sync._checksum import for_memory
+from rlsync.core.sync._control import (
+    AskLayout,
+    BadFrame,
+    Begin,
+    Done,
+    Hello,
+    Knock,
+    LayoutIs,
+    Refuse,
+    Session,
+    Welcome,
+)
+from rlsync.core.sync._reader_state import ReaderState
+from rlsync.core._errors import RlsyncError
+from rlsync.core.layouts import Layout
+from rlsync.core.sync._options import SyncOptions
+
+from rlsync.core.sync._control import MAX_SESSIONS
+
+REJECTIONS_LOGGED_EVERY = 10.0  # seconds between log lines about rejected messages (a stream of them is counted)
+_log = logging.getLogger("rlsync")
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class ReaderService(ReaderState):
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            if self._landing is not None:
+                self._landing.progress()
+            if self._paused_at is not None and time.monotonic() - self._paused_at > self.options.timeout:
+                self._undo(f"version {self._pending_version} did not complete within {self.options.timeout} s (a writer died?)")
+            for _ in range(self._channel.failed_handshakes()):  # a peer without the key: counted, nothing else
+                self._reject(None, "a peer failed the control socket's handshake: the peers' keys differ (another "
+                                   "secret, an address without its #KEY, or a stranger)")
+            try:
+                got = self._channel.recv(timeout_ms=20)
+            except BadFrame as exc:  # a wrong key or a hostile frame: refused, and the reader goes on
+                self._reject(exc.identity, f"{exc}")
+                continue
+            if got is None:
+                continue
+            identity, msg, session = got
+            assert identity is not None  # ROUTER sockets always prefix the sender's identity
+            try:
+                self._handle(identity, msg, session)
+            except Exception as exc:  # noqa: BLE001 - no message stops the service thread: this one is refused
+                _log.exception("reader rank %d: handling a %s failed", self.rank, type(msg).__name__)
+                self._reject(identity, f"reader rank {self.rank} could not handle a {type(msg).__name__}: {exc!r}")
+        if self._paused_at is not None:  # closed in the middle of an in-place version: the engine gets its last one back
+            self._undo("the reader closed")
+
+    def _handle(self, identity: bytes, msg: object, session: Session | None) -> None:
+        if isinstance(msg, Knock):
+            self._knocked(identity, msg)
+        elif isinstance(msg, (Hello, AskLayout)) and not self._opens(session):
+            self._reject(identity, f"a {type(msg).__name__} that is not the first message of a session a Knock opened")
+        elif isinstance(msg, Hello):
+            assert session is not None
+            self._hello(identity, msg, session)
+        elif isinstance(msg, AskLayout):
+            self._layout_asked(identity, msg)
+        elif isinstance(msg, (Begin, Done)):
+            if not self._in_session(identity, msg, session):
+                return
+            if isinstance(msg, Begin):
+                self._begin(identity, msg)
+            else:
+                self._finish_part(identity, msg)
+        else:
+            self._reject(identity, f"a {type(msg).__name__} is not for a reader")
+
+    def _reject(self, identity: bytes | None, reason: str) -> None:
+        """A message no honest writer sends: counted, logged (one line per ``REJECTIONS_LOGGED_EVERY`` seconds at
+        most), answered (the peer may be a misconfigured writer that needs the reason: in its session, or unsigned
+        and rate-limited to a peer without one), and the reader goes on. Nothing else changes: an engine's wait
+        reads none of it, so a stranger that can reach the port cannot stop a rollout."""
+        self.rejected += 1
+        self.last_rejection = reason
+        self._unlogged += 1
+        now = time.monotonic()
+        if now - self._logged_at >= REJECTIONS_LOGGED_EVERY:
+            _log.warning("reader rank %d rejected %d control message(s) since the last line (all are counted in "
+                         "WeightsReader.rejected), the last: %s", self.rank, self._unlogged, reason)
+            self._logged_at, self._unlogged = now, 0
+        if identity is not None:
+            try:
+                self._channel.send(Refuse(reason), identity)
+            except Exception:  # noqa: BLE001 - a peer that cannot be answered is left alone
+                pass
+
+    def _in_session(self, identity: bytes, msg: Begin | Done, session: Session | None) -> bool:
+        """Whether ``msg`` comes in the session this reader welcomed for its writer rank; a new session of a rank
+        (a writer that reconnected or restarted) becomes its rank's session here, with its first Begin or Done."""
+        welcomed = None if session is None else self._welcomed.get(session.id)
+        if session is None or welcomed is None or welcomed[0] != msg.writer_rank:
+            self._reject(identity, f"a {type(msg).__name__} for writer rank {msg.writer_rank} outside the session this "
+                                   f"reader opened for that rank (send a Hello first)")
+            return False
+        if self._active.get(msg.writer_rank) != session.id:
+            self._activate(msg.writer_rank, welcomed[1])
+            self._active[msg.writer_rank] = session.id
+        return True
+
+    def _replicate(self, src: Layout | None) -> None:
+        """A replica reader (``dst=None, replicas=N``) holds a whole copy of the writers' tensors."""
+        if self.dst is None and src is not None and self.replicas is not None:
+            self._set_dst(replicated(src.tensors, tuple(range(self.replicas))))  # its room checked first
+            self._adopt(src)
+
+    def _layout_asked(self, identity: bytes, msg: AskLayout) -> None:
+        self._replicate(msg.src)
+        if self.dst is None:
+            self._channel.send(Refuse(f"reader rank {self.rank} learns its layout from the writers: ask with yours"), identity)
+            return
+        self._channel.send(LayoutIs(self.dst, self._version), identity)
+
+    def _opens(self, session: Session | None) -> bool:
+        """Whether ``session`` was just opened by a Knock and has not spoken: it may say one Hello or AskLayout."""
+        if session is None or session.id not in self._fresh:
+            return False
+        del self._fresh[session.id]
+        return True
+
+    def _knocked(self, identity: bytes, knock: Knock) -> None:
+        """A writer opens a session: a fresh nonce (one seen before was recorded: refused) is answered with the
+        reader's ``Challenge``; the session may then say one Hello or AskLayout."""
+        if len(knock.nonce) < 16 or knock.nonce in self._nonces:
+            self._reject(identity, "a Knock without a fresh nonce (replayed, or from an older rlsync): refused")
+            return
+        _keep_newest(self._nonces, knock.nonce, None)
+        session = self._channel.answer_knock(identity, knock, needs_src=self.plan is None, max_bytes=self._bound)
+        _keep_newest(self._fresh, session.id, None)
+
+    def _hello(self, identity: bytes, msg: Hello, session: Session) -> None:
+        self._replicate(msg.src)
+        if self.dst is not None and msg.dst_fingerprint != self._dst_fingerprint:
+            self._refuse_writer(identity, f"the writer was built for another destination layout than reader rank {self.rank} "
+                                          f"holds ({_first_difference(msg.dst_tensors, self._dst_tensors)}): build the "
+                                          f"WeightsWriter with dst=None, and it learns the engine's layout from its readers")
+            return
+        if self.plan is None and msg.src is not None:
+            try:
+                self._adopt(msg.src)
+            except RlsyncError as exc:
+                self._refuse_writer(identity, f"reader rank {self.rank} cannot receive from the writers' layout: {exc}")
+                return
+        if self.plan is None or self._landing is None:
+            self._refuse_writer(identity, f"reader rank {self.rank} has no source layout and the writer sent none: "
+                                          f"use a WeightsWriter of this rlsync version (it sends its layout)")
+            return
+        if msg.src_fingerprint != self.plan.src_fingerprint:
+            self._refuse_writer(identity, f"the writer's source layout differs from the one reader rank {self.rank} plans "
+                                          f"for (the first writer's): build every writer of this engine from the same source "
+                                          f"layout (another model needs a new receiver: restart the engine's rlsync side)")
+            return
+        if self._checksum and not msg.checksums:
+            self._refuse_writer(identity, f"reader rank {self.rank} checks every version's bytes (verify) and the writer "
+                                          f"sends no checksums: build the trainer's writer with SyncOptions(verify=True) "
+                                          f"(the same verify as the engine's: vLLM's init_info 'verify', verl's verify=true)")
+            return
+        if self.refusal is not None:
+            _log.info("reader rank %d: writer rank %d welcomed; the earlier refusal no longer stands", self.rank, msg.writer_rank)
+        self.refusal = None
+        in_place = self.landing_mode == "in_place"
+        welcome = Welcome(self.rank, self._transport.name, self._landing.describe(), self._version, self._target_slot,
+                          checksum=for_memory(self._landing.memory), in_place=in_place)
+        if msg.delta and not in_place:  # in place, the engine's tensors are the only copy: versions come whole
+            inbox = self._open_inbox()
+            welcome.inbox = inbox.describe()
+            welcome.inbox_offset, welcome.inbox_capacity = self._inbox_parts.get(msg.writer_rank, (0, 0))
+        self._channel.send(welcome, identity)  # in the writer's fresh session: bound to its nonce
+        # the session counts for its writer rank only once it speaks again (its first Begin or Done)
+        _keep_newest(self._welcomed, session.id, (msg.writer_rank, msg.session))
+        self._hellos.setdefault(msg.writer_rank, set()).add(msg.session)
+
+    def _activate(self, writer_rank: int, writer_session: str) -> None:
+        """A new control session of ``writer_rank`` spoke: a writer that reconnected starts its version over; one
+        whose writer session changed restarted, so what its earlier session did for an unfinished version is void."""
+        previous = self._sessions.get(writer_rank)
+        # a writer session welcomed since (one that died before it said Done may have written bytes) counts too
+        others = self._hellos.pop(writer_rank, set()) - {writer_session}
+        restarted = bool(others) or (previous is not None and previous[0] != writer_session)
+        if restarted and self._paused_at is not None:
+            self._undo(f"writer rank {writer_rank} restarted in the middle of version {self._pending_version}")
+        if restarted:
+            self._epoch += 1
+            self._discard_partners(writer_rank, self._epoch - 1 if previous is None else previous[1])
+        if previous is None or previous[0] != writer_session:
+            self._sessions[writer_rank] = (writer_session, self._epoch)
+        self._done.pop(writer_rank, None)  # a writer that reconnects starts its version over
+        self._held.get(writer_rank, {}).pop(self._target_slot, None)  # it may have written part of the slot
+
+    def _refuse_writer(self, identity: bytes | None, reason: str) -> None:
+        """Refuse a writer at connect: it hears why, and so does the engine (``refusal``, ``on_refused``) at once
+        instead of waiting out its timeout for a version that will not come."""
+        _log.warning("reader rank %d refused a writer: %s", self.rank, reason)
+        self.refusal = reason
+        if identity is not None:
+            self._channel.send(Refuse(reason), identity)
+        if self._on_refused is not None:
+            self._on_refused(None, reason)
+
+
+def _keep_newest(table: dict[K, V], key: K, value: V) -> None:
+    """``table[key] = value``, dropping the oldest entries past ``MAX_SESSIONS`` (what a peer can make grow is bounded)."""
+    table[key] = value
+    while len(table) > MAX_SESSIONS:
+        table.pop(next(iter(table)))
+
+
+def _first_difference(theirs: Mapping[str, str], ours: Mapping[str, str]) -> str:
+    """The first tensor two layouts disagree on, said plainly."""
+    for name in [*theirs, *ours]:
+        if name not in ours:
+            return f"{name!r} is in the writer's and not in the engine's (an alias the engine ties, or a wrong name?)"
+        if name not in theirs:
+            return f"{name!r} is in the engine's and not in the writer's"
+        if theirs[name] != ours[name]:
+            return f"{name!r} differs (its shape, dtype or where it is held)"
+    return "the same tensors, held differently"

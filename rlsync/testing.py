@@ -300,98 +300,119 @@ def check_episode_log(make: Callable[[], tuple[EpisodeLog, Callable[[], list[Sam
     without calling the tool again, and claims by id (leased: None; finished: done) with a finish that delivers
     no sample and keeps the steps for a replay.
     """
-    import time
-
-    def sample(prompt: str) -> Sample:
-        return Sample(prompt, np.array([1, 2, 3, 4]), 2, np.zeros(2, np.float32), np.zeros(2, np.int64))
-
     log, delivered = make()
     try:
         assert isinstance(log, EpisodeLog), f"{type(log).__name__} lacks a method of rlsync.EpisodeLog"
-        assert log.add("e1", b"p1") and log.add("e2", b"p2"), "add() of a new id must say True"
-        assert not log.add("e1", b"other"), "add() of a known id must say False and change nothing"
-        assert log.unfinished() == 2, f"two episodes added, unfinished() says {log.unfinished()}"
-        first = log.claim("g1", 0.3)
-        assert first is not None and (first.episode_id, first.prompt, first.steps) == ("e1", b"p1", []), \
-            f"the first claim must hand out the first episode added, with no steps: {first}"
-        log.record("e1", first.epoch, 0, b"step-0", 0.3)
-        log.record("e1", first.epoch, 0, b"step-0", 0.3)  # a retry after a lost reply: a no-op
-        for bad_step, entry in ((0, b"another"), (5, b"gap")):
-            try:
-                log.record("e1", first.epoch, bad_step, entry, 0.3)
-            except ValueError:
-                pass
-            else:
-                raise AssertionError(f"record() of step {bad_step} ({entry!r}) after one step must raise ValueError")
-        second = log.claim("g2", 30)
-        assert second is not None and second.episode_id == "e2", f"a leased episode is not claimed again: {second}"
-        assert log.claim("g3", 30) is None, "with every episode leased, claim() must say None"
-        time.sleep(0.5)  # e1's lease runs out: its generator is presumed dead
-        resumed = log.claim("g3", 30)
-        assert resumed is not None and resumed.episode_id == "e1" and resumed.steps == [b"step-0"], \
-            f"an episode whose lease ran out is claimed again with its steps: {resumed}"
-        assert resumed.epoch != first.epoch, "a new claim must come with a new epoch"
-        for stale in (lambda: log.record("e1", first.epoch, 1, b"late", 30), lambda: log.finish("e1", first.epoch, sample("e1"))):
-            try:
-                stale()
-            except LeaseLostError:
-                pass
-            else:
-                raise AssertionError("a record or finish under an epoch older than the last claim must raise LeaseLostError")
-        assert log.finish("e1", resumed.epoch, sample("e1")), "finish() under the current epoch must say True"
-        assert not log.finish("e1", resumed.epoch, sample("e1")), "a second finish() must say False"
-        got = delivered()
-        assert [(s.prompt_id, s.sample_id) for s in got] == [("e1", "e1")], \
-            f"finish() must deliver its sample once, under the episode's id: {[(s.prompt_id, s.sample_id) for s in got]}"
-        assert log.unfinished() == 1, f"one episode finished of two, unfinished() says {log.unfinished()}"
-        try:
-            log.record("e1", resumed.epoch, 1, b"after", 30)
-        except LeaseLostError:
-            pass
-        else:
-            raise AssertionError("a finished episode records nothing more (LeaseLostError)")
-
-        calls: list[str] = []
-
-        def count(key: str) -> int:  # a tool with a side effect: it remembers every call
-            calls.append(key)
-            return len(calls)
-
-        log.add("agent", b"p")
-        dying = Episode.next(log, "g4", lease_seconds=0.3)
-        assert dying is not None and dying.episode_id == "agent" and not dying.resumed
-        dying.turn(lambda: Turn([5, 6], [1, 1], [-0.5, -0.25]))
-        assert dying.tool("count", count, {"n": 1}) == 1
-        time.sleep(0.5)  # the generator "dies" here: it never records again
-        again = Episode.next(log, "g5", lease_seconds=30)
-        assert again is not None and again.episode_id == "agent" and again.resumed
-        assert again.turn(lambda: Turn([9], [2], [0.0])).tokens == [5, 6], "a recorded turn is replayed, not generated"
-        assert again.tool("count", count, {"n": 1}) == 1 and calls == ["agent/1"], \
-            f"a recorded tool result is replayed, the tool not called again: calls {calls}"
-        assert again.finish(sample("agent")) and [s.sample_id for s in delivered()] == ["agent"]
-
-        # episodes a framework hands its generators by id (verl's agent loop): one claim at a time, no sample
-        assert log.claim("g6", 30, "never-added") is None, "a claim of an unknown id must say None"
-        log.add("by-id", b"q")
-        mine = log.claim("g6", 0.3, "by-id")
-        assert mine is not None and (mine.episode_id, mine.prompt, mine.steps, mine.done) == ("by-id", b"q", [], False), \
-            f"a claim by id hands out that episode: {mine}"
-        assert log.claim("g7", 30, "by-id") is None, "a claim by id of a leased episode must say None"
-        log.record("by-id", mine.epoch, 0, b"s0", 0.3)
-        time.sleep(0.5)
-        taken = log.claim("g7", 30, "by-id")
-        assert taken is not None and taken.steps == [b"s0"] and taken.epoch != mine.epoch and not taken.done, \
-            f"a claim by id after the lease ran out resumes it, with its steps, under a new epoch: {taken}"
-        assert log.finish("by-id", taken.epoch, None) and delivered() == [], "finish(None) ends it and delivers nothing"
-        ended = log.claim("g8", 30, "by-id")
-        assert ended is not None and ended.done and ended.steps == [b"s0"], \
-            f"a claim by id of one finished without a sample says done, with its steps (for a replay): {ended}"
-        try:
-            log.record("by-id", ended.epoch, 1, b"more", 30)
-        except LeaseLostError:
-            pass
-        else:
-            raise AssertionError("a finished episode records nothing more (LeaseLostError)")
-        assert log.claim("g8", 30) is None and log.unfinished() == 1, "only e2 (leased) is left unfinished"
+        _check_claims_and_records(log, delivered)
+        _check_a_replayed_episode(log, delivered)
+        _check_claims_by_id(log, delivered)
     finally:
         log.close()
+
+
+def _episode_sample(prompt: str) -> Sample:
+    return Sample(prompt, np.array([1, 2, 3, 4]), 2, np.zeros(2, np.float32), np.zeros(2, np.int64))
+
+
+def _check_claims_and_records(log: EpisodeLog, delivered: Callable[[], list[Sample]]) -> None:
+    """Adding once, claims in order and after a lease ran out (a new epoch), records (retries no-ops, gaps refused),
+    fencing, and finishing once."""
+    import time
+
+    sample = _episode_sample
+    assert log.add("e1", b"p1") and log.add("e2", b"p2"), "add() of a new id must say True"
+    assert not log.add("e1", b"other"), "add() of a known id must say False and change nothing"
+    assert log.unfinished() == 2, f"two episodes added, unfinished() says {log.unfinished()}"
+    first = log.claim("g1", 0.3)
+    assert first is not None and (first.episode_id, first.prompt, first.steps) == ("e1", b"p1", []), \
+        f"the first claim must hand out the first episode added, with no steps: {first}"
+    log.record("e1", first.epoch, 0, b"step-0", 0.3)
+    log.record("e1", first.epoch, 0, b"step-0", 0.3)  # a retry after a lost reply: a no-op
+    for bad_step, entry in ((0, b"another"), (5, b"gap")):
+        try:
+            log.record("e1", first.epoch, bad_step, entry, 0.3)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"record() of step {bad_step} ({entry!r}) after one step must raise ValueError")
+    second = log.claim("g2", 30)
+    assert second is not None and second.episode_id == "e2", f"a leased episode is not claimed again: {second}"
+    assert log.claim("g3", 30) is None, "with every episode leased, claim() must say None"
+    time.sleep(0.5)  # e1's lease runs out: its generator is presumed dead
+    resumed = log.claim("g3", 30)
+    assert resumed is not None and resumed.episode_id == "e1" and resumed.steps == [b"step-0"], \
+        f"an episode whose lease ran out is claimed again with its steps: {resumed}"
+    assert resumed.epoch != first.epoch, "a new claim must come with a new epoch"
+    for stale in (lambda: log.record("e1", first.epoch, 1, b"late", 30), lambda: log.finish("e1", first.epoch, sample("e1"))):
+        try:
+            stale()
+        except LeaseLostError:
+            pass
+        else:
+            raise AssertionError("a record or finish under an epoch older than the last claim must raise LeaseLostError")
+    assert log.finish("e1", resumed.epoch, sample("e1")), "finish() under the current epoch must say True"
+    assert not log.finish("e1", resumed.epoch, sample("e1")), "a second finish() must say False"
+    got = delivered()
+    assert [(s.prompt_id, s.sample_id) for s in got] == [("e1", "e1")], \
+        f"finish() must deliver its sample once, under the episode's id: {[(s.prompt_id, s.sample_id) for s in got]}"
+    assert log.unfinished() == 1, f"one episode finished of two, unfinished() says {log.unfinished()}"
+    try:
+        log.record("e1", resumed.epoch, 1, b"after", 30)
+    except LeaseLostError:
+        pass
+    else:
+        raise AssertionError("a finished episode records nothing more (LeaseLostError)")
+
+
+def _check_a_replayed_episode(log: EpisodeLog, delivered: Callable[[], list[Sample]]) -> None:
+    """An ``Episode`` that replays a dead generator's turn and tool result without calling the tool again."""
+    import time
+
+    calls: list[str] = []
+
+    def count(key: str) -> int:  # a tool with a side effect: it remembers every call
+        calls.append(key)
+        return len(calls)
+
+    log.add("agent", b"p")
+    dying = Episode.next(log, "g4", lease_seconds=0.3)
+    assert dying is not None and dying.episode_id == "agent" and not dying.resumed
+    dying.turn(lambda: Turn([5, 6], [1, 1], [-0.5, -0.25]))
+    assert dying.tool("count", count, {"n": 1}) == 1
+    time.sleep(0.5)  # the generator "dies" here: it never records again
+    again = Episode.next(log, "g5", lease_seconds=30)
+    assert again is not None and again.episode_id == "agent" and again.resumed
+    assert again.turn(lambda: Turn([9], [2], [0.0])).tokens == [5, 6], "a recorded turn is replayed, not generated"
+    assert again.tool("count", count, {"n": 1}) == 1 and calls == ["agent/1"], \
+        f"a recorded tool result is replayed, the tool not called again: calls {calls}"
+    assert again.finish(_episode_sample("agent")) and [s.sample_id for s in delivered()] == ["agent"]
+
+
+def _check_claims_by_id(log: EpisodeLog, delivered: Callable[[], list[Sample]]) -> None:
+    """Episodes a framework hands its generators by id (verl's agent loop): one claim at a time, no sample."""
+    import time
+
+    # episodes a framework hands its generators by id (verl's agent loop): one claim at a time, no sample
+    assert log.claim("g6", 30, "never-added") is None, "a claim of an unknown id must say None"
+    log.add("by-id", b"q")
+    mine = log.claim("g6", 0.3, "by-id")
+    assert mine is not None and (mine.episode_id, mine.prompt, mine.steps, mine.done) == ("by-id", b"q", [], False), \
+        f"a claim by id hands out that episode: {mine}"
+    assert log.claim("g7", 30, "by-id") is None, "a claim by id of a leased episode must say None"
+    log.record("by-id", mine.epoch, 0, b"s0", 0.3)
+    time.sleep(0.5)
+    taken = log.claim("g7", 30, "by-id")
+    assert taken is not None and taken.steps == [b"s0"] and taken.epoch != mine.epoch and not taken.done, \
+        f"a claim by id after the lease ran out resumes it, with its steps, under a new epoch: {taken}"
+    assert log.finish("by-id", taken.epoch, None) and delivered() == [], "finish(None) ends it and delivers nothing"
+    ended = log.claim("g8", 30, "by-id")
+    assert ended is not None and ended.done and ended.steps == [b"s0"], \
+        f"a claim by id of one finished without a sample says done, with its steps (for a replay): {ended}"
+    try:
+        log.record("by-id", ended.epoch, 1, b"more", 30)
+    except LeaseLostError:
+        pass
+    else:
+        raise AssertionError("a finished episode records nothing more (LeaseLostError)")
+    assert log.claim("g8", 30) is None and log.unfinished() == 1, "only e2 (leased) is left unfinished"
+

@@ -115,36 +115,50 @@ def worker(role: str, config: dict[str, Any], arg: str, versions: int) -> None:
         _emit({"seconds": times})
         return
     if role in ("gloo-send", "gloo-recv"):
-        import torch.distributed as dist
-
-        rank = 0 if role == "gloo-send" else 1
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{arg}", rank=rank, world_size=2)
-        tensors = list(state.values())
-        buckets: list[list[Any]] = [[]]
-        for t in tensors:  # the usual recipe: flatten into buckets of at most 256 MiB, broadcast, unflatten
-            if buckets[-1] and sum(x.nbytes for x in buckets[-1]) + t.nbytes > BUCKET:
-                buckets.append([])
-            buckets[-1].append(t)
-        done = torch.zeros(1)
-        times = []
-        for _ in range(versions):
-            started = time.perf_counter()
-            for bucket in buckets:
-                flat = torch.cat([t.reshape(-1) for t in bucket]) if rank == 0 else torch.empty(sum(t.numel() for t in bucket), dtype=torch.bfloat16)
-                dist.broadcast(flat, src=0)
-                if rank == 1:
-                    at = 0
-                    for t in bucket:
-                        t.reshape(-1).copy_(flat[at : at + t.numel()])
-                        at += t.numel()
-            dist.broadcast(done, src=1)  # the receiver has every tensor in place
-            times.append(time.perf_counter() - started)
-            if rank == 0:
-                _emit({"tick": len(times)})
-        if rank == 0:
-            _emit({"seconds": times})
-        dist.destroy_process_group()
+        _gloo(role, state, arg, versions)
         return
+    if role in ("st-save", "st-load"):
+        _safetensors(role, state, arg)
+        return
+    raise SystemExit(f"unknown role {role}")
+
+
+def _gloo(role: str, state: dict[str, Any], arg: str, versions: int) -> None:
+    """The baseline: torch.distributed's broadcast over gloo, in buckets (``arg``: the rendezvous port)."""
+    import torch
+    import torch.distributed as dist
+
+    rank = 0 if role == "gloo-send" else 1
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{arg}", rank=rank, world_size=2)
+    tensors = list(state.values())
+    buckets: list[list[Any]] = [[]]
+    for t in tensors:  # the usual recipe: flatten into buckets of at most 256 MiB, broadcast, unflatten
+        if buckets[-1] and sum(x.nbytes for x in buckets[-1]) + t.nbytes > BUCKET:
+            buckets.append([])
+        buckets[-1].append(t)
+    done = torch.zeros(1)
+    times = []
+    for _ in range(versions):
+        started = time.perf_counter()
+        for bucket in buckets:
+            flat = torch.cat([t.reshape(-1) for t in bucket]) if rank == 0 else torch.empty(sum(t.numel() for t in bucket), dtype=torch.bfloat16)
+            dist.broadcast(flat, src=0)
+            if rank == 1:
+                at = 0
+                for t in bucket:
+                    t.reshape(-1).copy_(flat[at : at + t.numel()])
+                    at += t.numel()
+        dist.broadcast(done, src=1)  # the receiver has every tensor in place
+        times.append(time.perf_counter() - started)
+        if rank == 0:
+            _emit({"tick": len(times)})
+    if rank == 0:
+        _emit({"seconds": times})
+    dist.destroy_process_group()
+
+
+def _safetensors(role: str, state: dict[str, Any], arg: str) -> None:
+    """The baseline: a safetensors file saved by the trainer and loaded by the engine (``arg``: its path)."""
     if role == "st-save":
         from safetensors.torch import save_file
 
@@ -153,19 +167,15 @@ def worker(role: str, config: dict[str, Any], arg: str, versions: int) -> None:
             save_file(state, arg)
             _emit({"saved": time.perf_counter() - started})
         return
-    if role == "st-load":
-        from safetensors.torch import load_file
+    from safetensors.torch import load_file
 
-        _emit({"ready": True})
-        for _request in sys.stdin:
-            started = time.perf_counter()
-            loaded = load_file(arg)
-            for name, t in state.items():  # into the model's own parameters, as load_state_dict does
-                t.copy_(loaded[name])
-            _emit({"loaded": time.perf_counter() - started})
-        return
-    raise SystemExit(f"unknown role {role}")
-
+    _emit({"ready": True})
+    for _request in sys.stdin:
+        started = time.perf_counter()
+        loaded = load_file(arg)
+        for name, t in state.items():  # into the model's own parameters, as load_state_dict does
+            t.copy_(loaded[name])
+        _emit({"loaded": time.perf_counter() - started})
 
 # ---------------------------------------------------------------------------------------------
 # the orchestrating process

@@ -197,34 +197,37 @@ def measure(nbytes: int, steps: int, lr: float, transport: str = "tcp", progress
             if child.stdin is not None:
                 child.stdin.close()
             child.wait(timeout=60)
-    later = [r for r in rows if r["version"] > 1] or rows  # version 1 fills the reader in full; deltas from version 2
+    summary = {"wire": "delta", "transport": transport, "device": device, "link_gbps": None if link is None else link.gbps,
+               "model_bytes": total, "parameters": total // 2, "lr": lr, "memcpy_gbps": mem,
+               "memcpy_seconds": total / mem / 1e9, "steps": rows}
+    return {**summary, "summary": _summary(rows, link is not None, fanout if "fanout" in readers else None)}
+
+
+def _summary(rows: list[dict[str, Any]], over_link: bool, fanout: int | None) -> dict[str, Any]:
+    """Medians over the versions after the first (version 1 fills the reader in full; deltas from version 2)."""
+    later = [r for r in rows if r["version"] > 1] or rows
     full_s = statistics.median(r["full"]["seconds"] for r in later)
     delta_s = statistics.median(r["delta"]["seconds"] for r in later)
     return {
-        "wire": "delta", "transport": transport, "device": device, "link_gbps": None if link is None else link.gbps, "model_bytes": total, "parameters": total // 2, "lr": lr,
-        "memcpy_gbps": mem, "memcpy_seconds": total / mem / 1e9, "steps": rows,
-        "summary": {
-            "versions": [r["version"] for r in later],
-            "changed_fraction_median": statistics.median(r["changed_fraction"] for r in later),
-            "full_bytes": statistics.median(r["full"]["bytes"] for r in later),
-            "delta_bytes_median": statistics.median(r["delta"]["bytes"] for r in later),
-            "bytes_ratio": statistics.median(r["delta"]["bytes"] / r["full"]["bytes"] for r in later),
-            "full_seconds_median": full_s, "delta_seconds_median": delta_s, "speedup": full_s / delta_s,
-            "encode_seconds_median": statistics.median(r["delta"]["encode_seconds"] for r in later),
-            "apply_seconds_median": statistics.median(r["delta"]["apply_seconds"] for r in later),
-            **({} if link is None else {
-                "full_link_bytes_median": statistics.median(r["full"]["link_bytes"] for r in later),
-                "delta_link_bytes_median": statistics.median(r["delta"]["link_bytes"] for r in later),
-                "fanout_ranks": fanout}),
-            **({} if "fanout" not in readers else {
-                "fanout_link_bytes": [r["fanout"]["link_bytes"] for r in rows],
-                "fanout_seconds_median": statistics.median(r["fanout"]["seconds"] for r in later),
-                "fanout_bit_exact": all(r["fanout"]["bit_exact"] for r in rows)}),
-            "delta_bit_exact": all(r["delta"]["bit_exact"] for r in rows),
-            "full_bit_exact": all(r["full"]["bit_exact"] for r in rows),
-        },
+        "versions": [r["version"] for r in later],
+        "changed_fraction_median": statistics.median(r["changed_fraction"] for r in later),
+        "full_bytes": statistics.median(r["full"]["bytes"] for r in later),
+        "delta_bytes_median": statistics.median(r["delta"]["bytes"] for r in later),
+        "bytes_ratio": statistics.median(r["delta"]["bytes"] / r["full"]["bytes"] for r in later),
+        "full_seconds_median": full_s, "delta_seconds_median": delta_s, "speedup": full_s / delta_s,
+        "encode_seconds_median": statistics.median(r["delta"]["encode_seconds"] for r in later),
+        "apply_seconds_median": statistics.median(r["delta"]["apply_seconds"] for r in later),
+        **({} if not over_link else {
+            "full_link_bytes_median": statistics.median(r["full"]["link_bytes"] for r in later),
+            "delta_link_bytes_median": statistics.median(r["delta"]["link_bytes"] for r in later),
+            "fanout_ranks": fanout or 0}),
+        **({} if fanout is None else {
+            "fanout_link_bytes": [r["fanout"]["link_bytes"] for r in rows],
+            "fanout_seconds_median": statistics.median(r["fanout"]["seconds"] for r in later),
+            "fanout_bit_exact": all(r["fanout"]["bit_exact"] for r in rows)}),
+        "delta_bit_exact": all(r["delta"]["bit_exact"] for r in rows),
+        "full_bit_exact": all(r["full"]["bit_exact"] for r in rows),
     }
-
 
 def run(*, size: str, steps: int, lr: float, transport: str = "tcp", json_output: bool, link_gbps: float | None = None,
         device: str = "cpu", fanout: int = FANOUT) -> None:

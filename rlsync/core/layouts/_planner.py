@@ -286,87 +286,18 @@ def build_plan(src: Layout, dst: Layout, *, dst_ranks: Iterable[int] | None = No
             gc.enable()
 
 
+_Class = tuple[int, Box, list[Shard], list[Shard]]  # (piece bytes, piece, the source shards holding it, dst shards)
+
+
 def _build_plan(src: Layout, dst: Layout, dst_ranks: Iterable[int] | None) -> Plan:
     started = time.perf_counter()
     wanted = None if dst_ranks is None else frozenset(dst_ranks)
     validate_layout(src, "source")
     validate_layout(dst, "destination", wanted)
     metas = _check_tensors(src, dst)
-
-    # Source boxes per tensor, each with the shards (ranks) that hold it, sorted by rank.
-    groups: dict[str, dict[Box, list[Shard]]] = {}
-    for s in src.shards:
-        groups.setdefault(s.tensor, {}).setdefault(s.box, []).append(s)
-    src_metas = src.tensor_map()
-    for name, boxes in groups.items():
-        if sum(b.numel for b in boxes) > src_metas[name].numel:
-            raise LayoutError(f"source shards of tensor {name!r} overlap partially; replicas must hold identical boxes")
-        for shards in boxes.values():
-            shards.sort(key=lambda s: s.rank)
-
-    # Destination replicas hold identical boxes: intersect each distinct box once. A class is one
-    # intersection piece, the source box holding it, and every destination shard that needs it.
-    replicas: dict[tuple[str, Box], list[Shard]] = {}
-    for d in dst.shards:
-        replicas.setdefault((d.tensor, d.box), []).append(d)
-    by_tensor: dict[str, list[Box]] = {}
-    for name, box in replicas:
-        by_tensor.setdefault(name, []).append(box)
-    classes: list[tuple[int, Box, list[Shard], list[Shard]]] = []  # (piece bytes, piece, holders, dst shards)
-    for name, dboxes in by_tensor.items():
-        size = dtype_size(metas[name].dtype)
-        sgroups = groups.get(name, {})
-        sboxes = list(sgroups)
-        covered = [0] * len(dboxes)
-        for i, j, inter in _overlaps(sboxes, dboxes):
-            dshards = replicas[(name, dboxes[j])]
-            classes.append((inter.numel * size, inter, sgroups[sboxes[i]], dshards))
-            covered[j] += inter.numel
-        for j, box in enumerate(dboxes):
-            if covered[j] != box.numel:
-                d = replicas[(name, box)][0]
-                raise PlanError(
-                    f"tensor {name!r}: destination rank {d.rank} needs box offsets {box.offsets} sizes {box.sizes}, "
-                    f"but the source shards cover {covered[j]} of its {box.numel} elements"
-                    + (" (source shards overlap)" if covered[j] > box.numel else "; no source rank holds the rest")
-                )
-
-    # Assignment: pieces one rank holds load it first; shared pieces go, largest first, to their
-    # least loaded holders, the destinations of one piece spread over its holders.
-    load: dict[int, int] = {s.rank: 0 for s in src.shards}
-    shared = []
-    for cls in classes:
-        nbytes, _, holders, dshards = cls
-        if len(holders) == 1:
-            load[holders[0].rank] += nbytes * len(dshards)
-        else:
-            shared.append(cls)
-    unique = dict(load)
-    shared.sort(key=lambda c: -c[0] * len(c[3]))
-    picks: dict[int, list[Shard]] = {}
-    shared_info: list[tuple[int, tuple[int, ...]]] = []
-    for cls in shared:
-        nbytes, _, holders, dshards = cls
-        order = sorted(holders, key=lambda s: load[s.rank])
-        chosen = [order[j % len(order)] for j in range(len(dshards))]
-        for s in chosen:
-            load[s.rank] += nbytes
-        picks[id(cls)] = chosen
-        shared_info.append((nbytes * len(dshards), tuple(s.rank for s in holders)))
-
-    transfers: list[Transfer] = []
-    recv: dict[int, int] = {}
-    for cls in classes:
-        nbytes, inter, holders, dshards = cls
-        picked = picks.get(id(cls))
-        size = nbytes // inter.numel if inter.numel else 0
-        for j, d in enumerate(dshards):
-            if wanted is not None and d.rank not in wanted:
-                continue
-            source = holders[0] if picked is None else picked[j]
-            transfers.append(_transfer(d.tensor, size, inter, source, d))
-            recv[d.rank] = recv.get(d.rank, 0) + nbytes
-    transfers = _coalesce(transfers)
+    classes = _classes(dst, _source_groups(src), metas)
+    picks, unique, shared_info, load = _assign(src, classes)
+    transfers, recv = _transfers(classes, picks, wanted)
     sent: dict[int, int] = {}
     for t in transfers:
         sent[t.src_rank] = sent.get(t.src_rank, 0) + t.nbytes
@@ -387,3 +318,93 @@ def _build_plan(src: Layout, dst: Layout, dst_ranks: Iterable[int] | None) -> Pl
         tensor_fingerprints(src), tensor_fingerprints(dst),
         None if wanted is None else tuple(sorted(wanted)),
     )
+
+
+def _source_groups(src: Layout) -> dict[str, dict[Box, list[Shard]]]:
+    """Source boxes per tensor, each with the shards (ranks) that hold it, sorted by rank."""
+    groups: dict[str, dict[Box, list[Shard]]] = {}
+    for s in src.shards:
+        groups.setdefault(s.tensor, {}).setdefault(s.box, []).append(s)
+    src_metas = src.tensor_map()
+    for name, boxes in groups.items():
+        if sum(b.numel for b in boxes) > src_metas[name].numel:
+            raise LayoutError(f"source shards of tensor {name!r} overlap partially; replicas must hold identical boxes")
+        for shards in boxes.values():
+            shards.sort(key=lambda s: s.rank)
+    return groups
+
+
+def _classes(dst: Layout, groups: dict[str, dict[Box, list[Shard]]], metas: dict[str, TensorMeta]) -> list[_Class]:
+    """Destination replicas hold identical boxes: each distinct box is intersected once. A class is one intersection
+    piece, the source box holding it, and every destination shard that needs it."""
+    replicas: dict[tuple[str, Box], list[Shard]] = {}
+    for d in dst.shards:
+        replicas.setdefault((d.tensor, d.box), []).append(d)
+    by_tensor: dict[str, list[Box]] = {}
+    for name, box in replicas:
+        by_tensor.setdefault(name, []).append(box)
+    classes: list[_Class] = []
+    for name, dboxes in by_tensor.items():
+        size = dtype_size(metas[name].dtype)
+        sgroups = groups.get(name, {})
+        sboxes = list(sgroups)
+        covered = [0] * len(dboxes)
+        for i, j, inter in _overlaps(sboxes, dboxes):
+            dshards = replicas[(name, dboxes[j])]
+            classes.append((inter.numel * size, inter, sgroups[sboxes[i]], dshards))
+            covered[j] += inter.numel
+        for j, box in enumerate(dboxes):
+            if covered[j] != box.numel:
+                d = replicas[(name, box)][0]
+                raise PlanError(
+                    f"tensor {name!r}: destination rank {d.rank} needs box offsets {box.offsets} sizes {box.sizes}, "
+                    f"but the source shards cover {covered[j]} of its {box.numel} elements"
+                    + (" (source shards overlap)" if covered[j] > box.numel else "; no source rank holds the rest")
+                )
+    return classes
+
+
+def _assign(src: Layout, classes: list[_Class]) -> tuple[dict[int, list[Shard]], dict[int, int],
+                                                           list[tuple[int, tuple[int, ...]]], dict[int, int]]:
+    """Pieces one rank holds load it first; shared pieces go, largest first, to their least loaded holders, the
+    destinations of one piece spread over its holders. Returns the picks (by class id), the load of unique pieces,
+    the shared pieces' (bytes, holders) and the final load per rank."""
+    load: dict[int, int] = {s.rank: 0 for s in src.shards}
+    shared = []
+    for cls in classes:
+        nbytes, _, holders, dshards = cls
+        if len(holders) == 1:
+            load[holders[0].rank] += nbytes * len(dshards)
+        else:
+            shared.append(cls)
+    unique = dict(load)
+    shared.sort(key=lambda c: -c[0] * len(c[3]))
+    picks: dict[int, list[Shard]] = {}
+    shared_info: list[tuple[int, tuple[int, ...]]] = []
+    for cls in shared:
+        nbytes, _, holders, dshards = cls
+        order = sorted(holders, key=lambda s: load[s.rank])
+        chosen = [order[j % len(order)] for j in range(len(dshards))]
+        for s in chosen:
+            load[s.rank] += nbytes
+        picks[id(cls)] = chosen
+        shared_info.append((nbytes * len(dshards), tuple(s.rank for s in holders)))
+    return picks, unique, shared_info, load
+
+
+def _transfers(classes: list[_Class], picks: dict[int, list[Shard]],
+               wanted: frozenset[int] | None) -> tuple[list[Transfer], dict[int, int]]:
+    """Every destination shard's pieces from their picked holders (coalesced), and the bytes each rank receives."""
+    transfers: list[Transfer] = []
+    recv: dict[int, int] = {}
+    for cls in classes:
+        nbytes, inter, holders, dshards = cls
+        picked = picks.get(id(cls))
+        size = nbytes // inter.numel if inter.numel else 0
+        for j, d in enumerate(dshards):
+            if wanted is not None and d.rank not in wanted:
+                continue
+            source = holders[0] if picked is None else picked[j]
+            transfers.append(_transfer(d.tensor, size, inter, source, d))
+            recv[d.rank] = recv.get(d.rank, 0) + nbytes
+    return _coalesce(transfers), recv

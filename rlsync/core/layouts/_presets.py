@@ -9,8 +9,9 @@ inference engines hold them; an HF checkpoint's per-expert tensors are slices of
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final, final
 
@@ -73,6 +74,29 @@ def _dtype(config: Mapping[str, Any]) -> str:
     return str(config.get("torch_dtype") or config.get("dtype") or "bfloat16").removeprefix("torch.")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Dims:
+    """The sizes a decoder's tensor list is built from, read from its HF config."""
+
+    arch: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    mla: bool
+    experts: int
+    moe_inter: int
+    shared: int
+    first_dense: int
+    sparse_step: int
+    qkv_bias: bool
+    qk_norm: bool
+
+
+_Add = Callable[..., None]
+
+
 def model_spec(config: Mapping[str, Any], name: str | None = None) -> ModelSpec:
     """Build the tensor list of a decoder-only model from its HF config dict.
 
@@ -81,23 +105,18 @@ def model_spec(config: Mapping[str, Any], name: str | None = None) -> ModelSpec:
     """
     arch = str(config.get("model_type", ""))
     dt = _dtype(config)
-    hidden = int(config["hidden_size"])
-    layers = int(config["num_hidden_layers"])
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    vocab = int(config["vocab_size"])
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     inter = int(config["intermediate_size"])
-    tied = bool(config.get("tie_word_embeddings", False))
-    mla = "kv_lora_rank" in config and config.get("kv_lora_rank") is not None
-    experts = int(config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts") or 0)
-    moe_inter = int(config.get("moe_intermediate_size") or inter)
-    shared = int(config.get("n_shared_experts") or 0)
-    first_dense = int(config.get("first_k_dense_replace") or 0)
-    sparse_step = int(config.get("decoder_sparse_step") or 1)
-    qkv_bias = arch in ("qwen2", "qwen2_moe") or bool(config.get("attention_bias", False))
-    qk_norm = arch in ("qwen3", "qwen3_moe")
-
+    d = _Dims(
+        arch=arch, hidden=hidden, heads=heads, kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or hidden // heads), inter=inter,
+        mla="kv_lora_rank" in config and config.get("kv_lora_rank") is not None,
+        experts=int(config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts") or 0),
+        moe_inter=int(config.get("moe_intermediate_size") or inter), shared=int(config.get("n_shared_experts") or 0),
+        first_dense=int(config.get("first_k_dense_replace") or 0), sparse_step=int(config.get("decoder_sparse_step") or 1),
+        qkv_bias=arch in ("qwen2", "qwen2_moe") or bool(config.get("attention_bias", False)),
+        qk_norm=arch in ("qwen3", "qwen3_moe"))
+    layers, vocab = int(config["num_hidden_layers"]), int(config["vocab_size"])
     params: list[Param] = []
 
     def add(pname: str, shape: tuple[int, ...], role: str, layer: int | None = None, fused: str | None = None) -> None:
@@ -107,63 +126,75 @@ def model_spec(config: Mapping[str, Any], name: str | None = None) -> ModelSpec:
     for i in range(layers):
         p = f"model.layers.{i}"
         add(f"{p}.input_layernorm.weight", (hidden,), "replicated", i)
-        if mla:
-            q_lora = config.get("q_lora_rank")
-            kv_lora = int(config["kv_lora_rank"])
-            nope, rope = int(config["qk_nope_head_dim"]), int(config["qk_rope_head_dim"])
-            v_dim = int(config["v_head_dim"])
-            fused_a = f"{p}.self_attn.fused_qkv_a_proj.weight"
-            if q_lora:
-                add(f"{p}.self_attn.q_a_proj.weight", (int(q_lora), hidden), "mla_q_a", i, fused_a)
-                add(f"{p}.self_attn.q_a_layernorm.weight", (int(q_lora),), "replicated", i)
-                add(f"{p}.self_attn.q_b_proj.weight", (heads * (nope + rope), int(q_lora)), "column", i)
-            else:
-                add(f"{p}.self_attn.q_proj.weight", (heads * (nope + rope), hidden), "column", i)
-            add(f"{p}.self_attn.kv_a_proj_with_mqa.weight", (kv_lora + rope, hidden), "mla_kv_a", i, fused_a)
-            add(f"{p}.self_attn.kv_a_layernorm.weight", (kv_lora,), "replicated", i)
-            add(f"{p}.self_attn.kv_b_proj.weight", (heads * (nope + v_dim), kv_lora), "column", i)
-            add(f"{p}.self_attn.o_proj.weight", (hidden, heads * v_dim), "row", i)
+        if d.mla:
+            _mla_attention(add, config, d, p, i)
         else:
-            qkv = f"{p}.self_attn.qkv_proj.weight"
-            add(f"{p}.self_attn.q_proj.weight", (heads * head_dim, hidden), "q", i, qkv)
-            add(f"{p}.self_attn.k_proj.weight", (kv_heads * head_dim, hidden), "k", i, qkv)
-            add(f"{p}.self_attn.v_proj.weight", (kv_heads * head_dim, hidden), "v", i, qkv)
-            if qkv_bias:
-                qkvb = f"{p}.self_attn.qkv_proj.bias"
-                add(f"{p}.self_attn.q_proj.bias", (heads * head_dim,), "q", i, qkvb)
-                add(f"{p}.self_attn.k_proj.bias", (kv_heads * head_dim,), "k", i, qkvb)
-                add(f"{p}.self_attn.v_proj.bias", (kv_heads * head_dim,), "v", i, qkvb)
-            if qk_norm:
-                add(f"{p}.self_attn.q_norm.weight", (head_dim,), "replicated", i)
-                add(f"{p}.self_attn.k_norm.weight", (head_dim,), "replicated", i)
-            add(f"{p}.self_attn.o_proj.weight", (hidden, heads * head_dim), "row", i)
+            _attention(add, d, p, i)
         add(f"{p}.post_attention_layernorm.weight", (hidden,), "replicated", i)
-        is_moe = experts > 0 and i >= first_dense and (i + 1) % sparse_step == 0
-        if is_moe:
-            m = f"{p}.mlp"
-            add(f"{m}.gate.weight", (experts, hidden), "replicated", i)
-            if arch in ("deepseek_v3", "kimi_k2"):
-                add(f"{m}.gate.e_score_correction_bias", (experts,), "replicated", i)
-            add(f"{m}.experts.gate_proj.weight", (experts, moe_inter, hidden), "expert_gate", i, f"{m}.experts.w13_weight")
-            add(f"{m}.experts.up_proj.weight", (experts, moe_inter, hidden), "expert_up", i, f"{m}.experts.w13_weight")
-            add(f"{m}.experts.down_proj.weight", (experts, hidden, moe_inter), "expert_down", i, f"{m}.experts.w2_weight")
-            if shared:
-                s_inter = moe_inter * shared
-                s = f"{m}.shared_experts"
-                add(f"{s}.gate_proj.weight", (s_inter, hidden), "gate", i, f"{s}.gate_up_proj.weight")
-                add(f"{s}.up_proj.weight", (s_inter, hidden), "up", i, f"{s}.gate_up_proj.weight")
-                add(f"{s}.down_proj.weight", (hidden, s_inter), "down", i)
+        if d.experts > 0 and i >= d.first_dense and (i + 1) % d.sparse_step == 0:
+            _moe_mlp(add, d, f"{p}.mlp", i)
         else:
-            m = f"{p}.mlp"
-            add(f"{m}.gate_proj.weight", (inter, hidden), "gate", i, f"{m}.gate_up_proj.weight")
-            add(f"{m}.up_proj.weight", (inter, hidden), "up", i, f"{m}.gate_up_proj.weight")
-            add(f"{m}.down_proj.weight", (hidden, inter), "down", i)
+            _dense_mlp(add, d, f"{p}.mlp", i)
     add("model.norm.weight", (hidden,), "replicated")
-    if not tied:
+    if not bool(config.get("tie_word_embeddings", False)):
         add("lm_head.weight", (vocab, hidden), "vocab")
-    return ModelSpec(
-        name or arch or "model", tuple(params), layers, heads, kv_heads if not mla else heads, head_dim, experts
-    )
+    return ModelSpec(name or arch or "model", tuple(params), layers, heads, d.kv_heads if not d.mla else heads,
+                     d.head_dim, d.experts)
+
+
+def _mla_attention(add: _Add, config: Mapping[str, Any], d: _Dims, p: str, i: int) -> None:
+    q_lora = config.get("q_lora_rank")
+    kv_lora = int(config["kv_lora_rank"])
+    nope, rope = int(config["qk_nope_head_dim"]), int(config["qk_rope_head_dim"])
+    v_dim = int(config["v_head_dim"])
+    fused_a = f"{p}.self_attn.fused_qkv_a_proj.weight"
+    if q_lora:
+        add(f"{p}.self_attn.q_a_proj.weight", (int(q_lora), d.hidden), "mla_q_a", i, fused_a)
+        add(f"{p}.self_attn.q_a_layernorm.weight", (int(q_lora),), "replicated", i)
+        add(f"{p}.self_attn.q_b_proj.weight", (d.heads * (nope + rope), int(q_lora)), "column", i)
+    else:
+        add(f"{p}.self_attn.q_proj.weight", (d.heads * (nope + rope), d.hidden), "column", i)
+    add(f"{p}.self_attn.kv_a_proj_with_mqa.weight", (kv_lora + rope, d.hidden), "mla_kv_a", i, fused_a)
+    add(f"{p}.self_attn.kv_a_layernorm.weight", (kv_lora,), "replicated", i)
+    add(f"{p}.self_attn.kv_b_proj.weight", (d.heads * (nope + v_dim), kv_lora), "column", i)
+    add(f"{p}.self_attn.o_proj.weight", (d.hidden, d.heads * v_dim), "row", i)
+
+
+def _attention(add: _Add, d: _Dims, p: str, i: int) -> None:
+    qkv = f"{p}.self_attn.qkv_proj.weight"
+    add(f"{p}.self_attn.q_proj.weight", (d.heads * d.head_dim, d.hidden), "q", i, qkv)
+    add(f"{p}.self_attn.k_proj.weight", (d.kv_heads * d.head_dim, d.hidden), "k", i, qkv)
+    add(f"{p}.self_attn.v_proj.weight", (d.kv_heads * d.head_dim, d.hidden), "v", i, qkv)
+    if d.qkv_bias:
+        qkvb = f"{p}.self_attn.qkv_proj.bias"
+        add(f"{p}.self_attn.q_proj.bias", (d.heads * d.head_dim,), "q", i, qkvb)
+        add(f"{p}.self_attn.k_proj.bias", (d.kv_heads * d.head_dim,), "k", i, qkvb)
+        add(f"{p}.self_attn.v_proj.bias", (d.kv_heads * d.head_dim,), "v", i, qkvb)
+    if d.qk_norm:
+        add(f"{p}.self_attn.q_norm.weight", (d.head_dim,), "replicated", i)
+        add(f"{p}.self_attn.k_norm.weight", (d.head_dim,), "replicated", i)
+    add(f"{p}.self_attn.o_proj.weight", (d.hidden, d.heads * d.head_dim), "row", i)
+
+
+def _moe_mlp(add: _Add, d: _Dims, m: str, i: int) -> None:
+    add(f"{m}.gate.weight", (d.experts, d.hidden), "replicated", i)
+    if d.arch in ("deepseek_v3", "kimi_k2"):
+        add(f"{m}.gate.e_score_correction_bias", (d.experts,), "replicated", i)
+    add(f"{m}.experts.gate_proj.weight", (d.experts, d.moe_inter, d.hidden), "expert_gate", i, f"{m}.experts.w13_weight")
+    add(f"{m}.experts.up_proj.weight", (d.experts, d.moe_inter, d.hidden), "expert_up", i, f"{m}.experts.w13_weight")
+    add(f"{m}.experts.down_proj.weight", (d.experts, d.hidden, d.moe_inter), "expert_down", i, f"{m}.experts.w2_weight")
+    if d.shared:
+        s_inter = d.moe_inter * d.shared
+        s = f"{m}.shared_experts"
+        add(f"{s}.gate_proj.weight", (s_inter, d.hidden), "gate", i, f"{s}.gate_up_proj.weight")
+        add(f"{s}.up_proj.weight", (s_inter, d.hidden), "up", i, f"{s}.gate_up_proj.weight")
+        add(f"{s}.down_proj.weight", (d.hidden, s_inter), "down", i)
+
+
+def _dense_mlp(add: _Add, d: _Dims, m: str, i: int) -> None:
+    add(f"{m}.gate_proj.weight", (d.inter, d.hidden), "gate", i, f"{m}.gate_up_proj.weight")
+    add(f"{m}.up_proj.weight", (d.inter, d.hidden), "up", i, f"{m}.gate_up_proj.weight")
+    add(f"{m}.down_proj.weight", (d.hidden, d.inter), "down", i)
 
 
 #: config.json excerpts of real models (only the fields the tensor list depends on).

@@ -27,12 +27,14 @@ SHM_DIR = "/dev/shm"
 
 
 def remove_stale_regions() -> list[str]:
-    """Unlink the regions of readers that died without closing (SIGKILL, OOM): files named ``rlsync-*`` that this
-    user owns and that no process holds a lock on. Returns the paths removed."""
+    """Unlink the regions of readers that died without closing (SIGKILL, OOM): files named ``rlsync-<pid>-*`` that
+    this user owns and that no process holds a lock on (the pid only names the file: across PID namespaces it says
+    nothing). Returns the paths removed."""
     removed = []
     for entry in os.scandir(SHM_DIR):
         creating = entry.name.startswith(".rlsync-")  # a reader killed while it made its file, or one making it now
-        if not (entry.name.startswith("rlsync-") or creating):
+        parts = entry.name.removeprefix(".").split("-")  # rlsync-<pid>-<tag>-<slot>: a landing's, and nothing else
+        if len(parts) < 3 or parts[0] != "rlsync" or not parts[1].isdigit() or not entry.is_file(follow_symlinks=False):
             continue
         try:
             if entry.stat().st_uid != os.getuid() or (creating and time.time() - entry.stat().st_mtime < 60):
@@ -49,7 +51,7 @@ def remove_stale_regions() -> list[str]:
             try:
                 os.unlink(entry.path)
                 removed.append(entry.path)
-            except FileNotFoundError:  # another reader cleaned it up first
+            except OSError:  # another reader cleaned it up first
                 pass
         finally:
             os.close(fd)

@@ -392,12 +392,14 @@ def test_a_live_readers_shared_memory_is_kept_whatever_its_pid_says() -> None:
         live = sorted(glob.glob(f"/dev/shm/rlsync-{os.getpid()}-*"))[0]
         elsewhere = "/dev/shm/rlsync-4194303-feedbeef-0"  # the same landing, named as another PID namespace's reader
         os.link(live, elsewhere)
+        other = "/dev/shm/rlsync-bench-hostile-test"  # not a landing's name (rlsync bench's folder): never touched
+        os.makedirs(other, exist_ok=True)
         try:
             removed = remove_stale_regions()
-            assert elsewhere not in removed and os.path.exists(elsewhere)
+            assert elsewhere not in removed and os.path.exists(elsewhere) and os.path.isdir(other)
             honest_version(reader, 2, 3.0, options)
         finally:
-            pass
+            os.rmdir(other)
     assert elsewhere in remove_stale_regions()  # its reader closed: nobody holds the lock now
 
 

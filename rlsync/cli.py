@@ -65,6 +65,9 @@ def bench(
     fanout_ranks: Annotated[Optional[int], typer.Option(min=0, help="With --link-gbps: engine ranks of the far host "
                                                                    "behind one rlsync.NodeRelay (default 4; 0: no relay "
                                                                    "host; it takes two copies of the model per rank).")] = None,
+    tensors: Annotated[Optional[int], typer.Option(help="Host cost per tensor: the same bytes (--size, default 64MiB) "
+                                                       "as 1 and as this many tensors, over the first of --transports "
+                                                       "(default shm): a first version, then --repeats measured.")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
     path_timeout: Annotated[float, typer.Option(min=1, help="With --device: seconds one path may take; a path that "
                                                             "takes longer is reported as failed and the next runs.")] = 600,
@@ -86,6 +89,11 @@ def bench(
 
         run_wire(size=size or "1GiB", steps=steps, lr=lr, transport=(transports or "tcp").split(",")[0], json_output=json_output,
                  link_gbps=link_gbps, device=device or "cpu", **({} if fanout_ranks is None else {"fanout": fanout_ranks}))
+    elif tensors is not None:
+        from rlsync.bench import run_tensors
+
+        run_tensors(tensors=tensors, size=size, versions=repeats + 1, transport=(transports or "shm").split(",")[0],
+                    json_output=json_output)
     elif link_gbps is not None:
         raise typer.BadParameter("--link-gbps measures full against delta versions over a slow link: add --wire delta")
     elif sampling_mask:

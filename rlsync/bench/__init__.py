@@ -1,7 +1,7 @@
 """Benchmarks behind ``rlsync bench``; each measures rlsync against baselines in the same run.
 
-``run_weights``, ``run_wire``, ``run_buffer``, ``run_engine``, ``run_device``, ``run_mask``: the six kinds, as the CLI
-calls them.
+``run_weights``, ``run_wire``, ``run_buffer``, ``run_engine``, ``run_device``, ``run_mask``, ``run_tensors``: the seven
+kinds, as the CLI calls them.
 Each is imported when called: the benchmark modules also run as worker scripts (``python -m rlsync.bench._weights``),
 and a package that imported them first would make runpy warn in every worker.
 """
@@ -35,6 +35,12 @@ def run_mask(**options: Any) -> None:
     run(**options)
 
 
+def run_tensors(**options: Any) -> None:
+    from rlsync.bench._tensors import run
+
+    run(**options)
+
+
 def run_weights(**options: Any) -> None:
     from rlsync.bench._weights import run
 
@@ -47,4 +53,4 @@ def run_wire(**options: Any) -> None:
     run(**options)
 
 
-__all__ = ["run_buffer", "run_device", "run_engine", "run_weights", "run_wire"]
+__all__ = ["run_buffer", "run_device", "run_engine", "run_mask", "run_tensors", "run_weights", "run_wire"]

@@ -106,6 +106,8 @@ class ReaderState:
         self._done: dict[int, tuple[bytes, Done]] = {}
         self.discarded: list[int] = []  # unfinished versions given up because a writer restarted
         self.delta_seconds = 0.0  # copying live parts and applying deltas, over every version so far
+        #: seconds from the Done that completed the last live version to its Acks (checks, on_version, the flip)
+        self.last_commit_seconds = 0.0
         self._held: dict[int, dict[int, int]] = {}  # writer rank -> {slot: the version its part of that slot holds}
         self._inbox: Landing | None = None  # where delta writers put their deltas
         self._inbox_parts: dict[int, tuple[int, int]] = {}  # writer rank -> (offset, capacity) in the inbox

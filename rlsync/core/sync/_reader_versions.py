@@ -57,6 +57,7 @@ class VersionLanding(ReaderState):
             self._channel.send(Refuse(reason, "restart"), ident)
 
     def _finish_part(self, identity: bytes, msg: Done) -> None:
+        started = time.perf_counter()
         if self.plan is None or msg.writer_rank not in self._sessions:
             self._channel.send(Refuse("send a Hello before Done"), identity)
             return
@@ -119,6 +120,7 @@ class VersionLanding(ReaderState):
         for writer, (ident, _) in done.items():
             part = digest({writer: sums[writer]}) if writer in sums else None
             self._channel.send(Ack(msg.version, self._target_slot, self.canary_deviation, part), ident)
+        self.last_commit_seconds = time.perf_counter() - started
         if self.landing_mode == "in_place":
             self._save()  # the new last version, copied while the engine serves it; the next Begin waits for it
         stats: dict[str, object] = {"rank": self.rank, "writers": sorted(done)}

@@ -50,6 +50,11 @@ class HostStaging:
             self._pending[name] = (event, tensor)
         return buffer
 
+    @property
+    def staged(self) -> bool:
+        """Whether any tensor was ever staged here (a writer with none reads every source in place)."""
+        return bool(self._buffers)
+
     def wait(self, name: str | None = None) -> None:
         """Return once ``name``'s copy (default: every copy issued by ``stage``) has finished. Thread-safe: the
         writer's per-reader threads wait for the same buffers."""

@@ -122,6 +122,18 @@ class Link(ABC):
         has ``device_sources``) into the reader's regions; may return before the bytes have landed. The source
         stays unchanged until ``flush`` returns. Raises ``TransportError`` (``PeerLostError`` when the reader is gone). Must override."""
 
+    def prepare(self, parts: Sequence[tuple[Any, Sequence[Run]]]) -> Any:
+        """What ``write_prepared`` takes to write ``parts`` (each a source and its runs, as ``write`` takes them) again,
+        version after version: the writer prepares a version once and replays it while its sources stay where they
+        were, so that a version costs a few Python calls per link, not several per tensor. Default: the parts as
+        they are; a transport that can do better prepares views, descriptors or a batched copy. May override."""
+        return list(parts)
+
+    def write_prepared(self, prepared: Any) -> None:
+        """Write what ``prepare`` made, as ``write`` would write its parts. May override (default: ``write`` each)."""
+        for source, runs in prepared:
+            self.write(source, runs)
+
     def flush(self) -> None:
         """Return once every write issued so far has landed. May override (default: writes are synchronous)."""
 

@@ -62,6 +62,7 @@ from rlsync.core.sync._regions import PairRuns, as_bytes, region_offsets, runs_b
 from rlsync.core.sync._transport import Link, Run
 from rlsync.core.sync._wire import WireCodec
 from rlsync.core.sync._writer_session import WriterSession
+from rlsync.core.sync._writer_state import Binding
 from rlsync.core.sync._writer_versions import VersionPosting
 
 _log = logging.getLogger("rlsync")
@@ -172,6 +173,7 @@ class WeightsWriter(WriterSession, VersionPosting):
         and ``complete`` waits for it. Cast on the device before ``put`` (``t.to(torch.bfloat16)``), so that the
         smaller dtype is what crosses PCIe.
         """
+        self._binding = None  # what a multi_put bound is not what is bound now
         if self._codec is not None:
             encoded = self._codec.encode(name, tensor)
             if encoded is not None:  # the codec's tensors replace this one (fp8: the weight and its scales)
@@ -194,9 +196,13 @@ class WeightsWriter(WriterSession, VersionPosting):
         if numel != spec.numel:
             raise WeightMismatchError(f"tensor {name!r}: {numel} elements but the layout says {spec.numel} (shape {tuple(tensor.shape)})")
         self._delta_sources.pop(name, None)
+        self._epoch += 1
         if isinstance(tensor, np.ndarray):
             self._sources[name] = as_bytes(name, tensor)
-        elif tensor.device.type != "cpu" and self._transport.device_sources:
+            return
+        if tensor.device.type != "cpu" or self._staging.needs_staging(tensor):
+            self._copies += 1  # not read in place, or (a device's) its stream noted: every version puts it again
+        if tensor.device.type != "cpu" and self._transport.device_sources:
             # the transport reads device memory itself (cuda_ipc, nixl): no bounce through the host; the copy may
             # run in another thread, whose current stream is not this one: it waits for this event first
             self._sources[name] = as_bytes(name, tensor if tensor.is_contiguous() else self._contiguous_copy(name, tensor))
@@ -224,11 +230,22 @@ class WeightsWriter(WriterSession, VersionPosting):
         return buffer.copy_(tensor)
 
     def multi_put(self, tensors: Mapping[str, Any]) -> None:
-        """``put`` each of ``tensors``; the first time, also say which of them the engine does not hold."""
+        """``put`` each of ``tensors``; the first time, also say which of them the engine does not hold. The same
+        tensors again (the same objects at the same addresses, read in place: host tensors changed by an optimizer
+        step) bind nothing new: the version prepared for them is sent again, at a few Python calls per reader."""
         if self._extra:
             self._name_extra(tensors)
+        if self._binding is not None and self._binding.holds(tensors):
+            return
+        copies = self._copies
         for name, tensor in tensors.items():
             self.put(name, tensor)
+        in_place = self._copies == copies and self._codec is None and not self._transforms()
+        self._binding = Binding.of(tensors) if in_place else None
+
+    def _transforms(self) -> bool:
+        """Whether a plugin transforms tensors as they are put (then every put counts: its result may differ)."""
+        return bool(self._plugins.hook.rlsync_transform_tensor.get_hookimpls())
 
     def _name_extra(self, tensors: Mapping[str, Any]) -> None:
         """Tensors put that the engine does not hold are not sent: an error or a warning (``extra_tensors``), once.

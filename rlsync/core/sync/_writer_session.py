@@ -59,6 +59,7 @@ class WriterSession(WriterState):
             self._inboxes[dst_rank] = (self._transport.open(msg.inbox, options), msg.inbox_offset, msg.inbox_capacity)
 
     def _drop(self, dst_rank: int) -> None:
+        self._prepared = {key: value for key, value in self._prepared.items() if key[0] != dst_rank}
         link, channel = self._links.pop(dst_rank, None), self._channels.pop(dst_rank, None)
         inbox = self._inboxes.pop(dst_rank, None)
         for one in (link, None if inbox is None else inbox[0]):

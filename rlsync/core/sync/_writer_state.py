@@ -6,6 +6,8 @@ each reader) and ``VersionPosting`` (sending each version); both read and write 
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Mapping
 from typing import Any
 
 import pluggy
@@ -21,6 +23,28 @@ from rlsync.core.sync._options import SyncOptions
 from rlsync.core.sync._regions import PairRuns
 from rlsync.core.sync._transport import Link, Run, Transport
 from rlsync.core.sync._wire import WireCodec
+
+
+class Binding:
+    """The tensors a ``multi_put`` bound, each read in place: another ``multi_put`` of the same tensor objects, at the
+    same addresses, in the same order, binds nothing new (checked in a few C-speed passes, not per tensor in Python).
+    A trainer that re-allocated a tensor (a new storage: another address) binds again."""
+
+    def __init__(self, names: tuple[str, ...], values: list[torch.Tensor], addresses: list[int]) -> None:
+        self.names, self.values, self.addresses = names, values, addresses
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, Any]) -> Binding | None:
+        values = list(tensors.values())
+        if not all(isinstance(t, torch.Tensor) for t in values):
+            return None
+        return cls(tuple(tensors), values, [t.data_ptr() for t in values])
+
+    def holds(self, tensors: Mapping[str, Any]) -> bool:
+        if len(tensors) != len(self.names) or tuple(tensors) != self.names:
+            return False
+        values = list(tensors.values())
+        return all(map(operator.is_, values, self.values)) and [t.data_ptr() for t in values] == self.addresses
 
 
 class WriterState:
@@ -83,6 +107,12 @@ class WriterState:
         #: with verify: per reader rank, the digest of this writer's checksums of the last version (what the reader
         #: reports back; ``rlsync.version_label`` of them, in reader order, is the label a one-writer engine shows)
         self.last_digests: dict[int, str] = {}
+        # prepared versions: what does not change between versions is computed once and replayed
+        self._epoch = 0  # counts bindings of sources (put): what was prepared under an older one is stale
+        self._copies = 0  # puts that copied their tensor (staged to the host, or made contiguous on its device)
+        self._binding: Binding | None = None  # the tensors of the last multi_put, when every one was read in place
+        self._prepared: dict[tuple[int, int], tuple[int, Link, Any]] = {}  # (reader, slot) -> (epoch, link, prepared)
+        self._names_at: tuple[int, list[str], list[str]] = (-1, [], [])  # (epoch, names put, names missing)
 
     # -- what each part calls on the other --------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from rlsync.core._errors import (
     VersionError,
     WeightMismatchError,
 )
-from rlsync.core.sync._transport import Run
+from rlsync.core.sync._transport import Link, Run
 from rlsync.core.sync._writer_state import WriterState
 
 
@@ -44,11 +44,12 @@ class VersionPosting(WriterState):
         """Write this rank's part of ``version`` to every reader (at once); with ``notify``, each reader's Done follows
         its bytes, else the Dones wait in ``_unsent`` for ``_notify`` (a relay that makes every reader of a host take
         its bytes before any reader hears of the version). The readers written to, and why the others failed."""
-        missing = sorted(self._needed - self._sources.keys())
+        if self._names_at[0] != self._epoch:  # what is put changed since the last version
+            self._names_at = (self._epoch, sorted(self._sources), sorted(self._needed - self._sources.keys()))
+        _, names, missing = self._names_at
         if missing:
             raise WeightMismatchError(f"writer rank {self.rank}: no tensor was put for {missing[:5]} (and {max(0, len(missing) - 5)} more)")
-        names = sorted(self._sources)
-        self._plugins.hook.rlsync_before_export(version=version, names=names)
+        self._plugins.hook.rlsync_before_export(version=version, names=list(names))
         self._ready = ready_events(self._streams.streams())
         self._streams.clear()
         wait_ready(self._ready)  # this thread's own reads of the sources (the delta's) after the streams that made them
@@ -162,15 +163,12 @@ class VersionPosting(WriterState):
             checksums = Checksums(self._algorithms[dst_rank]) if self._checksum else None
             wait_ready(self._ready)  # this thread's stream after the trainer's, on which the device sources were made
             into = placed if placed is not None else self._slotted(dst_rank, slot)  # each group's runs, as written
-            for group, (name, runs) in enumerate(self._runs[dst_rank]):
-                self._staging.wait(name)  # its device-to-host copy, if put() issued one
-                source = self._sources[name]
-                if delta is None:
-                    link.write(self._link_source(source), into[group])
-                if checksums is not None:  # over the whole part: what the slot must hold, however it got there
-                    checksums.add(name, (source[s : s + n] for s, _, n in runs))
+            if delta is None and checksums is None and placed is None and not self._staging.staged:
+                link.write_prepared(self._prepared_for(dst_rank, slot, link, into))  # what the loop below writes
                 if progress is not None:
-                    progress(sum(n for _, _, n in runs))
+                    progress(self._part_bytes[dst_rank])
+            else:
+                self._write_groups(dst_rank, link, into, delta is None, checksums, progress)
             nbytes = 0 if delta is None else delta[1].numel()
             if delta is not None and nbytes:
                 inbox, offset, _ = self._inboxes[dst_rank]
@@ -191,6 +189,29 @@ class VersionPosting(WriterState):
             self._drop(dst_rank)
             return str(exc)
         return None
+
+    def _write_groups(self, dst_rank: int, link: Link, into: list[list[Any]], write: bool, checksums: Checksums | None,
+                      progress: Callable[[int], None] | None) -> None:
+        """Group by group (a source buffer's runs to this reader): written unless a delta goes instead, checksummed,
+        counted; each after its own device-to-host copy, where ``put`` issued one."""
+        for group, (name, runs) in enumerate(self._runs[dst_rank]):
+            self._staging.wait(name)
+            source = self._sources[name]
+            if write:
+                link.write(self._link_source(source), into[group])
+            if checksums is not None:  # over the whole part: what the slot must hold, however it got there
+                checksums.add(name, (source[s : s + n] for s, _, n in runs))
+            if progress is not None:
+                progress(sum(n for _, _, n in runs))
+
+    def _prepared_for(self, dst_rank: int, slot: int, link: Link, into: list[list[Run]]) -> Any:
+        """The link's prepared version of this rank's part for ``slot`` of ``dst_rank``: made at the first version,
+        again only when a source was bound anew (``put``) or the link is another."""
+        cached = self._prepared.get((dst_rank, slot))
+        if cached is None or cached[0] != self._epoch or cached[1] is not link:
+            parts = [(self._link_source(self._sources[name]), into[group]) for group, (name, _) in enumerate(self._runs[dst_rank])]
+            cached = self._prepared[(dst_rank, slot)] = (self._epoch, link, link.prepare(parts))
+        return cached[2]
 
     def _slotted(self, dst_rank: int, slot: int) -> list[list[Run]]:
         """``dst_rank``'s runs, group by group, as written into ``slot``: built once per slot, not per version (a

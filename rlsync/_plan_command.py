@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import json
 import time
 
@@ -79,8 +81,13 @@ def relay_layout(dst: Layout, ranks_per_node: int) -> Layout:
     return make_layout(dst.tensors, shards)
 
 
+#: a writer's host time per tensor it sends to a reader (one run), once a version is prepared: measured with
+#: ``rlsync bench --tensors 20000`` over shm on a 2-core Xeon (docs/benchmarks.md); ``--host-us-per-tensor`` to change
+HOST_US_PER_TENSOR = 0.7
+
+
 def plan_report(model: str, train: str, infer: str, nic_gbps: float, rank: int | None = None, wire: str = "bf16",
-                relay_per_node: int = 0) -> dict[str, object]:
+                relay_per_node: int = 0, host_us_per_tensor: float = HOST_US_PER_TENSOR) -> dict[str, object]:
     """Everything ``rlsync plan`` prints, as a dict (the ``--json`` output).
 
     ``wire``: ``fp8`` plans for an engine that serves the fp8 block-quantized checkpoint format
@@ -89,7 +96,13 @@ def plan_report(model: str, train: str, infer: str, nic_gbps: float, rank: int |
     ``relay_per_node`` 0 (the default): every engine rank takes its bytes over its own NIC, as the trainer's writers
     send them to each rank; N: each node of N engine ranks takes them through one ``rlsync.NodeRelay`` (its NIC
     takes every tensor the node holds, whole and once: ``relay_layout``; the forwarding inside the node is not
-    counted). Either way the prediction is what rlsync's writers do in that setup."""
+    counted). Either way the prediction is what rlsync's writers do in that setup.
+
+    The prediction has two parts, printed apart: the bytes (the busiest NIC's at ``nic_gbps``) and the host (the
+    busiest writer's tensor runs, one per tensor part it sends to a reader, at ``host_us_per_tensor`` each)."""
+    if not nic_gbps > 0 or not host_us_per_tensor >= 0:
+        raise ConfigError(f"--nic-gbps {nic_gbps} and --host-us-per-tensor {host_us_per_tensor}: a rate above 0 and a "
+                          f"cost of 0 or more")
     kind, fraction = parse_wire(wire)
     spec = load_model_spec(model)
     if kind == "fp8":
@@ -107,6 +120,9 @@ def plan_report(model: str, train: str, infer: str, nic_gbps: float, rank: int |
     factor = fraction * DELTA_BYTES_PER_CHANGE if kind == "delta" else 1.0
     factor = 1.0 if factor > INBOX_SHARE else factor  # as the writer: a delta its reader's inbox cannot hold goes in full
     seconds = max(st.max_sender_bytes, st.max_receiver_bytes) * factor * 8 / (nic_gbps * 1e9)
+    runs = collections.Counter(t.src_rank for t in plan.transfers)  # the runs each writer rank writes a version
+    busiest_runs = max(runs.values(), default=0)
+    host_seconds = busiest_runs * host_us_per_tensor / 1e6
     return {
         "model": spec.name,
         "train": train,
@@ -132,7 +148,11 @@ def plan_report(model: str, train: str, infer: str, nic_gbps: float, rank: int |
         "wire": wire,
         "wire_bytes_factor": factor,
         "nic_gbps": nic_gbps,
-        "predicted_seconds": seconds,
+        "bytes_seconds": seconds,
+        "busiest_writer_runs": busiest_runs,
+        "host_us_per_tensor": host_us_per_tensor,
+        "host_seconds": host_seconds,
+        "predicted_seconds": seconds + host_seconds,
     }
 
 
@@ -141,14 +161,14 @@ def _gb(n: object) -> str:
 
 
 def run(*, model: str, train: str, infer: str, nic_gbps: float, rank: int | None, list_models: bool, json_output: bool,
-        wire: str = "bf16", relay_per_node: int = 0) -> None:
+        wire: str = "bf16", relay_per_node: int = 0, host_us_per_tensor: float = HOST_US_PER_TENSOR) -> None:
     console = Console()
     if list_models:
         for name in sorted(PRESETS):
             s = load_model_spec(name)
             console.print(f"{name:16} {s.numel / 1e9:8.2f}B parameters  {len(s.params):5} tensors")
         return
-    report = plan_report(model, train, infer, nic_gbps, rank, wire, relay_per_node)
+    report = plan_report(model, train, infer, nic_gbps, rank, wire, relay_per_node, host_us_per_tensor)
     if json_output:
         print(json.dumps(report))
         return
@@ -170,7 +190,10 @@ def run(*, model: str, train: str, infer: str, nic_gbps: float, rank: int | None
     rows += [
         ("build time", f"{report['build_seconds']:.2f} s (layouts {report['layout_seconds']:.2f} s, plan {report['plan_seconds']:.2f} s)"),
         ("wire", wire if report["wire_bytes_factor"] == 1.0 else f"{wire} (bytes x {report['wire_bytes_factor']:.3f})"),
-        ("predicted transfer", f"{report['predicted_seconds']:.2f} s at {nic_gbps:g} Gbit/s per NIC"),
+        ("predicted: bytes", f"{report['bytes_seconds']:.2f} s at {nic_gbps:g} Gbit/s per NIC"),
+        ("predicted: host", f"{report['host_seconds']:.3f} s ({report['busiest_writer_runs']:,} tensor runs on the "
+                            f"busiest writer rank at {report['host_us_per_tensor']:g} us each)"),
+        ("predicted transfer", f"{report['predicted_seconds']:.2f} s (bytes + host: the host part need not overlap)"),
     ]
     for key, value in rows:
         table.add_row(key, value)

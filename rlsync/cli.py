@@ -28,6 +28,8 @@ def plan(
     rank: Annotated[Optional[int], typer.Option(help="Plan only this destination rank's part.")] = None,
     wire: Annotated[str, typer.Option(help="What crosses the wire: 'bf16' (the model's dtype), 'fp8' (an fp8 block-quantized engine) or 'delta=FRACTION' (changed values only).")] = "bf16",
     relay_per_node: Annotated[int, typer.Option(min=0, help="0 (the default): the trainer's writers send each engine rank its bytes over its own NIC. N: each node of N engine ranks lands versions in one rlsync.NodeRelay (every tensor the node holds crosses its NIC once, whole).")] = 0,
+    host_us_per_tensor: Annotated[float, typer.Option(help="A writer's host time per tensor run it sends, in µs (default: "
+                                                           "measured by `rlsync bench --tensors 20000`; measure yours).")] = 0.7,
     list_models: Annotated[bool, typer.Option("--list-models", help="List the model presets and exit.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
@@ -37,6 +39,7 @@ def plan(
     _plan_command.run(
         model=model, train=train, infer=infer, nic_gbps=nic_gbps, rank=rank,
         list_models=list_models, json_output=json_output, wire=wire, relay_per_node=relay_per_node,
+        host_us_per_tensor=host_us_per_tensor,
     )
 
 

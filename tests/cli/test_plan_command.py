@@ -60,7 +60,19 @@ def test_fp8_wire_puts_the_1t_moe_at_1_3_seconds() -> None:
 def test_by_default_every_byte_crosses_the_rank_nic_as_the_writers_send_it() -> None:
     report = _report()
     assert report["relay_per_node"] == 0
-    assert report["predicted_seconds"] == max(report["max_receiver_bytes"], report["max_sender_bytes"]) * 8 / 400e9
+    assert report["bytes_seconds"] == max(report["max_receiver_bytes"], report["max_sender_bytes"]) * 8 / 400e9
+    assert report["predicted_seconds"] == report["bytes_seconds"] + report["host_seconds"]
+
+
+def test_the_prediction_counts_the_writers_host_time_per_tensor_apart_from_the_bytes() -> None:
+    """#56: the busiest writer rank's tensor runs at the measured host cost each, printed beside the bytes' time."""
+    measured, slow = _report(), _report("--host-us-per-tensor", "100")
+    assert measured["host_us_per_tensor"] == 0.7 and measured["busiest_writer_runs"] > 1000
+    assert slow["host_seconds"] == pytest.approx(slow["busiest_writer_runs"] * 100e-6)
+    assert slow["predicted_seconds"] == pytest.approx(slow["bytes_seconds"] + slow["host_seconds"])
+    table = CliRunner().invoke(app, KIMI[:-1])  # the table, not --json
+    assert "predicted: bytes" in table.output and "predicted: host" in table.output, table.output
+    assert CliRunner().invoke(app, [*KIMI, "--host-us-per-tensor", "-1"]).exit_code != 0
 
 
 def test_a_relay_per_node_of_replicas_takes_the_model_once() -> None:
@@ -76,9 +88,9 @@ def test_a_relay_per_node_of_replicas_takes_the_model_once() -> None:
 
 def test_delta_wire_scales_the_bytes_and_caps_at_a_full_send() -> None:
     full = _report()
-    assert _report("--wire", "delta=0.02")["predicted_seconds"] == pytest.approx(full["predicted_seconds"] * 0.02 * 1.33 / 2)
-    assert _report("--wire", "delta=0.3")["predicted_seconds"] == pytest.approx(full["predicted_seconds"] * 0.3 * 1.33 / 2)
-    assert _report("--wire", "delta=0.5")["predicted_seconds"] == full["predicted_seconds"]  # past the reader's inbox
+    assert _report("--wire", "delta=0.02")["bytes_seconds"] == pytest.approx(full["bytes_seconds"] * 0.02 * 1.33 / 2)
+    assert _report("--wire", "delta=0.3")["bytes_seconds"] == pytest.approx(full["bytes_seconds"] * 0.3 * 1.33 / 2)
+    assert _report("--wire", "delta=0.5")["bytes_seconds"] == full["bytes_seconds"]  # past the reader's inbox
 
 
 def test_bad_wire_names_the_choices() -> None:

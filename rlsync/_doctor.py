@@ -186,7 +186,7 @@ def run() -> int:
         ("wire codecs", wire_codecs(pm).names()),
         ("staleness gates", [impl.plugin_name for impl in pm.hook.rlsync_gate_sample.get_hookimpls()]),
     ):
-        registered.add_row(kind, ", ".join(names) or "none")
+        registered.add_row(kind, escape(", ".join(names) or "none"))  # a hint's "[nixl]" is no style tag
     console.print(registered)
 
     optional = Table(title="optional packages")

@@ -19,6 +19,22 @@ app = typer.Typer(
 )
 
 
+def _version(asked: bool) -> None:
+    if asked:
+        from importlib.metadata import version
+
+        typer.echo(f"rlsync {version('rlsync')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print rlsync's version and exit.")] = False,
+) -> None:
+    """Weight export, rollout buffering and staleness gating for RL post-training."""
+
+
 @app.command()
 def plan(
     model: Annotated[str, typer.Option(help="Preset name (see --list-models) or a path to a config.json.")] = "qwen2.5-7b",
@@ -52,7 +68,7 @@ def bench(
     device: Annotated[Optional[str], typer.Option(help="Trainer and engine on this device ('cuda', 'cuda:1' or 'cpu'): "
                                                        "every transport and landing there, against device copies and the "
                                                        "bucketed recipe.")] = None,
-    repeats: Annotated[int, typer.Option(help="Timed repetitions per path; the median is reported.")] = 3,
+    repeats: Annotated[int, typer.Option(min=1, help="Timed repetitions per path; the median is reported.")] = 3,
     buffer: Annotated[bool, typer.Option("--buffer", help="Benchmark the rollout buffer backends instead.")] = False,
     sampling_mask: Annotated[bool, typer.Option("--sampling-mask", help="Benchmark the trainer's log-probs under a "
                                                 "top-k/top-p mask (time and memory per micro-batch; on --device).")] = False,

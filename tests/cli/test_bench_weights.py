@@ -60,3 +60,22 @@ def test_bench_json_shape() -> None:
     assert report["fanout"][0]["x_one_reader"] == 1.0
     assert all(f["seconds"] > 0 and f["one_after_another_seconds"] == f["readers"] * report["fanout"][0]["seconds"]
                for f in report["fanout"])
+
+
+def test_repeats_below_one_is_a_usage_error_at_once() -> None:
+    """#58: --repeats -2 printed nothing for 200 s, --repeats 0 ended in StatisticsError."""
+    import subprocess
+    import sys
+
+    for repeats in ("-2", "0"):
+        out = subprocess.run([sys.executable, "-m", "rlsync.cli", "bench", "--repeats", repeats], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 2 and "--repeats" in out.stderr, out.stderr
+
+
+def test_version() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "rlsync.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "rlsync 0.1.0", out

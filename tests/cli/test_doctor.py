@@ -89,3 +89,22 @@ def test_doctor_says_when_dev_shm_is_a_containers_small_default() -> None:
     assert "of 64 MiB: too small for the shm transport" in done.stdout and "--shm-size" in done.stdout, done.stdout
     roomy = subprocess.run(["sh", "-c", f"COLUMNS=400 {doctor}"], capture_output=True, text=True, timeout=120)
     assert "--shm-size" not in roomy.stdout or shutil.disk_usage("/dev/shm").total < 2**30
+
+
+def test_the_printed_install_hint_is_the_exact_command(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """rich took "[nixl]" in "pip install 'rlsync[nixl]'" for a style tag and printed "pip install 'rlsync'": the
+    printed text is what a user copies."""
+    from rlsync import TransportError, _doctor
+
+    real = _doctor.resolve_transport
+
+    def without_nixl(name: str, pm: object = None) -> object:
+        if name == "nixl":
+            raise TransportError("not here")
+        return real(name, pm)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_doctor, "resolve_transport", without_nixl)
+    monkeypatch.setenv("COLUMNS", "300")
+    _doctor.run()
+    printed = capsys.readouterr().out
+    assert "pip install 'rlsync[nixl]'" in printed, printed

@@ -97,3 +97,13 @@ def test_bad_wire_names_the_choices() -> None:
     out = subprocess.run([sys.executable, "-m", "rlsync.cli", "plan", "--wire", "int4"], capture_output=True, text=True)
     assert out.returncode == 2
     assert "--wire 'int4'" in out.stderr and "delta=FRACTION" in out.stderr
+
+
+def test_a_negative_or_zero_rate_is_a_one_line_error_not_a_negative_prediction() -> None:
+    """#58: --nic-gbps -5 predicted -12.19 s."""
+    import subprocess
+    import sys
+
+    for rate in ("-5", "0"):
+        out = subprocess.run([sys.executable, "-m", "rlsync.cli", "plan", "--nic-gbps", rate], capture_output=True, text=True)
+        assert out.returncode == 2 and "rlsync: error: ConfigError: --nic-gbps" in out.stderr, out.stderr

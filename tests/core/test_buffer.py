@@ -252,3 +252,14 @@ def test_max_staleness_judges_a_sample_or_a_batch_of_oldest_versions_alike() -> 
     assert [bool(gate.keeps(v, 10)) for v in oldest] == verdicts
     assert gate.keeps(np.array(oldest), 10).tolist() == verdicts
     assert gate.keeps(torch.tensor(oldest), 10).tolist() == verdicts
+
+
+@pytest.mark.parametrize("options", [{"max_staleness": -1}, {"batch_size": 0}, {"batch_size": 2.5}, {"group_size": -3},
+                                     {"max_staleness": True}])
+def test_a_number_that_would_hang_or_mean_nothing_is_refused_naming_it(options: dict) -> None:
+    """#58: max_staleness=-1 was accepted and admit() then blocked forever."""
+    from rlsync import ConfigError, make_buffer
+
+    name = next(iter(options))
+    with pytest.raises(ConfigError, match=f"{name}="):
+        make_buffer("memory", **{"batch_size": 2, **options})

@@ -30,7 +30,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 import pluggy
 
-from rlsync.core._errors import RolloutBufferError, VersionError
+from rlsync.core._errors import ConfigError, RolloutBufferError, VersionError
 from rlsync.core.rollouts._gates import Decision, Gate, freshest_per_group, importance_weights
 from rlsync.core.hooks import default_plugin_manager
 from rlsync.core.rollouts._samples import Sample
@@ -173,8 +173,11 @@ class RolloutBuffer:
     ) -> None:
         if on_stale not in ("wait", "drop") or partial not in ("continue", "abort", "drain"):
             raise ValueError(f"on_stale must be 'wait' or 'drop' and partial 'continue', 'abort' or 'drain'; got {on_stale!r}, {partial!r}")
-        if batch_size < 1 or group_size < 1:
-            raise ValueError("batch_size and group_size must be positive")
+        for name, value, least in (("batch_size", batch_size, 1), ("group_size", group_size, 1),
+                                   ("max_staleness", max_staleness, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"{name}={value!r}: a whole number of at least {least}"
+                                  + (" (0: on-policy only; admit() would wait forever below it)" if least == 0 else ""))
         self.batch_size = batch_size
         self.max_staleness = max_staleness
         self.on_stale = on_stale

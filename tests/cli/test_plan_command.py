@@ -1,6 +1,7 @@
 """``rlsync plan`` end to end, as a user runs it."""
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -107,3 +108,14 @@ def test_a_negative_or_zero_rate_is_a_one_line_error_not_a_negative_prediction()
     for rate in ("-5", "0"):
         out = subprocess.run([sys.executable, "-m", "rlsync.cli", "plan", "--nic-gbps", rate], capture_output=True, text=True)
         assert out.returncode == 2 and "rlsync: error: ConfigError: --nic-gbps" in out.stderr, out.stderr
+
+
+def test_a_config_json_without_a_field_it_needs_names_the_field(tmp_path: "pathlib.Path") -> None:
+    """#58: a config.json without hidden_size was a 60-line traceback ending in KeyError."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "qwen2", "num_hidden_layers": 2}))
+    out = subprocess.run([sys.executable, "-m", "rlsync.cli", "plan", "--model", str(config)], capture_output=True, text=True)
+    assert out.returncode == 2 and "hidden_size=None" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr

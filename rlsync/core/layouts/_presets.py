@@ -97,12 +97,29 @@ class _Dims:
 _Add = Callable[..., None]
 
 
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
+
+
 def model_spec(config: Mapping[str, Any], name: str | None = None) -> ModelSpec:
     """Build the tensor list of a decoder-only model from its HF config dict.
 
     Supported: Qwen2/2.5/3, Llama, Mistral (dense); Qwen2-MoE/Qwen3-MoE, Mixtral (MoE);
     DeepSeek-V2/V3 and Kimi-K2 (MLA attention, first_k_dense_replace dense layers, shared experts).
+    A field it needs that is missing or not a positive number is a ``LayoutError`` naming it.
     """
+    for key in _REQUIRED:
+        value = config.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise LayoutError(f"the model config has {key}={value!r}: rlsync builds a decoder-only LLM's tensor list from "
+                              f"its config.json, which needs {', '.join(_REQUIRED)} (positive integers)")
+    try:
+        return _model_spec(config, name)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise LayoutError(f"the model config cannot be read as a decoder-only LLM's ({type(exc).__name__}: {exc}): "
+                          f"see the supported families in rlsync.layouts.model_spec") from None
+
+
+def _model_spec(config: Mapping[str, Any], name: str | None) -> ModelSpec:
     arch = str(config.get("model_type", ""))
     dt = _dtype(config)
     hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])

@@ -167,38 +167,56 @@ def check_transport(transport: type[Transport], *, options: Mapping[str, Any] | 
         writes: list[tuple[Any, list[Run]]] = [(source, runs)]
         if transport.device_sources:
             writes = [(source, runs[:2]), (torch.from_numpy(source).to(device), runs[2:])]
-        errors: list[BaseException] = []
-
-        def write() -> None:  # the writer's side, as another process would run it
-            try:
-                link = transport.open(wire, options)
-                try:
-                    for src, part in writes:
-                        link.write(src, part)
-                    link.flush()
-                finally:
-                    link.close()
-            except BaseException as exc:  # noqa: BLE001 - reported below, in the checking thread
-                errors.append(exc)
-
-        writer = threading.Thread(target=write, name=f"rlsync-check-{name}")
-        writer.start()
-        while writer.is_alive():  # the reader's service thread: transports whose target must progress do it here
-            landing.progress()
-            writer.join(0.001)
-        if errors:
-            raise AssertionError(f"{name}: writing runs failed: {errors[0]!r}") from errors[0]
-        expected = [np.full(nbytes, 0xAB, np.uint8) for _ in range(slots)]
-        for src, slot, dst, n in runs:
-            expected[slot][dst : dst + n] = source[src : src + n]
-        for slot in range(slots):
-            landing.progress()
-            differs = np.flatnonzero(_host(regions[slot]) != expected[slot])
-            assert differs.size == 0, f"{name}: slot {slot} differs from what was written at byte {differs[0]} " \
-                                      f"({differs.size} bytes differ)"
+        for prepared in (False, True):  # write() part by part; then a version prepared once and written after a step
+            for region in regions:
+                region[:] = 0xAB
+            _check_writes(transport, wire, options, landing, writes, prepared, name)
+            expected = [np.full(nbytes, 0xAB, np.uint8) for _ in range(slots)]
+            for src, slot, dst, n in runs:
+                expected[slot][dst : dst + n] = source[src : src + n]
+            for slot in range(slots):
+                landing.progress()
+                differs = np.flatnonzero(_host(regions[slot]) != expected[slot])
+                assert differs.size == 0, f"{name}: slot {slot} differs from what was written at byte {differs[0]} " \
+                                          f"({differs.size} bytes differ{', prepared' if prepared else ''})"
     finally:
         landing.close()
     _check_versions(transport, options, device)
+
+
+
+def _check_writes(transport: type[Transport], wire: dict[str, Any], options: Any, landing: Landing,
+                  writes: list[tuple[Any, list[Run]]], prepared: bool, name: str) -> None:
+    """Write ``writes`` through a link of ``transport``, from another thread as another process would; ``prepared``:
+    through ``prepare`` once, then a step that changes every source in place, then ``write_prepared`` (a prepared
+    version must read its sources' bytes as they are when it is written, not when it was prepared)."""
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            link = transport.open(wire, options)
+            try:
+                if prepared:
+                    ready = link.prepare(writes)
+                    for src, _ in writes:
+                        src[:] = src + 1  # an optimizer step, in place (numpy arrays and tensors alike)
+                    link.write_prepared(ready)
+                else:
+                    for src, part in writes:
+                        link.write(src, part)
+                link.flush()
+            finally:
+                link.close()
+        except BaseException as exc:  # noqa: BLE001 - reported below, in the checking thread
+            errors.append(exc)
+
+    writer = threading.Thread(target=write, name=f"rlsync-check-{name}")
+    writer.start()
+    while writer.is_alive():  # the reader's service thread: transports whose target must progress do it here
+        landing.progress()
+        writer.join(0.001)
+    if errors:
+        raise AssertionError(f"{name}: writing runs{' (prepared)' if prepared else ''} failed: {errors[0]!r}") from errors[0]
 
 
 def _host(region: Any) -> np.ndarray:

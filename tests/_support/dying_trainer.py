@@ -6,6 +6,7 @@ import signal
 import sys
 from pathlib import Path
 
+from rlsync import Link
 from rlsync.plugins import ShmLink
 
 _write = ShmLink.write
@@ -20,5 +21,7 @@ def _dying_write(self, source, runs):  # type: ignore[no-untyped-def]
 
 
 ShmLink.write = _dying_write  # type: ignore[method-assign]
+ShmLink.prepare = Link.prepare  # type: ignore[method-assign]  # a prepared version written part by part, through write
+ShmLink.write_prepared = Link.write_prepared  # type: ignore[method-assign]
 sys.argv[0] = str(Path(__file__).with_name("model_trainer.py"))
 runpy.run_path(sys.argv[0], run_name="__main__")

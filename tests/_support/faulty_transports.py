@@ -11,6 +11,14 @@ from rlsync import Transport, TransportError
 Write = Callable[[Any, Any], None]
 
 
+def writes_one_by_one(link: Any) -> Any:
+    """``link`` writing a prepared version part by part through ``link.write`` (whatever replaced it), as the
+    ``Link`` contract's defaults do: a transport's own batched ``write_prepared`` would pass a wrapped ``write`` by."""
+    link.prepare = lambda parts: list(parts)
+    link.write_prepared = lambda prepared: [link.write(source, runs) for source, runs in prepared]
+    return link
+
+
 def wrapping_writes(base: type[Transport], wrap: Callable[[Write], Write]) -> type[Transport]:
     """``base`` whose links' ``write`` is ``wrap(the link's own write)``; same name, so readers of ``base`` accept it."""
 
@@ -19,7 +27,7 @@ def wrapping_writes(base: type[Transport], wrap: Callable[[Write], Write]) -> ty
         def open(cls, description: dict[str, Any], options: Any = None) -> Any:
             link = base.open(description, options)
             link.write = wrap(link.write)
-            return link
+            return writes_one_by_one(link)
 
     return Wrapped
 

@@ -51,6 +51,8 @@ if __name__ == "__main__":
                 write(source, runs)
 
             link.write = write_then_die
+            link.prepare = lambda parts: list(parts)  # a prepared version written part by part: it dies between two
+            link.write_prepared = lambda prepared: [link.write(source, runs) for source, runs in prepared]
             return link
 
         transport.open = open_dying  # type: ignore[method-assign]

@@ -99,6 +99,8 @@ def writer_main(args: argparse.Namespace) -> None:
                 original_write(source, runs)
 
             link.write = write
+            link.prepare = lambda parts: list(parts)  # a prepared version written part by part: it dies between two
+            link.write_prepared = lambda prepared: [write(source, runs) for source, runs in prepared]
             return link
 
         writer._transport = type("DyingTransport", (writer._transport,), {"open": staticmethod(open_then_die)})

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _support.faulty_transports import flipping
+from _support.faulty_transports import flipping, writes_one_by_one
 
 from rlsync import PlanError, SyncOptions, TensorMeta, WeightMismatchError, WeightsReader, WeightsWriter, reader_layout
 from rlsync.layouts import from_state_dict, replicated
@@ -95,7 +95,7 @@ class _MeetingTransport(ShmTransport):
             write(source, runs)
 
         link.write = meet_then_write  # type: ignore[method-assign]
-        return link
+        return writes_one_by_one(link)
 
 
 def test_a_writer_posts_to_all_its_readers_at_once() -> None:

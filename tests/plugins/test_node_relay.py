@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from _support.faulty_transports import writes_one_by_one
 from rlsync import NodeRelay, SyncOptions, WeightsReader, build_plan
 
 pytestmark = pytest.mark.multiproc
@@ -72,6 +73,7 @@ def test_a_rank_gone_when_a_version_is_forwarded_leaves_every_rank_on_the_previo
                 write(source, runs)
 
             link.write = die_then_write
+            writes_one_by_one(link)
         second = sync.writer("fanout", "tcp", {0: relay.address}, [2], extra=("--replicas", "1"))
         assert second.returncode != 0
         assert "reader rank 1" in second.stderr_text and "every rank stays on version 1" in second.stderr_text

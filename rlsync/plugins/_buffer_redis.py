@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar, cast
 
-from rlsync import Claim, LeaseLostError, RolloutBufferError, Sample, decode_sample, encode_sample
+from rlsync import Claim, ConfigError, LeaseLostError, RolloutBufferError, Sample, decode_sample, encode_sample
 
 T = TypeVar("T")
 
@@ -179,6 +179,17 @@ def _retrying(errors: tuple[type[BaseException], ...], seconds: float, call: Cal
             time.sleep(0.05)
 
 
+def _redis_module() -> Any:
+    """redis-py, or a one-line error naming the extra that installs it."""
+    try:
+        import redis
+    except ModuleNotFoundError as exc:
+        if exc.name != "redis":
+            raise
+        raise ConfigError("the Redis buffer needs redis-py: pip install 'rlsync[redis]' (and a redis-server to talk to)") from None
+    return redis
+
+
 class RedisStorage:
     """A ``Storage`` for ``RolloutBuffer`` in Redis; see the module docstring.
 
@@ -188,8 +199,7 @@ class RedisStorage:
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", *, name: str = "rlsync", retry_seconds: float = 30.0,
                  lease_seconds: float = 600.0, client: Any = None) -> None:
-        import redis
-
+        redis = _redis_module()
         self._redis = client if client is not None else redis.Redis.from_url(url, socket_timeout=10)
         self._errors = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
         self._name = name
@@ -266,8 +276,7 @@ class RedisEpisodes:
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", *, name: str = "rlsync", retry_seconds: float = 30.0,
                  client: Any = None, kept_seconds: float = 24 * 3600.0) -> None:
-        import redis
-
+        redis = _redis_module()
         self.kept_seconds = kept_seconds  # an episode finished without a sample keeps its steps this long (a replay)
         self._redis = client if client is not None else redis.Redis.from_url(url, socket_timeout=10)
         self._errors = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)

@@ -70,3 +70,18 @@ def test_an_example_that_needs_an_extra_says_which_before_it_writes_anything(exa
     out = run(str(ROOT / "examples" / example), *args, cwd=tmp_path)
     assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith(says), out.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_backend_or_adapter_whose_extra_is_missing_names_the_extra_within_a_second() -> None:
+    """#58: make_buffer("redis") without redis-py and `import rlsync.adapters.trl` without TRL were bare
+    ModuleNotFoundErrors; now each says which extra installs what it needs."""
+    import time
+
+    import rlsync
+
+    started = time.monotonic()
+    with pytest.raises(rlsync.ConfigError, match=r"pip install 'rlsync\[redis\]'"):
+        rlsync.make_buffer("redis", batch_size=2)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'rlsync\[trl\]'"):
+        import rlsync.adapters.trl  # noqa: F401
+    assert time.monotonic() - started < 1.0

@@ -7,7 +7,14 @@ The vLLM server is a stock one: ``VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weig
 '{"backend": "rlsync"}'`` with rlsync installed beside vLLM.
 """
 
-from rlsync.patches import trl as _patches
+try:
+    import trl  # noqa: F401
+except ModuleNotFoundError as exc:  # say which extra, not only which module
+    if exc.name != "trl":
+        raise
+    raise ModuleNotFoundError("rlsync.adapters.trl needs TRL: pip install 'rlsync[trl]'", name="trl") from None
+
+from rlsync.patches import trl as _patches  # noqa: E402
 
 _patches.apply()
 

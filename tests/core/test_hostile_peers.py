@@ -415,11 +415,10 @@ def test_a_delta_of_many_small_segments_is_refused_before_any_is_decoded(monkeyp
     region = torch.zeros(1 << 20, dtype=torch.uint8)
     segments, count = 50, region.numel()  # each claims a value for every byte of the region
     frame = zstd.compress(bytes(count * 5))  # 5 MiB of planes in a few hundred bytes
-    frame += bytes(-len(frame) % 8)
-    headers = torch.tensor([[0, 1, count, 0, len(frame) - (-len(frame) % 8 and 0)]] * segments, dtype=torch.int64)
-    headers[:, 4] = len(zstd.compress(bytes(count * 5)))
+    headers = torch.tensor([[0, 1, count, 0, len(frame)]] * segments, dtype=torch.int64)  # base, itemsize, count, mode, nbytes
+    padded = frame + bytes(-len(frame) % 8)
     payload = torch.frombuffer(bytearray(torch.tensor([segments], dtype=torch.int64).numpy().tobytes()
-                                         + headers.numpy().tobytes() + frame * segments), dtype=torch.uint8)
+                                         + headers.numpy().tobytes() + padded * segments), dtype=torch.uint8)
     assert payload.numel() < 64 << 10
     decoded = []
     real = __import__("rlsync.core.sync._delta", fromlist=["_decompress"])._decompress

@@ -297,6 +297,10 @@ RECEIVE_QUEUE = 8  # messages ZeroMQ reads ahead per connection (its default, 10
 UNAUTHENTICATED_ANSWERS = 20  # unsigned refusals a reader sends per second, to all strangers together; the rest unanswered
 
 
+_KEYS_DIFFER = ("the peers' keys differ (give the writer the reader's address as the reader gives it, with its #KEY, "
+                "or the same SyncOptions(secret=...) or RLSYNC_SECRET on every process)")
+
+
 class BadFrame(TransportError):
     """A control message that is not one: unsigned or signed with another key, of an unknown or another peer's
     session, replayed, or not decodable. ``identity``: the sender, where a router can answer it; ``authenticated``:
@@ -459,9 +463,7 @@ class Channel:
         deadline = time.monotonic() + timeout_ms / 1000
         while not self.socket.poll(min(50, max(0, int((deadline - time.monotonic()) * 1000)))):
             if self._handshake_failed():
-                raise TransportError("the reader dropped this writer at the handshake: the peers' keys differ (give the "
-                                     "writer the reader's address as the reader gives it, with its #KEY, or the same "
-                                     "SyncOptions(secret=...) or RLSYNC_SECRET on every process)")
+                raise TransportError("the reader dropped this writer at the handshake: " + _KEYS_DIFFER)
             if time.monotonic() >= deadline:
                 return None
         self._close_monitor()
@@ -501,13 +503,9 @@ class Channel:
         elif self._knock is not None and mac:
             key = challenge_key(self.control_key, self._knock)
         else:
-            raise BadFrame("the reader could not authenticate this writer's messages: the peers' keys differ (give the "
-                           "writer the reader's address as the reader gives it, with its #KEY, or the same "
-                           "SyncOptions(secret=...) or RLSYNC_SECRET on every process)", identity)
+            raise BadFrame("the reader could not authenticate this writer's messages: " + _KEYS_DIFFER, identity)
         if not hmac.compare_digest(mac, self._mac(key, envelope, payload)):
-            raise BadFrame("a control message with a bad signature: the peers' keys differ (give the writer the "
-                           "reader's address as the reader gives it, with its #KEY, or the same SyncOptions(secret=...) "
-                           "or RLSYNC_SECRET on every process)", identity)
+            raise BadFrame("a control message with a bad signature: " + _KEYS_DIFFER, identity)
         if session is not None:
             if counter <= session.received:
                 raise BadFrame(f"a control message replayed or out of order in its session (counter {counter} after "

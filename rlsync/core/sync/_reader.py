@@ -22,53 +22,30 @@ bytes the dead session never finished (``_discard_partners``). Delta writers get
 
 from __future__ import annotations
 
-import bisect
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Literal, TypeVar
 
 import numpy as np
 import pluggy
 import torch
 
-from rlsync.core.layouts import replicated
-from rlsync.core.sync._canary import Canary
-from rlsync.core.sync._checksum import Checksums, digest, for_memory
 from rlsync.core.sync._control import (
-    Ack,
-    AskLayout,
-    BadFrame,
-    Begin,
-    Done,
-    Go,
-    Hello,
-    Knock,
-    LayoutIs,
-    MAX_SESSIONS,
-    Refuse,
-    Session,
-    Welcome,
     bind_router,
     bound_for,
 )
-from rlsync.core.sync._delta import INBOX_SHARE
-from rlsync.core.sync._delta import apply as apply_delta
-from rlsync.core.sync._device_order import synchronize_devices
-from rlsync.core._errors import CanaryError, ConfigError, RlsyncError, TransferTimeoutError, WeightMismatchError
-from rlsync.core.sync._host_staging import HostStaging
+from rlsync.core._errors import ConfigError, TransferTimeoutError, WeightMismatchError
 from rlsync.core.layouts import Layout, dtype_size, tensor_fingerprints
 from rlsync.core.sync._memory import free_memory
 from rlsync.core.sync._options import SyncOptions
-from rlsync.core.layouts import Plan, build_plan
+from rlsync.core.layouts import build_plan
 from rlsync.core.hooks import default_plugin_manager
 from rlsync.core.sync._transport import resolve_transport
 from rlsync.core.sync._reader_service import ReaderService
 from rlsync.core.sync._reader_state import LandingMode, ReaderState
-from rlsync.core.sync._reader_versions import MAX_VERSION, VersionLanding
-from rlsync.core.sync._regions import ALIGN, PairRuns, as_tensor, region_offsets, runs_by_pair
-from rlsync.core.sync._transport import Landing, Region
+from rlsync.core.sync._reader_versions import VersionLanding
+from rlsync.core.sync._regions import as_tensor, region_offsets, runs_by_pair
+from rlsync.core.sync._transport import Region
 
 _log = logging.getLogger("rlsync")
 

@@ -28,7 +28,6 @@ from rlsync.core.sync._control import (
 from rlsync.core.sync._reader_state import ReaderState
 from rlsync.core._errors import RlsyncError
 from rlsync.core.layouts import Layout
-from rlsync.core.sync._options import SyncOptions
 
 from rlsync.core.sync._control import MAX_SESSIONS
 

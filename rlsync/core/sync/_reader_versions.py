@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping
 
 from rlsync.core.sync._checksum import Checksums, digest, for_memory
-from rlsync.core.sync._control import Ack, Begin, Done, Go, Hello, Refuse
+from rlsync.core.sync._control import Ack, Begin, Done, Go, Refuse
 from rlsync.core.sync._delta import INBOX_SHARE
 from rlsync.core.sync._delta import apply as apply_delta
 from rlsync.core.sync._device_order import synchronize_devices

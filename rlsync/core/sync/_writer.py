@@ -10,13 +10,10 @@ layout that crosses and encodes each tensor in ``put``.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import secrets
-import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,43 +21,20 @@ import pluggy
 import torch
 
 from rlsync.core.layouts import tied_aliases
-from rlsync.core.sync._canary import Canary
-from rlsync.core.sync._checksum import Checksums, digest
-from rlsync.core.sync._control import (
-    Ack,
-    Begin,
-    Channel,
-    Done,
-    Go,
-    Hello,
-    Refuse,
-    Welcome,
-    open_channel,
-)
 from rlsync.core.sync._delta import ChangeLog
-from rlsync.core.sync._delta import encode as encode_delta
-from rlsync.core.sync._device_order import CurrentStreams, Ready, ready_events, wait_ready
 from rlsync.core._errors import (
-    CanaryError,
     ConfigError,
-    PeerLostError,
     PlanError,
     RlsyncWarning,
-    TransferTimeoutError,
-    TransportError,
-    VersionError,
     WeightMismatchError,
 )
-from rlsync.core.sync._host_staging import HostStaging
 from rlsync.core.layouts import Layout, dtype_size
 from rlsync.core.sync._layout_exchange import ask_layout
 from rlsync.core.sync._options import SyncOptions
 from rlsync.core.layouts import build_plan
 from rlsync.core.hooks import default_plugin_manager, wire_codecs
 from rlsync.core.sync._transport import resolve_transport
-from rlsync.core.sync._regions import PairRuns, as_bytes, region_offsets, runs_by_pair
-from rlsync.core.sync._transport import Link, Run
-from rlsync.core.sync._wire import WireCodec
+from rlsync.core.sync._regions import as_bytes, region_offsets, runs_by_pair
 from rlsync.core.sync._writer_session import WriterSession
 from rlsync.core.sync._writer_state import Binding
 from rlsync.core.sync._writer_versions import VersionPosting

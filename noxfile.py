@@ -7,6 +7,7 @@ their virtualenv when ``-R`` is given, which is the fast path for local iteratio
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import os
 import shutil
@@ -48,8 +49,13 @@ def _ensure_debian(session: nox.Session, command: str, package: str, why: str) -
         return
     if os.geteuid() != 0:
         session.error(f"{command} is missing ({why}): install Debian's '{package}' package")
-    session.run("apt-get", "update", "-qq", external=True)
-    session.run("apt-get", "install", "-y", "-qq", package, external=True)
+    # .ci/run runs two sessions at once, and apt-get fails outright when another holds its lock: one at a time
+    with open("/tmp/rlsync-nox-apt.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if shutil.which(command):  # the other session installed it while this one waited
+            return
+        session.run("apt-get", "update", "-qq", external=True)
+        session.run("apt-get", "install", "-y", "-qq", package, external=True)
 
 
 @nox.session(python="3.11", venv_backend="uv")

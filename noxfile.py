@@ -27,7 +27,7 @@ ATHERIS = "atheris==3.0.0"  # coverage-guided fuzzing of the control plane (test
 
 def _uv_install(session: nox.Session, *args: str) -> None:
     """``uv pip install`` with this machine's wheel folder (uv ignores PIP_FIND_LINKS, where the CPU torch is), bytecode
-    compiled: uv does not compile by default, and where PYTHONDONTWRITEBYTECODE is set (this workplace sets it) every
+    compiled: uv does not compile by default, and where PYTHONDONTWRITEBYTECODE is set (the CI machines set it) every
     process then compiles torch's sources again at import (the core session's tests took 987 s so, 503 s with pip's
     compiled bytecode)."""
     links = os.environ.get("PIP_FIND_LINKS")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Copies this machine's iproute2 (`ip`, `tc`) and the libraries they load, but the C library itself, into .ipr/ of
-# this checkout and keeps git from tracking it: for a GPU machine that lacks iproute2 (the lent H100s do), carry
+# this checkout and keeps git from tracking it: for a GPU machine that lacks iproute2 (the H100 machines these checks ran on do), carry
 # .ipr with the device tool; scripts/gpu_link_bench.sh puts it on PATH there.
 #   bash scripts/carry_iproute2.sh
 set -euo pipefail

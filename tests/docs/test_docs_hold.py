@@ -151,3 +151,29 @@ def test_the_checks_catch_a_doc_that_drifted() -> None:
         "rlsync.nomodule.f": "rlsync.nomodule.f: rlsync has no nomodule"}
     assert missing_paths(drifted) == ["tests/core/test_gone.py"]
     assert blocks(drifted) == [("\n" * 5 + "from rlsync.adapters.trl import NoSuchCallback\n", "needs an engine")]
+
+
+UNPLACEABLE = re.compile(r"\b(workplace|lent)\b", re.I)  # words for machines that no reader of the project can place
+
+
+def unplaceable_words(text: str) -> list[str]:
+    """Where a text names its machines in words a user cannot place (say the CPU model and cores, or "a GPU machine
+    with no package index", instead)."""
+    return [f"line {text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}" for m in UNPLACEABLE.finditer(text)]
+
+
+def test_no_text_file_names_its_machines_in_words_a_user_cannot_place() -> None:
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+    problems = []
+    for name in filter(None, (n.decode() for n in tracked)):
+        try:
+            text = (ROOT / name).read_text()
+        except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
+            continue  # binary files, and files deleted in the work tree
+        if name != "tests/docs/test_docs_hold.py":  # this file names the words it refuses
+            problems += [f"{name}: {where}" for where in unplaceable_words(text)]
+    assert not problems, "\n".join(problems)
+    assert unplaceable_words("run on the lent H100;\nthis Workplace sets it, but a silent one is fine") == [
+        "line 1: 'lent'", "line 2: 'Workplace'"]

@@ -7,87 +7,91 @@ the shared ``SyncOptions``, the engine-neutral ``StagedReceiver``, and the hooks
 and the conformance checks for plugin authors in ``rlsync.testing``.
 
 Importing this package has no side effects: no plugin is loaded, no environment variable read,
-no optional dependency imported.
+no optional dependency imported, and not even torch until a name is first used (PEP 562), so that
+``rlsync --help`` and ``rlsync --version`` answer at once.
 """
 
-from rlsync.core import (
-    DEFAULT_TIMEOUT,
-    Batch,
-    Box,
-    BufferSpec,
-    Canary,
-    CanaryError,
-    Claim,
-    CurrentStreams,
-    ConfigError,
-    Decision,
-    Episode,
-    EpisodeLog,
-    Finish,
-    Gate,
-    LandedVersions,
-    Landing,
-    LandingMode,
-    Layout,
-    LayoutError,
-    LeaseLostError,
-    Link,
-    MaxStaleness,
-    MemoryEpisodes,
-    MemoryStorage,
-    NodeRelay,
-    PeerLostError,
-    Plan,
-    PlanError,
-    PlanMismatchError,
-    PlanStats,
-    PluginError,
-    PolicyVersionClock,
-    Region,
-    Registry,
-    RlsyncError,
-    RlsyncWarning,
-    RolloutBuffer,
-    RolloutBufferError,
-    Run,
-    Sample,
-    Shard,
-    StagedReceiver,
-    Storage,
-    SyncOptions,
-    TensorMeta,
-    Ticket,
-    Transfer,
-    TransferTimeoutError,
-    Transport,
-    TransportError,
-    Turn,
-    VersionError,
-    WeightMismatchError,
-    WeightsReader,
-    WeightsWriter,
-    WireCodec,
-    build_plan,
-    canary_tokens,
-    causal_lm_logprobs,
-    decode_sample,
-    encode_sample,
-    head_logprobs,
-    hookimpl,
-    hookspec,
-    importance_weights,
-    kept_sizes,
-    logits_logprobs,
-    make_buffer,
-    make_layout,
-    make_plugin_manager,
-    masked_logprobs,
-    reader_layout,
-    resolve_secret,
-    sampling_mask,
-    version_label,
-)
-from rlsync.core import default_plugin_manager as plugin_manager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the names for type checkers and readers; at run time each loads on first use (__getattr__ below)
+    from rlsync.core import (
+        DEFAULT_TIMEOUT,
+        Batch,
+        Box,
+        BufferSpec,
+        Canary,
+        CanaryError,
+        Claim,
+        CurrentStreams,
+        ConfigError,
+        Decision,
+        Episode,
+        EpisodeLog,
+        Finish,
+        Gate,
+        LandedVersions,
+        Landing,
+        LandingMode,
+        Layout,
+        LayoutError,
+        LeaseLostError,
+        Link,
+        MaxStaleness,
+        MemoryEpisodes,
+        MemoryStorage,
+        NodeRelay,
+        PeerLostError,
+        Plan,
+        PlanError,
+        PlanMismatchError,
+        PlanStats,
+        PluginError,
+        PolicyVersionClock,
+        Region,
+        Registry,
+        RlsyncError,
+        RlsyncWarning,
+        RolloutBuffer,
+        RolloutBufferError,
+        Run,
+        Sample,
+        Shard,
+        StagedReceiver,
+        Storage,
+        SyncOptions,
+        TensorMeta,
+        Ticket,
+        Transfer,
+        TransferTimeoutError,
+        Transport,
+        TransportError,
+        Turn,
+        VersionError,
+        WeightMismatchError,
+        WeightsReader,
+        WeightsWriter,
+        WireCodec,
+        build_plan,
+        canary_tokens,
+        causal_lm_logprobs,
+        decode_sample,
+        encode_sample,
+        head_logprobs,
+        hookimpl,
+        hookspec,
+        importance_weights,
+        kept_sizes,
+        logits_logprobs,
+        make_buffer,
+        make_layout,
+        make_plugin_manager,
+        masked_logprobs,
+        reader_layout,
+        resolve_secret,
+        sampling_mask,
+        version_label,
+    )
+    from rlsync.core import default_plugin_manager as plugin_manager
 
 __version__ = "0.1.0"
 
@@ -169,3 +173,20 @@ __all__ = [
     "sampling_mask",
     "version_label",
 ]
+
+
+if not TYPE_CHECKING:  # hidden from type checkers, which then still refuse a name rlsync does not have
+
+    def __getattr__(name: str) -> object:
+        if name not in __all__:
+            raise AttributeError(f"module 'rlsync' has no attribute {name!r}")
+        import rlsync.core
+
+        value = getattr(rlsync.core, "default_plugin_manager" if name == "plugin_manager" else name)
+        globals()[name] = value  # later uses find it without this function
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *__all__})
+
+del TYPE_CHECKING  # not a name of rlsync's

@@ -157,8 +157,6 @@ def doctor() -> None:
 
 def main() -> None:
     """Run the CLI; rlsync's own errors print as one line (what, which, the fix) and exit 2."""
-    from rlsync import RlsyncError
-
     try:
         if sys.argv[1:3] == ["launch", "openrlhf"]:  # its arguments go through untouched: click would drop the `--`
             from rlsync.adapters.openrlhf import main as launch_openrlhf
@@ -166,7 +164,12 @@ def main() -> None:
             launch_openrlhf(sys.argv[3:])
         else:
             app()
-    except RlsyncError as exc:
+    except Exception as exc:
+        # rlsync's errors live in rlsync.core, which imports torch: looked up only once something failed (an
+        # RlsyncError was raised from there, so the module is loaded), to keep `rlsync --help` at a fraction of a second
+        core = sys.modules.get("rlsync.core")
+        if core is None or not isinstance(exc, core.RlsyncError):
+            raise
         typer.echo(f"rlsync: error: {type(exc).__name__}: {exc}", err=True)
         raise SystemExit(2) from None
 

@@ -21,11 +21,24 @@ def test_every_public_name_is_exported() -> None:
 def test_import_loads_no_plugin_or_framework() -> None:
     code = (
         "import sys, rlsync; "
-        "bad = [m for m in ('vllm', 'verl', 'trl', 'openrlhf', 'ray', 'redis', 'nixl', 'rlsync.plugins.transports') if m in sys.modules]; "
+        "bad = [m for m in ('torch', 'vllm', 'verl', 'trl', 'openrlhf', 'ray', 'redis', 'nixl', 'rlsync.plugins.transports') "
+        "if m in sys.modules]; "
         "print(bad)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_commands_help_and_version_import_no_torch() -> None:
+    """`rlsync --help` and `--version` answer in a fraction of a second: torch (seconds to import) loads only when a
+    command or a name needs it."""
+    code = ("import sys; sys.argv = ['rlsync', {}]; import rlsync.cli\n"
+            "try:\n    rlsync.cli.main()\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    for flag in ("--help", "--version"):
+        out = subprocess.run([sys.executable, "-c", code.format(repr(flag))], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert ("Usage" if flag == "--help" else "rlsync 0.") in out.stdout
 
 
 def test_the_extension_contracts_are_public() -> None:

@@ -1,7 +1,7 @@
 """Test environments. Each framework adapter gets an environment of its own, because verl, TRL,
 OpenRLHF and vLLM pin versions of torch, transformers and ray that cannot share one.
 
-``nox`` runs every session (core, plain, vllm, verl, trl, openrlhf); ``nox -s core`` runs one. Sessions reuse
+``nox`` runs every session (core, plain, wheel, vllm, verl, trl, openrlhf); ``nox -s core`` runs one. Sessions reuse
 their virtualenv when ``-R`` is given, which is the fast path for local iteration.
 """
 
@@ -82,6 +82,56 @@ def plain(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("-e", ".", "pytest>=8", "pytest-timeout>=2.3")
     session.run("pytest", "tests/plain", "-p", "no:cacheprovider", *session.posargs)
+
+
+# Run by the installed wheel, from outside the checkout: every entry point the wheel declares names a module file
+# the wheel holds and a name that module defines (read, not imported: the vLLM and verl adapters import their
+# framework, which this environment does not have), and rlsync itself is the installed copy.
+ENTRY_POINTS_RESOLVE = """
+import ast, importlib.metadata as md, pathlib, sys
+import rlsync
+assert "site-packages" in rlsync.__file__, f"rlsync imported from {rlsync.__file__}, not from the installed wheel"
+dist = md.distribution("rlsync")
+files = {str(f) for f in dist.files}
+assert "rlsync/py.typed" in files, "the wheel lacks rlsync/py.typed"
+checked = []
+for ep in dist.entry_points:
+    module, _, attr = ep.value.partition(":")
+    path = module.replace(".", "/")
+    source = next((f for f in (path + ".py", path + "/__init__.py") if f in files), None)
+    assert source, f"entry point {ep.group}:{ep.name} names {module}, which the wheel does not hold"
+    tree = ast.parse(pathlib.Path(dist.locate_file(source)).read_text())
+    names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    assert not attr or attr in names, f"entry point {ep.group}:{ep.name}: {module} defines no {attr}"
+    checked.append(f"{ep.group}:{ep.name}")
+assert {"console_scripts:rlsync", "vllm.general_plugins:rlsync", "verl.plugins:rlsync"} <= set(checked), checked
+print("entry points resolve:", ", ".join(sorted(checked)))
+"""
+
+
+@nox.session(python="3.11")
+def wheel(session: nox.Session) -> None:
+    """What a user installs: the wheel and sdist that ``python -m build`` writes (``twine check``-ed), the wheel alone
+    (no extra, not editable) in a fresh virtualenv, used from outside the checkout: ``rlsync --version``, ``rlsync
+    doctor``, ``examples/sync_weights.py``, and every entry point the wheel declares resolves."""
+    session.install("build", "twine")
+    tmp = os.path.abspath(session.create_tmp())  # absolute: the commands below run from inside it
+    dist = os.path.join(tmp, "dist")
+    shutil.rmtree(dist, ignore_errors=True)
+    session.run("python", "-m", "build", "--outdir", dist)
+    session.run("twine", "check", "--strict", *sorted(glob.glob(os.path.join(dist, "*"))))
+    (built,) = glob.glob(os.path.join(dist, "rlsync-*.whl"))
+    user = os.path.join(tmp, "user")
+    shutil.rmtree(user, ignore_errors=True)
+    session.run("python", "-m", "venv", user)
+    bin_dir = os.path.join(user, "bin")
+    session.run(os.path.join(bin_dir, "pip"), "install", "-q", TORCH, built, external=True)
+    example = shutil.copy("examples/sync_weights.py", os.path.join(tmp, "sync_weights.py"))
+    with session.chdir(tmp):  # outside the checkout: only the installed copy can be imported
+        session.run(os.path.join(bin_dir, "rlsync"), "--version", external=True)
+        session.run(os.path.join(bin_dir, "rlsync"), "doctor", external=True, env={"COLUMNS": "200"})
+        session.run(os.path.join(bin_dir, "python"), example, "--size", "16MiB", external=True)
+        session.run(os.path.join(bin_dir, "python"), "-c", ENTRY_POINTS_RESOLVE, external=True)
 
 
 @nox.session(python="3.11", venv_backend="uv")

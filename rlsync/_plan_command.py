@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import collections
-
 import json
+import re
 import time
+from pathlib import Path
+
+import msgspec
 
 from rich.console import Console
 from rich.table import Table
 
-from rlsync import Box, ConfigError, Layout, build_plan
+from rlsync import Box, ConfigError, Layout, LayoutError, build_plan
 from rlsync.core import INBOX_SHARE
 from rlsync.layouts import PRESETS, ModelSpec, engine_tp, fsdp, load_model_spec, make_layout, megatron, own_buffer_shard, replicated, zero3
 from rlsync.wire import fp8_model_spec
@@ -104,7 +107,7 @@ def plan_report(model: str, train: str, infer: str, nic_gbps: float, rank: int |
         raise ConfigError(f"--nic-gbps {nic_gbps} and --host-us-per-tensor {host_us_per_tensor}: a rate above 0 and a "
                           f"cost of 0 or more")
     kind, fraction = parse_wire(wire)
-    spec = load_model_spec(model)
+    spec = resolve_model(model)
     if kind == "fp8":
         spec = fp8_model_spec(spec)
     started = time.perf_counter()
@@ -156,6 +159,29 @@ def plan_report(model: str, train: str, infer: str, nic_gbps: float, rank: int |
     }
 
 
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # owner/name, as the Hugging Face hub spells a model
+
+
+def resolve_model(model: str) -> ModelSpec:
+    """``--model``: a preset, a local directory or ``config.json``, or a hub id whose ``config.json`` huggingface_hub
+    fetches (or finds in its cache: ``HF_HUB_OFFLINE=1`` works)."""
+    if model in PRESETS or Path(model).exists() or not HUB_ID.match(model):
+        return load_model_spec(model)
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError:
+        raise LayoutError(f"--model {model!r} looks like a Hugging Face hub id: reading its config.json needs "
+                          f"huggingface_hub (pip install huggingface_hub), or pass a local config.json, its directory, "
+                          f"or a preset (rlsync plan --list-models)") from None
+    try:
+        config = hf_hub_download(model, "config.json")
+    except Exception as exc:  # no network, no such repository, a gated one: huggingface_hub says which
+        raise LayoutError(f"--model {model!r}: huggingface_hub could not fetch its config.json "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); pass a local "
+                          f"config.json or its directory instead") from None
+    return msgspec.structs.replace(load_model_spec(config), name=model)  # not the cache's snapshot folder name
+
+
 def _gb(n: object) -> str:
     return f"{int(n) / 1e9:,.2f} GB"  # type: ignore[call-overload]
 
@@ -198,3 +224,16 @@ def run(*, model: str, train: str, infer: str, nic_gbps: float, rank: int | None
     for key, value in rows:
         table.add_row(key, value)
     console.print(table)
+    console.print(LEGEND, markup=False, highlight=False, soft_wrap=True)  # its own line breaks, at any width
+
+
+LEGEND = """What the rows mean:
+  bytes to move       what the engine ranks hold in all: every byte a destination needs, counted once
+  bytes sent          what the trainer's ranks send; redundancy = bytes sent / bytes to move (1.000: each byte once)
+  transfers           the copies of the plan: one per (trainer rank, engine rank, tensor part)
+  max per sender      the busiest trainer rank's bytes: its NIC's share of the work
+  max per receiver    the busiest engine rank's (or node relay's) bytes: its NIC's share
+  sender lower bound  the least the busiest trainer rank could send if the ranks that hold the same bytes shared
+                      them perfectly; imbalance = max per sender / that bound (1.000: no rank sends more than it must)
+  predicted: bytes    the busier of max per sender and max per receiver at --nic-gbps
+  predicted: host     the busiest writer's host work: its tensor runs at --host-us-per-tensor each"""

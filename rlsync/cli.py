@@ -37,7 +37,7 @@ def _options(
 
 @app.command()
 def plan(
-    model: Annotated[str, typer.Option(help="Preset name (see --list-models) or a path to a config.json.")] = "qwen2.5-7b",
+    model: Annotated[str, typer.Option(help="A preset (see --list-models), a config.json or its directory, or a Hugging Face hub id (its config.json, with huggingface_hub).")] = "qwen2.5-7b",
     train: Annotated[str, typer.Option(help="Trainer layout, e.g. 'fsdp:dp=8' or 'megatron:tp=8,pp=4,dp=8,ep=8'.")] = "fsdp:dp=8",
     infer: Annotated[str, typer.Option(help="Inference layout, e.g. 'vllm:tp=16,replicas=8'.")] = "vllm:tp=2,replicas=4",
     nic_gbps: Annotated[float, typer.Option(help="Per-rank NIC rate in Gbit/s for the predicted time.")] = 400.0,

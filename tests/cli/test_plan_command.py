@@ -119,3 +119,40 @@ def test_a_config_json_without_a_field_it_needs_names_the_field(tmp_path: "pathl
     config.write_text(json.dumps({"model_type": "qwen2", "num_hidden_layers": 2}))
     out = subprocess.run([sys.executable, "-m", "rlsync.cli", "plan", "--model", str(config)], capture_output=True, text=True)
     assert out.returncode == 2 and "hidden_size=None" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_hub_id_reads_its_config_through_huggingface_hub_and_says_so_without_it(tmp_path: "pathlib.Path") -> None:
+    """#58: `--model Qwen/Qwen2.5-7B-Instruct` was "not a preset". A hub id is read through huggingface_hub (here
+    from its cache, offline: this machine has no hub), and named as a hub id where huggingface_hub is missing."""
+    from rlsync.layouts import PRESETS
+
+    snapshot = tmp_path / "models--Acme--Tiny-7B" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(PRESETS["qwen2.5-7b"]))
+    (tmp_path / "models--Acme--Tiny-7B" / "refs").mkdir()
+    (tmp_path / "models--Acme--Tiny-7B" / "refs" / "main").write_text("0123abcd")
+    env = {**__import__("os").environ, "HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    plan = [sys.executable, "-m", "rlsync.cli", "plan", "--model", "Acme/Tiny-7B", "--json"]
+    out = subprocess.run(plan, capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    preset = json.loads(subprocess.run([*plan[:4], "--model", "qwen2.5-7b", "--json"], capture_output=True, text=True,
+                                       check=True).stdout)
+    assert report["model"] == "Acme/Tiny-7B" and report["parameters"] == preset["parameters"] > 0
+
+    missing = subprocess.run([sys.executable, "-c", "import sys; sys.modules['huggingface_hub'] = None; "
+                              "sys.argv = ['rlsync', 'plan', '--model', 'Acme/Tiny-7B']; import rlsync.cli; rlsync.cli.main()"],
+                             capture_output=True, text=True, env=env)
+    assert missing.returncode == 2 and "looks like a Hugging Face hub id" in missing.stderr, missing.stderr
+    assert "pip install huggingface_hub" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
+    gone = subprocess.run([*plan[:4], "--model", "Acme/Absent"], capture_output=True, text=True, env=env)
+    assert gone.returncode == 2 and "could not fetch its config.json" in gone.stderr.splitlines()[-1], gone.stderr
+
+
+def test_the_table_explains_its_rows() -> None:
+    result = CliRunner().invoke(app, ["plan"])
+    assert result.exit_code == 0, result.output
+    legend = result.output.split("What the rows mean:")[1]
+    for row in ("bytes to move", "bytes sent", "redundancy", "transfers", "max per sender", "max per receiver",
+                "sender lower bound", "imbalance", "predicted: bytes", "predicted: host"):
+        assert row in legend, row

@@ -23,6 +23,8 @@ out. ``finish`` marks the episode done and adds its sample to the samples of the
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -30,6 +32,7 @@ from typing import Any, Final, TypeVar, cast
 
 from rlsync import Claim, ConfigError, LeaseLostError, RolloutBufferError, Sample, decode_sample, encode_sample
 
+_log = logging.getLogger("rlsync")
 T = TypeVar("T")
 
 _NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
@@ -167,15 +170,27 @@ return 1
 """
 
 
-def _retrying(errors: tuple[type[BaseException], ...], seconds: float, call: Callable[[], T]) -> T:
-    """``call()``, retried while Redis is unreachable (a restart), for up to ``seconds``."""
+def _shown(url: str) -> str:
+    """A Redis URL as errors and logs show it: without its password."""
+    return re.sub(r"//[^/@]*@", "//<credentials>@", url)
+
+
+def _retrying(errors: tuple[type[BaseException], ...], seconds: float, call: Callable[[], T], url: str) -> T:
+    """``call()``, retried while Redis is unreachable (a restart), for up to ``seconds``; the first failure is logged
+    at once, so that a wrong URL is not a silent wait."""
     deadline = time.monotonic() + seconds
+    warned = False
     while True:
         try:
             return call()
         except errors as exc:
             if time.monotonic() > deadline:
-                raise RolloutBufferError(f"Redis unreachable for {seconds} s: {exc}. Is redis-server running?") from exc
+                raise RolloutBufferError(f"no Redis answered at {_shown(url)} for {seconds:g} s ({exc}): start "
+                                         f"redis-server there, or pass the right url= (retry_seconds= sets the wait)") from exc
+            if not warned:
+                _log.warning("Redis at %s does not answer (%s): retrying for up to %g s (retry_seconds)", _shown(url), exc,
+                             seconds)
+                warned = True
             time.sleep(0.05)
 
 
@@ -201,6 +216,7 @@ class RedisStorage:
                  lease_seconds: float = 600.0, client: Any = None) -> None:
         redis = _redis_module()
         self._redis = client if client is not None else redis.Redis.from_url(url, socket_timeout=10)
+        self._url = url
         self._errors = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
         self._name = name
         self._keys = {k: f"{name}:{k}" for k in ("ids", "queue", "leased", "payload", "order", "seq", "state")}
@@ -212,7 +228,7 @@ class RedisStorage:
         self._held: set[str] = set()  # taken by this client, not yet acknowledged
 
     def _retry(self, call: Callable[[], T]) -> T:
-        return _retrying(self._errors, self.retry_seconds, call)
+        return _retrying(self._errors, self.retry_seconds, call, self._url)
 
     def append(self, samples: Sequence[Sample]) -> None:
         if not samples:
@@ -279,6 +295,7 @@ class RedisEpisodes:
         redis = _redis_module()
         self.kept_seconds = kept_seconds  # an episode finished without a sample keeps its steps this long (a replay)
         self._redis = client if client is not None else redis.Redis.from_url(url, socket_timeout=10)
+        self._url = url
         self._errors = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
         self._name = name
         self._prefix = f"{name}:ep:"
@@ -290,7 +307,7 @@ class RedisEpisodes:
         self.retry_seconds = retry_seconds
 
     def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
-        return _retrying(self._errors, self.retry_seconds, lambda: self._scripts[script](keys=keys, args=args))
+        return _retrying(self._errors, self.retry_seconds, lambda: self._scripts[script](keys=keys, args=args), self._url)
 
     def add(self, episode_id: str, prompt: bytes) -> bool:
         k = self._keys
@@ -337,7 +354,8 @@ class RedisEpisodes:
         return answer == 1
 
     def unfinished(self) -> int:
-        return int(_retrying(self._errors, self.retry_seconds, lambda: self._redis.get(self._keys["ep-unfinished"])) or 0)
+        return int(_retrying(self._errors, self.retry_seconds, lambda: self._redis.get(self._keys["ep-unfinished"]),
+                             self._url) or 0)
 
     def close(self) -> None:
         self._redis.close()

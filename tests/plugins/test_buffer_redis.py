@@ -166,3 +166,25 @@ def test_payloads_written_by_a_client_that_died_before_queueing_them_are_never_s
     assert [s.sample_id for s in taken] == [kept.sample_id] and taken[0].tokens.tolist() == kept.tokens.tolist()
     storage.ack([kept.sample_id])
     assert storage.take(10) == [] and len(storage) == 0
+
+
+def test_a_url_where_no_redis_answers_is_named_at_once_and_fails_within_the_wait_given(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """#58: with redis-py but no server, the buffer waited 30 s in silence. Now the first failure is logged at once
+    with the URL (its password hidden), and the error after `retry_seconds` names the URL and the options."""
+    import socket
+
+    from rlsync import RolloutBufferError
+
+    with socket.socket() as probe:  # a port where nothing listens
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"redis://:hunter2@127.0.0.1:{port}/0"
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="rlsync"), pytest.raises(RolloutBufferError) as raised:
+        make_buffer("redis", url=url, batch_size=2, retry_seconds=1.0)
+    assert time.monotonic() - started < 3.0
+    shown = f"redis://<credentials>@127.0.0.1:{port}/0"
+    assert f"no Redis answered at {shown} for 1 s" in str(raised.value) and "url=" in str(raised.value)
+    assert [r.getMessage() for r in caplog.records if shown in r.getMessage() and "retrying" in r.getMessage()]
+    assert "hunter2" not in str(raised.value) + caplog.text

@@ -18,6 +18,7 @@ from rlsync.core import INBOX_SHARE
 from rlsync.layouts import PRESETS, ModelSpec, engine_tp, fsdp, load_model_spec, make_layout, megatron, own_buffer_shard, replicated, zero3
 from rlsync.wire import fp8_model_spec
 
+MAX_RANKS = 65_536  # ranks of one side (fsdp:dp=4096 took 75 s to plan on a 2-core machine)
 TRAINERS = {"fsdp": ("dp",), "zero3": ("dp",), "megatron": ("tp", "pp", "dp", "ep", "etp")}
 ENGINES = {"vllm": ("tp", "replicas"), "sglang": ("tp", "replicas"), "hf": ("replicas",)}
 
@@ -33,6 +34,11 @@ def parse_spec(spec: str, kinds: dict[str, tuple[str, ...]], option: str) -> tup
         if key not in kinds[kind] or not value.isdigit() or int(value) < 1:
             raise ConfigError(f"{option} {spec!r}: bad item {item!r}; {kind} takes positive integers for {', '.join(kinds[kind])}")
         values[key] = int(value)
+    ranks = 1
+    for key in ("tp", "pp", "dp", "ep", "replicas"):  # etp divides tp's ranks; it adds none
+        ranks *= values.get(key, 1)
+    if ranks > MAX_RANKS:  # a plan is built per rank: 10^8 ranks ran until memory ran out
+        raise ConfigError(f"{option} {spec!r}: {ranks:,} ranks; rlsync plan takes up to {MAX_RANKS:,} a side")
     return kind, values
 
 
@@ -112,6 +118,8 @@ def plan_report(model: str, train: str, infer: str, nic_gbps: float, rank: int |
         spec = fp8_model_spec(spec)
     started = time.perf_counter()
     src, dst = trainer_layout(spec, train), engine_layout(spec, infer)
+    if rank is not None and not 0 <= rank < dst.world_size:
+        raise ConfigError(f"--rank {rank}: an engine rank of {infer!r}, from 0 to {dst.world_size - 1}")
     if relay_per_node:
         if rank is not None:
             raise ConfigError("--relay-per-node plans whole nodes: leave out --rank")

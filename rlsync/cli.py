@@ -59,6 +59,34 @@ def plan(
     )
 
 
+MAX_TOKENS = 1 << 20  # --sampling-mask: positions in one micro-batch (its logits are tokens x vocabulary floats)
+MAX_FANOUT_RANKS = 64  # --fanout-ranks: engine ranks behind one relay host, each a process with two copies of the model
+
+
+def _check_bench_numbers(*, lr: float, link_gbps: float | None, tokens: int, fanout_ranks: int | None,
+                         device: str | None) -> None:
+    """The bench's numbers and device, checked before any work: a NaN or negative rate ran (or hung) the bench, a huge
+    micro-batch died in the allocator, an unknown device was a traceback."""
+    import math
+
+    if not (math.isfinite(lr) and lr > 0):
+        raise typer.BadParameter(f"--lr {lr}: a learning rate above 0, e.g. 1e-6")
+    if link_gbps is not None and not (math.isfinite(link_gbps) and link_gbps > 0):
+        raise typer.BadParameter(f"--link-gbps {link_gbps}: a rate above 0 in Gbit/s, e.g. 1")
+    if tokens > MAX_TOKENS:
+        raise typer.BadParameter(f"--tokens {tokens}: at most {MAX_TOKENS:,} positions in one micro-batch")
+    if fanout_ranks is not None and fanout_ranks > MAX_FANOUT_RANKS:
+        raise typer.BadParameter(f"--fanout-ranks {fanout_ranks}: at most {MAX_FANOUT_RANKS} (a process and two copies "
+                                 f"of the model each)")
+    if device is not None:
+        import torch
+
+        try:
+            torch.device(device)
+        except (RuntimeError, ValueError):
+            raise typer.BadParameter(f"--device {device!r}: a torch device, e.g. 'cpu', 'cuda' or 'cuda:1'") from None
+
+
 @app.command()
 def bench(
     size: Annotated[Optional[str], typer.Option(help="Bytes of weights to sync, e.g. '1GiB', '256MiB' (default 1GiB; "
@@ -92,6 +120,7 @@ def bench(
                                                             "takes longer is reported as failed and the next runs.")] = 600,
 ) -> None:
     """Measure weight sync (or the rollout buffer) against the baselines, in one run."""
+    _check_bench_numbers(lr=lr, link_gbps=link_gbps, tokens=tokens, fanout_ranks=fanout_ranks, device=device)
     if fanout_ranks is not None and (wire is None or link_gbps is None):
         raise typer.BadParameter("--fanout-ranks puts a host of engine ranks across the link of --wire delta --link-gbps G: "
                                  "add those, or leave --fanout-ranks out")

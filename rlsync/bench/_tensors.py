@@ -70,11 +70,18 @@ def measure(tensors: int, nbytes: int, versions: int, transport: str) -> dict[st
     }
 
 
+MAX_TENSORS = 1_000_000  # beyond it the bench's own set-up (a Python object per tensor) is what it would measure
+
+
 def run(*, tensors: int, size: str | None, versions: int, transport: str, json_output: bool) -> None:
     if tensors < 1 or versions < 2:
         raise ConfigError(f"--tensors {tensors} with --repeats {versions - 1}: at least 1 tensor and 1 repeat (a first "
                           f"version prepares what the later ones reuse; they are what is measured)")
     nbytes = parse_size(size or "64MiB")
+    if tensors > min(MAX_TENSORS, nbytes // 2):
+        raise ConfigError(f"--tensors {tensors}: at most {min(MAX_TENSORS, nbytes // 2):,} for --size {size or '64MiB'} "
+                          f"(one bf16 value each at least, and {MAX_TENSORS:,} in all: a MoE of 1T parameters has about "
+                          f"70,000)")
     report = measure(tensors, nbytes, versions, transport)
     if json_output:
         print(json.dumps(report))

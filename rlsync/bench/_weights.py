@@ -36,7 +36,11 @@ def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
     if not match:  # a usage error, not a crash: the CLI prints it as one
         raise ConfigError(f"--size {text!r}: use a number with a unit, e.g. 1GiB, 256MiB")
-    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+    nbytes = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if not 2**20 <= nbytes <= memory:  # 0 hung the bench; more than the machine holds could only fail later
+        raise ConfigError(f"--size {text!r}: from 1MiB to this machine's memory ({memory / 2**30:.0f}GiB), e.g. 256MiB")
+    return nbytes
 
 
 def bench_spec(nbytes: int) -> dict[str, Any]:

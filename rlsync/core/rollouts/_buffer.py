@@ -156,6 +156,9 @@ class Batch:
         return [importance_weights(t, s.logprobs, cap) for t, s in zip(trainer_logprobs, self.samples)]
 
 
+MAX_BATCH_SIZE = 1 << 24  # samples in one batch: far above any trainer's, far below what would never fill
+
+
 class RolloutBuffer:
     """See the module docstring."""
 
@@ -172,12 +175,14 @@ class RolloutBuffer:
         plugins: pluggy.PluginManager | None = None,
     ) -> None:
         if on_stale not in ("wait", "drop") or partial not in ("continue", "abort", "drain"):
-            raise ValueError(f"on_stale must be 'wait' or 'drop' and partial 'continue', 'abort' or 'drain'; got {on_stale!r}, {partial!r}")
+            raise ConfigError(f"on_stale must be 'wait' or 'drop' and partial 'continue', 'abort' or 'drain'; got {on_stale!r}, {partial!r}")
         for name, value, least in (("batch_size", batch_size, 1), ("group_size", group_size, 1),
                                    ("max_staleness", max_staleness, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ConfigError(f"{name}={value!r}: a whole number of at least {least}"
                                   + (" (0: on-policy only; admit() would wait forever below it)" if least == 0 else ""))
+        if batch_size > MAX_BATCH_SIZE:  # get() would wait for a batch that never fills
+            raise ConfigError(f"batch_size={batch_size!r}: a batch of at most {MAX_BATCH_SIZE:,} samples")
         self.batch_size = batch_size
         self.max_staleness = max_staleness
         self.on_stale = on_stale

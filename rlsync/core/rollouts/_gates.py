@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from rlsync.core._errors import ConfigError
 from rlsync.core.rollouts._samples import Sample
 
 
@@ -42,8 +43,8 @@ class MaxStaleness:
     name = "max_staleness"
 
     def __init__(self, max_staleness: int) -> None:
-        if max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, not {max_staleness}")
+        if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
+            raise ConfigError(f"max_staleness={max_staleness!r}: a whole number of at least 0 (0: on-policy only)")
         self.max_staleness = max_staleness
 
     def __call__(self, sample: Sample, trainer_version: int) -> Decision:
@@ -68,6 +69,8 @@ def importance_weights(trainer_logprobs: np.ndarray, behaviour_logprobs: np.ndar
 
     Both arrays hold log-probabilities of the sampled tokens, one per generated token.
     """
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < float("inf")):
+        raise ConfigError(f"cap={cap!r}: a ratio above 0 at which the weights are truncated (e.g. 2.0), or None")
     if trainer_logprobs.shape != behaviour_logprobs.shape:
         raise ValueError(f"log-prob shapes differ: trainer {trainer_logprobs.shape}, behaviour {behaviour_logprobs.shape}")
     ratio = np.exp(trainer_logprobs.astype(np.float64) - behaviour_logprobs.astype(np.float64))

@@ -159,7 +159,7 @@ def bench(
     else:
         from rlsync.bench import run_weights
 
-        run_weights(size=size or "1GiB", transports=transports, repeats=repeats, json_output=json_output)
+        run_weights(size=size, transports=transports, repeats=repeats, json_output=json_output)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

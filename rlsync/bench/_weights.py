@@ -43,6 +43,43 @@ def parse_size(text: str) -> int:
     return nbytes
 
 
+def available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), or None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+
+
+#: the default run's peak memory per byte of --size: the trainer's weights, each reader's two slots, and 4 readers at
+#: once at the end (measured: 9.7 GB for 1 GiB); and its seconds per GiB at --repeats 3 on a 2-core Xeon (4.5 min)
+MEMORY_PER_BYTE, SECONDS_PER_GIB = 9.5, 270.0
+DEFAULT_SIZE = "1GiB"
+
+
+def sized_run(size: str | None, repeats: int, names: list[str]) -> int:
+    """The bytes of the default run, said before it starts (memory, about how long); a default that would not fit this
+    machine's memory is halved until it does (said), a --size given that would not fit is refused."""
+    nbytes = parse_size(size or DEFAULT_SIZE)
+    available = available_bytes()
+    if available is not None and nbytes * MEMORY_PER_BYTE > available:
+        if size is not None:
+            raise ConfigError(f"rlsync bench --size {size}: needs about {nbytes * MEMORY_PER_BYTE / 1e9:.1f} GB of memory "
+                              f"(the trainer, two slots per reader, 4 readers at once), this machine has "
+                              f"{available / 1e9:.1f} GB available: use a smaller --size")
+        while nbytes > 64 * 2**20 and nbytes * MEMORY_PER_BYTE > available:
+            nbytes //= 2
+        print(f"rlsync bench: {DEFAULT_SIZE} would need about {parse_size(DEFAULT_SIZE) * MEMORY_PER_BYTE / 1e9:.1f} GB "
+              f"of memory, {available / 1e9:.1f} GB is available: measuring {nbytes / 2**20:.0f} MiB", file=sys.stderr)
+    minutes = SECONDS_PER_GIB * nbytes / 2**30 * (repeats + 1) / 4 / 60
+    print(f"rlsync bench: {nbytes / 2**20:,.0f} MiB of bf16 weights through {', '.join(names)} ({repeats} timed runs "
+          f"each), the gloo and safetensors baselines, then 1, 2 and 4 readers at once: about "
+          f"{nbytes * MEMORY_PER_BYTE / 1e9:.1f} GB of memory and {minutes:.0f}-{2 * minutes:.0f} min on a 2-core machine "
+          f"(--size 256MiB for a quicker run)", file=sys.stderr, flush=True)
+    return nbytes
+
+
 def bench_spec(nbytes: int) -> dict[str, Any]:
     """A Qwen2-shaped config whose bf16 weights come close to ``nbytes``."""
     big = nbytes >= 512 * 2**20
@@ -320,7 +357,7 @@ def choose_transports(asked: str | None) -> tuple[list[str], list[dict[str, str]
     return names, []
 
 
-def run(*, size: str, transports: str | None, repeats: int, json_output: bool) -> None:
+def run(*, size: str | None, transports: str | None, repeats: int, json_output: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -328,8 +365,9 @@ def run(*, size: str, transports: str | None, repeats: int, json_output: bool) -
 
     names, skipped = choose_transports(transports)
     say_skipped(skipped)
+    nbytes = sized_run(size, repeats, names)
     with progress(steps_of(names, repeats), "weight sync") as advance:
-        report = measure(parse_size(size), names, repeats, advance)
+        report = measure(nbytes, names, repeats, advance)
     report["skipped"] = skipped
     if json_output:
         print(json.dumps(report))
@@ -345,7 +383,10 @@ def run(*, size: str, transports: str | None, repeats: int, json_output: bool) -
                       *(f"{b['seconds'] / r['seconds']:.1f}x" for b in baselines))
     Console().print(table)
     if report["fanout"]:
-        fan = Table(title=f"publishing one version to several readers at once ({report['fanout'][0]['transport']})")
+        fan = Table(title=f"publishing one version to several readers at once ({report['fanout'][0]['transport']})",
+                    caption="the readers land at once and share the machine's memory bandwidth and cores: on a few "
+                            "cores N readers take about N times one reader (x one reader), no better than one after "
+                            "another; with a core and a link per reader it stays near 1")
         for col in ("readers", "seconds to live on all", "x one reader", "one after another would take"):
             fan.add_column(col, overflow="fold")
         for f in report["fanout"]:

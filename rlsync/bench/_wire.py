@@ -26,7 +26,7 @@ import numpy as np
 
 from rlsync import ConfigError, SyncOptions
 from rlsync.bench._link import Link, slow_link
-from rlsync.bench._weights import _read, bench_spec, memcpy_gbps, parse_size
+from rlsync.bench._weights import _read, available_bytes, bench_spec, memcpy_gbps, parse_size
 from rlsync.plugins import remove_stale_regions
 
 
@@ -54,22 +54,13 @@ def _check_memory(nbytes: int, device: str, fanout: int, size: str) -> None:
     first: only the next shared-memory landing would free it otherwise, and a run over tcp creates none."""
     remove_stale_regions()
     needed = memory_needed(nbytes, device, fanout)
-    available = _available_bytes()
+    available = available_bytes()
     if available is None or sum(needed.values()) <= available:
         return
     parts = ", ".join(f"{who} {n / 1e9:.1f}" for who, n in needed.items() if n)
     fix = "--fanout-ranks 0 (no relay host) or " if fanout else ""
     raise ConfigError(f"rlsync bench --wire delta --size {size}: needs about {sum(needed.values()) / 1e9:.1f} GB of memory "
                       f"({parts}), this machine has {available / 1e9:.1f} GB available: use {fix}a smaller --size")
-
-
-def _available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (Linux), or None where there is none."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return None
 
 
 def _crcs(buffers: dict[str, Any]) -> dict[str, int]:

@@ -79,3 +79,20 @@ def test_version() -> None:
 
     out = subprocess.run([sys.executable, "-m", "rlsync.cli", "--version"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "rlsync 0.1.0", out
+
+
+def test_the_default_run_says_what_it_costs_and_shrinks_where_it_would_not_fit(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """#58: `rlsync bench` took 4.5 min and 9.7 GB with no word before it started."""
+    from rlsync.bench import _weights
+
+    monkeypatch.setattr(_weights, "available_bytes", lambda: 64 * 2**30)
+    assert _weights.sized_run(None, 3, ["shm", "tcp"]) == 2**30
+    said = capsys.readouterr().err
+    assert "1,024 MiB of bf16 weights through shm, tcp (3 timed runs each)" in said and "10.2 GB of memory" in said
+    assert "4-9 min" in said and "--size 256MiB" in said
+    monkeypatch.setattr(_weights, "available_bytes", lambda: 4 * 10**9)  # a small machine: the default shrinks
+    assert _weights.sized_run(None, 3, ["shm"]) == 256 * 2**20
+    assert "1GiB would need about 10.2 GB of memory, 4.0 GB is available: measuring 256 MiB" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"--size 1GiB: needs about 10.2 GB of memory .* 4.0 GB available: use a smaller"):
+        _weights.sized_run("1GiB", 3, ["shm"])  # asked for: refused, not shrunk

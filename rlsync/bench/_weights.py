@@ -72,10 +72,11 @@ def sized_run(size: str | None, repeats: int, names: list[str]) -> int:
             nbytes //= 2
         print(f"rlsync bench: {DEFAULT_SIZE} would need about {parse_size(DEFAULT_SIZE) * MEMORY_PER_BYTE / 1e9:.1f} GB "
               f"of memory, {available / 1e9:.1f} GB is available: measuring {nbytes / 2**20:.0f} MiB", file=sys.stderr)
-    minutes = SECONDS_PER_GIB * nbytes / 2**30 * (repeats + 1) / 4 / 60
+    seconds = SECONDS_PER_GIB * nbytes / 2**30 * (repeats + 1) / 4
+    took = f"{seconds / 60:.0f}-{2 * seconds / 60:.0f} min" if seconds >= 60 else f"{seconds:.0f}-{2 * seconds:.0f} s"
     print(f"rlsync bench: {nbytes / 2**20:,.0f} MiB of bf16 weights through {', '.join(names)} ({repeats} timed runs "
           f"each), the gloo and safetensors baselines, then 1, 2 and 4 readers at once: about "
-          f"{nbytes * MEMORY_PER_BYTE / 1e9:.1f} GB of memory and {minutes:.0f}-{2 * minutes:.0f} min on a 2-core machine "
+          f"{nbytes * MEMORY_PER_BYTE / 1e9:.1f} GB of memory and {took} on a 2-core machine "
           f"(--size 256MiB for a quicker run)", file=sys.stderr, flush=True)
     return nbytes
 
@@ -384,9 +385,9 @@ def run(*, size: str | None, transports: str | None, repeats: int, json_output: 
     Console().print(table)
     if report["fanout"]:
         fan = Table(title=f"publishing one version to several readers at once ({report['fanout'][0]['transport']})",
-                    caption="the readers land at once and share the machine's memory bandwidth and cores: on a few "
-                            "cores N readers take about N times one reader (x one reader), no better than one after "
-                            "another; with a core and a link per reader it stays near 1")
+                    caption="the readers land at once and share this machine's memory bandwidth and cores: on a "
+                            "few cores 'x one reader' grows with their number (up to N times one, as one after another "
+                            "would take); with a core and a link per reader it stays near 1")
         for col in ("readers", "seconds to live on all", "x one reader", "one after another would take"):
             fan.add_column(col, overflow="fold")
         for f in report["fanout"]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -47,6 +48,7 @@ class TorchDistLanding(Landing):
         self._host = host
         self._closed = threading.Event()
         self._seen = 0
+        self._servers: list[threading.Thread] = []
         threading.Thread(target=self._accept, name="rlsync-torchdist-landing", daemon=True).start()
 
     @property
@@ -61,7 +63,9 @@ class TorchDistLanding(Landing):
             joined = self._store.add("writers", 0)
             while self._seen < joined:
                 self._seen += 1
-                threading.Thread(target=self._serve, args=(self._seen,), daemon=True).start()
+                server = threading.Thread(target=self._serve, args=(self._seen,), daemon=True)
+                server.start()
+                self._servers.append(server)
 
     def _serve(self, index: int) -> None:
         import torch
@@ -93,6 +97,12 @@ class TorchDistLanding(Landing):
 
     def close(self) -> None:
         self._closed.set()
+        # A writer that closed its link told its server thread to end: wait for it, so that its gloo group is freed
+        # here and not at interpreter exit, where gloo's threads end the process with "terminate called without an
+        # active exception" (a writer still connected keeps its thread; a second at most is waited for in all)
+        deadline = time.monotonic() + 1.0
+        for server in self._servers:
+            server.join(max(0.0, deadline - time.monotonic()))
 
 
 class TorchDistLink(Link):
@@ -146,8 +156,11 @@ class TorchDistLink(Link):
     def close(self) -> None:
         import torch
 
+        group = self.__dict__.pop("_group", None)  # freed below, while its threads can still be joined (see
+        if group is None:  # TorchDistLanding.close); closed before
+            return
         try:
-            _broadcast(self._group, torch.tensor([CLOSE, 0], dtype=torch.int64), 0)
+            _broadcast(group, torch.tensor([CLOSE, 0], dtype=torch.int64), 0)
         except RuntimeError:
             pass
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import re
 import time
@@ -13,7 +14,7 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from rlsync import Box, ConfigError, Layout, LayoutError, build_plan
+from rlsync import Box, ConfigError, Layout, LayoutError, Plan, build_plan
 from rlsync.core import INBOX_SHARE
 from rlsync.layouts import PRESETS, ModelSpec, engine_tp, fsdp, load_model_spec, make_layout, megatron, own_buffer_shard, replicated, zero3
 from rlsync.wire import fp8_model_spec
@@ -95,6 +96,26 @@ def relay_layout(dst: Layout, ranks_per_node: int) -> Layout:
 HOST_US_PER_TENSOR = 0.7
 
 
+@functools.lru_cache(maxsize=2)  # the wire and the rates change no plan: one built per layout pair (seconds for 1T)
+def _built(model: str, train: str, infer: str, rank: int | None, relay_per_node: int,
+           fp8: bool) -> tuple[ModelSpec, Plan, float, float]:
+    """The model, its plan, and the seconds its layouts and its plan took to build."""
+    spec = resolve_model(model)
+    if fp8:
+        spec = fp8_model_spec(spec)
+    started = time.perf_counter()
+    src, dst = trainer_layout(spec, train), engine_layout(spec, infer)
+    if rank is not None and not 0 <= rank < dst.world_size:
+        raise ConfigError(f"--rank {rank}: an engine rank of {infer!r}, from 0 to {dst.world_size - 1}")
+    if relay_per_node:
+        if rank is not None:
+            raise ConfigError("--relay-per-node plans whole nodes: leave out --rank")
+        dst = relay_layout(dst, relay_per_node)
+    layouts_done = time.perf_counter()
+    plan = build_plan(src, dst, dst_ranks=None if rank is None else [rank])
+    return spec, plan, layouts_done - started, time.perf_counter() - layouts_done
+
+
 def plan_report(model: str, train: str, infer: str, nic_gbps: float, rank: int | None = None, wire: str = "bf16",
                 relay_per_node: int = 0, host_us_per_tensor: float = HOST_US_PER_TENSOR) -> dict[str, object]:
     """Everything ``rlsync plan`` prints, as a dict (the ``--json`` output).
@@ -113,20 +134,7 @@ def plan_report(model: str, train: str, infer: str, nic_gbps: float, rank: int |
         raise ConfigError(f"--nic-gbps {nic_gbps} and --host-us-per-tensor {host_us_per_tensor}: a rate above 0 and a "
                           f"cost of 0 or more")
     kind, fraction = parse_wire(wire)
-    spec = resolve_model(model)
-    if kind == "fp8":
-        spec = fp8_model_spec(spec)
-    started = time.perf_counter()
-    src, dst = trainer_layout(spec, train), engine_layout(spec, infer)
-    if rank is not None and not 0 <= rank < dst.world_size:
-        raise ConfigError(f"--rank {rank}: an engine rank of {infer!r}, from 0 to {dst.world_size - 1}")
-    if relay_per_node:
-        if rank is not None:
-            raise ConfigError("--relay-per-node plans whole nodes: leave out --rank")
-        dst = relay_layout(dst, relay_per_node)
-    layouts_done = time.perf_counter()
-    plan = build_plan(src, dst, dst_ranks=None if rank is None else [rank])
-    done = time.perf_counter()
+    spec, plan, layout_seconds, plan_seconds = _built(model, train, infer, rank, relay_per_node, kind == "fp8")
     st = plan.stats
     factor = fraction * DELTA_BYTES_PER_CHANGE if kind == "delta" else 1.0
     factor = 1.0 if factor > INBOX_SHARE else factor  # as the writer: a delta its reader's inbox cannot hold goes in full
@@ -153,9 +161,9 @@ def plan_report(model: str, train: str, infer: str, nic_gbps: float, rank: int |
         "sender_lower_bound": st.sender_lower_bound,
         "redundancy": st.redundancy,
         "imbalance": st.imbalance if rank is None else None,
-        "layout_seconds": layouts_done - started,
-        "plan_seconds": done - layouts_done,
-        "build_seconds": done - started,
+        "layout_seconds": layout_seconds,
+        "plan_seconds": plan_seconds,
+        "build_seconds": layout_seconds + plan_seconds,
         "wire": wire,
         "wire_bytes_factor": factor,
         "nic_gbps": nic_gbps,

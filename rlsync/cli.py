@@ -115,6 +115,11 @@ def bench(
     tensors: Annotated[Optional[int], typer.Option(help="Host cost per tensor: the same bytes (--size, default 64MiB) "
                                                        "as 1 and as this many tensors, over the first of --transports "
                                                        "(default shm): a first version, then --repeats measured.")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Host cost per tensor on a preset's own tensors (rlsync plan "
+                                                     "--list-models), as a trainer holds them: experts one by one "
+                                                     "(qwen3-30b-a3b: about 19,000; kimi-k2: about 70,000).")] = None,
+    scale: Annotated[str, typer.Option(help="With --model: each tensor's share of its real size, e.g. 1/256 (the "
+                                            "count stays the model's).")] = "1/256",
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
     path_timeout: Annotated[float, typer.Option(min=1, help="With --device: seconds one path may take; a path that "
                                                             "takes longer is reported as failed and the next runs.")] = 600,
@@ -137,11 +142,11 @@ def bench(
 
         run_wire(size=size or "1GiB", steps=steps, lr=lr, transport=(transports or "tcp").split(",")[0], json_output=json_output,
                  link_gbps=link_gbps, device=device or "cpu", **({} if fanout_ranks is None else {"fanout": fanout_ranks}))
-    elif tensors is not None:
+    elif tensors is not None or model is not None:
         from rlsync.bench import run_tensors
 
         run_tensors(tensors=tensors, size=size, versions=repeats + 1, transport=(transports or "shm").split(",")[0],
-                    json_output=json_output)
+                    json_output=json_output, model=model, scale=scale)
     elif link_gbps is not None:
         raise typer.BadParameter("--link-gbps measures full against delta versions over a slow link: add --wire delta")
     elif sampling_mask:

@@ -35,7 +35,7 @@ from typing import Any
 import msgspec
 
 from rlsync import SyncOptions
-from rlsync.bench._weights import _read, bench_spec, parse_size
+from rlsync.bench._weights import _read, bench_spec, check_fits, parse_size
 from rlsync.layouts import model_spec
 
 BUCKET = 2 * 2**30  # the colocated recipe's bucket (verl's default update_weights_bucket_megabytes is 2048)
@@ -428,6 +428,8 @@ def run(*, device: str, size: str | None, transports: str | None, repeats: int, 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here (torch.cuda.is_available() is False); use --device cpu")
     nbytes = parse_size(size or ("8GiB" if device.startswith("cuda") else "256MiB"))
+    if not device.startswith("cuda"):  # trainer and engine copies, staging and the bucketed recipe, in host memory
+        check_fits(nbytes, 6, f"rlsync bench --device {device} --size {size}")
     names = [t for t in transports.split(",") if t] if transports else None
     _stop_on_sigterm()
     with progress(None, f"weight sync on {device}") as advance:

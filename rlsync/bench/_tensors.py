@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from rlsync import ConfigError, SyncOptions
-from rlsync.bench._weights import available_bytes, memcpy_gbps, parse_size
+from rlsync.bench._weights import available_bytes, check_fits, memcpy_gbps, parse_size
 
 
 def _versions(sizes: dict[str, int], versions: int, transport: str) -> dict[str, Any]:
@@ -130,6 +130,7 @@ def run(*, tensors: int | None, size: str | None, versions: int, transport: str,
             raise ConfigError(f"--tensors {tensors}: at most {min(MAX_TENSORS, nbytes // 2):,} for --size {size or '64MiB'} "
                               f"(one bf16 value each at least, and {MAX_TENSORS:,} in all: a MoE of 1T parameters has "
                               f"about 70,000)")
+        check_fits(nbytes, 4, f"rlsync bench --tensors {tensors} --size {size}")  # the tensors, one, two reader slots
         per = max(1, nbytes // 2 // tensors)
         sizes = {f"layers.{i}.weight": per for i in range(tensors)}
     report = measure(sizes, versions, transport)

@@ -79,6 +79,8 @@ FLAGS: list[tuple[list[str], str]] = [
     (["plan", "--wire", "fp4"], "--wire"),
     (["bench", "--size", "0"], "--size"), (["bench", "--size", "-1GiB"], "--size"), (["bench", "--size", "abc"], "--size"),
     (["bench", "--size", "1e30GiB"], "--size"), (["bench", "--size", "100000TiB"], "--size"),
+    (["bench", "--tensors", "10", "--size", "100000TiB"], "--size"), (["bench", "--device", "cpu", "--size", "100000TiB"], "--size"),
+    (["bench", "--wire", "delta", "--size", "100000TiB"], "--size"),
     (["bench", "--repeats", "0"], "--repeats"), (["bench", "--repeats", "-2"], "--repeats"),
     (["bench", "--tensors", "0"], "--tensors"), (["bench", "--tensors", "-5"], "--tensors"),
     (["bench", "--tensors", "10000000000"], "--tensors"),

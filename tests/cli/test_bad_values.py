@@ -19,6 +19,7 @@ import rlsync
 from rlsync.cli import app
 
 NAN, INF = float("nan"), float("inf")
+LAYOUT = None  # a one-tensor layout, built once rlsync is imported (the module fixture)
 WITHIN = 1.0  # seconds: each refusal, once rlsync and torch are imported
 
 
@@ -52,6 +53,11 @@ CONSTRUCTORS: list[tuple[str, Callable[[Any], Any], list[Any]]] = [
     ("make_buffer(on_stale)", lambda v: rlsync.make_buffer("memory", batch_size=2, on_stale=v), ["skip", None]),
     ("make_buffer(backend)", lambda v: rlsync.make_buffer(v, batch_size=2), ["memroy", 3]),
     ("MaxStaleness", lambda v: rlsync.MaxStaleness(v), [-1, NAN, "x", True]),
+    ("WeightsReader(rank)", lambda v: rlsync.WeightsReader(LAYOUT, LAYOUT, v), [-1, "x", NAN, 1.0]),
+    ("WeightsReader(landing)", lambda v: rlsync.WeightsReader(LAYOUT, LAYOUT, 0, landing=v), ["directt", 3]),
+    ("WeightsWriter(rank)", lambda v: rlsync.WeightsWriter(LAYOUT, LAYOUT, v, ["tcp://127.0.0.1:1"]), [-1, "x", NAN]),
+    ("WeightsWriter(readers)", lambda v: rlsync.WeightsWriter(LAYOUT, LAYOUT, 0, v), ["tcp://127.0.0.1:1", [3], {0: 3}]),
+    ("PolicyVersionClock", lambda v: rlsync.PolicyVersionClock(v), [-1, NAN, "x"]),
     ("importance_weights(cap)", lambda v: rlsync.importance_weights(np.zeros(2), np.zeros(2), cap=v), [0, -1, NAN, INF, "x"]),
 ]
 
@@ -119,3 +125,9 @@ def imported() -> None:
 
     rlsync.SyncOptions()
     rlsync.make_buffer("memory", batch_size=1)
+    global LAYOUT
+    import torch
+
+    from rlsync.layouts import from_state_dict
+
+    LAYOUT = from_state_dict({"w": torch.zeros(8)})

@@ -30,6 +30,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 import pluggy
 
+from rlsync.core._checks import whole_number
 from rlsync.core._errors import ConfigError, RolloutBufferError, VersionError
 from rlsync.core.rollouts._gates import Decision, Gate, freshest_per_group, importance_weights
 from rlsync.core.hooks import default_plugin_manager
@@ -176,11 +177,9 @@ class RolloutBuffer:
     ) -> None:
         if on_stale not in ("wait", "drop") or partial not in ("continue", "abort", "drain"):
             raise ConfigError(f"on_stale must be 'wait' or 'drop' and partial 'continue', 'abort' or 'drain'; got {on_stale!r}, {partial!r}")
-        for name, value, least in (("batch_size", batch_size, 1), ("group_size", group_size, 1),
-                                   ("max_staleness", max_staleness, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ConfigError(f"{name}={value!r}: a whole number of at least {least}"
-                                  + (" (0: on-policy only; admit() would wait forever below it)" if least == 0 else ""))
+        whole_number("batch_size", batch_size, 1)
+        whole_number("group_size", group_size, 1)
+        whole_number("max_staleness", max_staleness, 0, "0: on-policy only; admit() would wait forever below it")
         if batch_size > MAX_BATCH_SIZE:  # get() would wait for a batch that never fills
             raise ConfigError(f"batch_size={batch_size!r}: a batch of at most {MAX_BATCH_SIZE:,} samples")
         self.batch_size = batch_size

@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from rlsync.core._checks import whole_number
 from rlsync.core._errors import ConfigError
 from rlsync.core.rollouts._samples import Sample
 
@@ -43,9 +44,7 @@ class MaxStaleness:
     name = "max_staleness"
 
     def __init__(self, max_staleness: int) -> None:
-        if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
-            raise ConfigError(f"max_staleness={max_staleness!r}: a whole number of at least 0 (0: on-policy only)")
-        self.max_staleness = max_staleness
+        self.max_staleness = whole_number("max_staleness", max_staleness, 0, "0: on-policy only")
 
     def __call__(self, sample: Sample, trainer_version: int) -> Decision:
         return Decision.TRAIN if self.keeps(sample.oldest_version, trainer_version) else Decision.DROP

@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from rlsync.core._checks import whole_number
 from rlsync.core._errors import RolloutBufferError, VersionError
 
 
@@ -143,7 +144,7 @@ class PolicyVersionClock:
     """The policy version generation stamps tokens with; see the module docstring."""
 
     def __init__(self, version: int = 0) -> None:
-        self._version = version
+        self._version = whole_number("version", version, 0)
         self._steps = 0
         self._advancing = False
         self._cond = threading.Condition()

@@ -34,6 +34,7 @@ from rlsync.core.sync._control import (
     bind_router,
     bound_for,
 )
+from rlsync.core._checks import whole_number
 from rlsync.core._errors import ConfigError, TransferTimeoutError, WeightMismatchError
 from rlsync.core.layouts import Layout, dtype_size, tensor_fingerprints
 from rlsync.core.sync._memory import free_memory
@@ -83,7 +84,8 @@ class WeightsReader(ReaderService, VersionLanding):
         pause: Callable[[bool], None] | None = None,
     ) -> None:
         if landing not in ("direct", "staged", "in_place"):
-            raise ValueError(f"landing must be 'direct', 'staged' or 'in_place', not {landing!r}")
+            raise ConfigError(f"landing={landing!r}: 'direct', 'staged' or 'in_place'")
+        rank = whole_number("rank", rank, 0)
         if (landing == "in_place") != (targets is not None) or (landing == "in_place" and dst is None):
             raise ConfigError("landing='in_place' needs the destination layout and targets={buffer: the engine's tensor} "
                               "(and only it takes targets)")

@@ -22,6 +22,7 @@ import torch
 
 from rlsync.core.layouts import tied_aliases
 from rlsync.core.sync._delta import ChangeLog
+from rlsync.core._checks import whole_number
 from rlsync.core._errors import (
     ConfigError,
     PlanError,
@@ -77,6 +78,10 @@ class WeightsWriter(WriterSession, VersionPosting):
         options: SyncOptions | None = None,
         plugins: pluggy.PluginManager | None = None,
     ) -> None:
+        rank = whole_number("rank", rank, 0)
+        if isinstance(readers, str) or not all(isinstance(a, str) for a in (
+                readers.values() if isinstance(readers, Mapping) else readers)):
+            raise ConfigError(f"readers={readers!r}: the readers' addresses, a list of strings (or {{rank: address}})")
         options = options or SyncOptions()
         self.options = options
         self._plugins = plugins or default_plugin_manager()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar, cast
@@ -286,6 +287,25 @@ class RedisStorage:
         self._redis.close()
 
 
+def _kept_seconds_of(url: str, kept_seconds: float) -> tuple[str, float]:
+    """``redis://HOST:6379/0?kept_seconds=172800``: the episodes' kept time read from their URL, so that every
+    framework's one episodes option (verl's config key, TRL's ``episodes=``) sets it too; the URL without it."""
+    parts = urllib.parse.urlsplit(url)
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    given = [value for key, value in query if key == "kept_seconds"]
+    if given:
+        try:
+            kept_seconds = float(given[-1])
+        except ValueError:
+            kept_seconds = -1.0
+        if not 0 < kept_seconds < float("inf"):
+            raise ConfigError(f"kept_seconds={given[-1]!r} in {_shown(url)}: the seconds a finished episode keeps its "
+                              f"steps for a replay, above 0 (e.g. ?kept_seconds=172800 for two days)")
+        rest = urllib.parse.urlencode([(key, value) for key, value in query if key != "kept_seconds"])
+        url = urllib.parse.urlunsplit(parts._replace(query=rest))
+    return url, kept_seconds
+
+
 class RedisEpisodes:
     """The ``rlsync.EpisodeLog`` in Redis: episodes recorded by generator processes on any host survive their
     death and Redis's (with ``appendonly yes``); finished ones go to the ``RedisStorage`` of the same ``name``."""
@@ -293,6 +313,7 @@ class RedisEpisodes:
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", *, name: str = "rlsync", retry_seconds: float = 30.0,
                  client: Any = None, kept_seconds: float = 24 * 3600.0) -> None:
         redis = _redis_module()
+        url, kept_seconds = _kept_seconds_of(url, kept_seconds)
         self.kept_seconds = kept_seconds  # an episode finished without a sample keeps its steps this long (a replay)
         self._redis = client if client is not None else redis.Redis.from_url(url, socket_timeout=10)
         self._url = url

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlsync import MemoryEpisodes, MemoryStorage, RolloutBufferError
+from rlsync import ConfigError, MemoryEpisodes, MemoryStorage, RolloutBufferError
 from rlsync.testing import check_episode_log
 from tests._support import episode_generator
 from tests._support.redis_server import RedisServer
@@ -150,9 +150,11 @@ def test_redis_episodes_keep_the_contract(tmp_path: Path) -> None:
 
 
 @pytest.mark.redis
-def test_redis_keeps_an_episode_finished_without_a_sample_for_kept_seconds_then_forgets_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("given", ["argument", "url"])
+def test_redis_keeps_an_episode_finished_without_a_sample_for_kept_seconds_then_forgets_it(tmp_path: Path, given: str) -> None:
     """What a framework's re-run replays lives in Redis ``kept_seconds`` (then expires: the memory of a long run is
-    bounded); an episode finished with a sample keeps no steps."""
+    bounded); an episode finished with a sample keeps no steps. #59: the kept time rides in the episodes URL
+    (``?kept_seconds=N``), so the one episodes option of verl and TRL sets it too."""
     pytest.importorskip("redis")
     import time
 
@@ -163,7 +165,11 @@ def test_redis_keeps_an_episode_finished_without_a_sample_for_kept_seconds_then_
     from rlsync.plugins import RedisEpisodes
 
     with RedisServer.running(tmp_path) as server:
-        log = RedisEpisodes(server.url, name="kept", kept_seconds=2)
+        if given == "url":
+            with pytest.raises(ConfigError, match=r"kept_seconds='-1' in redis://.*above 0"):
+                RedisEpisodes(server.url + "?kept_seconds=-1", name="kept")
+        log = (RedisEpisodes(server.url, name="kept", kept_seconds=2) if given == "argument" else
+               RedisEpisodes(server.url + "?kept_seconds=2", name="kept"))
         for episode_id in ("by-id", "with-sample"):
             log.add(episode_id, b"p")
             claim = log.claim("w", 30, episode_id)

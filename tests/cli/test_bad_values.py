@@ -16,11 +16,15 @@ import typer
 from typer.testing import CliRunner
 
 import rlsync
+from rlsync import layouts
 from rlsync.cli import app
 
 NAN, INF = float("nan"), float("inf")
 LAYOUT = None  # a one-tensor layout, built once rlsync is imported (the module fixture)
-WITHIN = 1.0  # seconds: each refusal, once rlsync and torch are imported
+SPEC = None  # a preset's model, the same
+# seconds: each refusal takes milliseconds once rlsync and torch are imported (well under a second on an idle
+# machine); 5 lets a CI machine busy with another session pass, while a hang or a bench that started takes far longer
+WITHIN = 5.0
 
 
 def within_a_second(call: Callable[[], Any]) -> Any:
@@ -58,6 +62,15 @@ CONSTRUCTORS: list[tuple[str, Callable[[Any], Any], list[Any]]] = [
     ("WeightsWriter(rank)", lambda v: rlsync.WeightsWriter(LAYOUT, LAYOUT, v, ["tcp://127.0.0.1:1"]), [-1, "x", NAN]),
     ("WeightsWriter(readers)", lambda v: rlsync.WeightsWriter(LAYOUT, LAYOUT, 0, v), ["tcp://127.0.0.1:1", [3], {0: 3}]),
     ("PolicyVersionClock", lambda v: rlsync.PolicyVersionClock(v), [-1, NAN, "x"]),
+    ("layouts.fsdp(world)", lambda v: layouts.fsdp(SPEC.tensors, v), [0, -1, "x", NAN]),
+    ("layouts.zero3(world)", lambda v: layouts.zero3(SPEC.tensors, v), [0, -1]),
+    ("layouts.flat_partitions(world)", lambda v: layouts.flat_partitions(SPEC.tensors, v), [0, -1]),
+    ("layouts.megatron(tp)", lambda v: layouts.megatron(SPEC, v), [0, -1, "x"]),
+    ("layouts.megatron(pp)", lambda v: layouts.megatron(SPEC, 1, v), [0, -1]),
+    ("layouts.engine_tp(tp)", lambda v: layouts.engine_tp(SPEC, v), [0, -1]),
+    ("layouts.engine_tp(replicas)", lambda v: layouts.engine_tp(SPEC, 1, v), [0, -1]),
+    ("layouts.replicated(ranks)", lambda v: layouts.replicated(SPEC.tensors, v), [[-1], "x"]),
+    ("canary_tokens(vocab_size)", lambda v: rlsync.canary_tokens(v), [0, -1, NAN]),
     ("importance_weights(cap)", lambda v: rlsync.importance_weights(np.zeros(2), np.zeros(2), cap=v), [0, -1, NAN, INF, "x"]),
 ]
 
@@ -68,7 +81,8 @@ def test_a_constructor_given_a_bad_value_says_so_in_one_line(name: str, make: Ca
         outcome = within_a_second(lambda: make(value))
         raised = outcome.get("raised")
         assert isinstance(raised, (rlsync.ConfigError, rlsync.PluginError)), f"{name} with {value!r}: {outcome}"
-        assert "\n" not in str(raised) and (repr(value) in str(raised) or str(value) in str(raised)), str(raised)
+        shown = [value, *(value if isinstance(value, list) else [])]  # a list's bad element is named alone
+        assert "\n" not in str(raised) and any(repr(v) in str(raised) or str(v) in str(raised) for v in shown), str(raised)
 
 
 # (arguments, what the error must name); bench cases would otherwise start a bench, plan cases build a plan
@@ -125,9 +139,10 @@ def imported() -> None:
 
     rlsync.SyncOptions()
     rlsync.make_buffer("memory", batch_size=1)
-    global LAYOUT
+    global LAYOUT, SPEC
     import torch
 
-    from rlsync.layouts import from_state_dict
+    from rlsync.layouts import from_state_dict, load_model_spec
 
     LAYOUT = from_state_dict({"w": torch.zeros(8)})
+    SPEC = load_model_spec("qwen2.5-0.5b")

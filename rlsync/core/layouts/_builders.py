@@ -11,6 +11,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from rlsync.core._checks import whole_number
 from rlsync.core._errors import LayoutError
 from rlsync.core.layouts._layout import (
     Box,
@@ -76,6 +77,7 @@ def tied_aliases(state: Mapping[str, Any]) -> set[str]:
 def replicated(tensors: Iterable[TensorMeta], ranks: Sequence[int] = (0,)) -> Layout:
     """Every rank holds every tensor whole, each in a buffer named after the tensor."""
     tensors = list(tensors)
+    ranks = [whole_number("rank", r, 0) for r in ranks]
     shards = [own_buffer_shard(t, Box.full(t.shape), r) for r in ranks for t in tensors]
     return make_layout(tensors, shards)
 
@@ -88,6 +90,7 @@ def from_state_dict(state: Mapping[str, Any] | Iterable[TensorMeta], rank: int =
 def fsdp(tensors: Iterable[TensorMeta], world: int, dim: int = 0) -> Layout:
     """FSDP2 / DTensor ``Shard(dim)``: each tensor split along ``dim`` as ``torch.chunk`` does,
     so the last shard may be shorter (uneven) and trailing ranks may hold nothing of a small tensor."""
+    world = whole_number("world", world, 1)
     tensors = list(tensors)
     shards = []
     for t in tensors:
@@ -129,6 +132,7 @@ def zero3(tensors: Iterable[TensorMeta], world: int) -> Layout:
     """DeepSpeed ZeRO-3: each parameter is flattened, padded to a multiple of ``world`` and split
     into equal partitions; a rank keeps its partitions of all parameters back to back in one flat
     buffer per dtype (``zero3.flat.<dtype>``), as ``fp16_partitioned_groups_flat`` does."""
+    world = whole_number("world", world, 1)
     tensors = list(tensors)
     shards: list[Shard] = []
     used: dict[str, int] = {}
@@ -151,6 +155,7 @@ def flat_partitions(tensors: Iterable[TensorMeta], world: int) -> Layout:
     shorter, trailing ranks maybe empty); rank ``r``'s buffer ``name`` holds part ``r``, contiguous. This is
     one DeepSpeed ZeRO-3 parameter's ``ds_tensor`` on each rank (its padding left out), and the way to split a
     replicated state (ZeRO-1/2, DDP) so that every rank sends a different ``1/world`` of every tensor."""
+    world = whole_number("world", world, 1)
     tensors = list(tensors)
     shards: list[Shard] = []
     buffers: list[BufferSpec] = []
@@ -170,6 +175,7 @@ def flat_partitions(tensors: Iterable[TensorMeta], world: int) -> Layout:
 
 def data_parallel(layout: Layout, replicas: int) -> Layout:
     """``replicas`` copies of ``layout``; copy ``k`` lives on ranks shifted by ``k * world_size``."""
+    replicas = whole_number("replicas", replicas, 1)
     world = layout.world_size
     shards = [
         Shard(s.tensor, s.box, s.rank + k * world, s.buffer, s.offset, s.strides)

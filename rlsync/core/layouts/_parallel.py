@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from rlsync.core.layouts._builders import chunk_bounds, data_parallel, even_bounds, slice_box
+from rlsync.core._checks import whole_number
 from rlsync.core._errors import LayoutError
 from rlsync.core.layouts._layout import Box, Layout, Shard, contiguous_strides, make_layout
 from rlsync.core.layouts._presets import ModelSpec, Param
@@ -82,6 +83,7 @@ def _pack(items: Sequence[tuple[Param, Box]], buffer_of: Callable[[Param], str |
 
 def engine_tp(spec: ModelSpec, tp: int, replicas: int = 1) -> Layout:
     """vLLM / SGLang: ``replicas`` engines of ``tp`` ranks each, with fused per-rank parameters."""
+    tp, replicas = whole_number("tp", tp, 1), whole_number("replicas", replicas, 1)
     shards: list[Shard] = []
     for r in range(tp):
         items = [(p, tp_box(p, spec, r, tp)) for p in spec.params]
@@ -140,7 +142,8 @@ def megatron(spec: ModelSpec, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1
     expert-parallel ranks carved out of the stage's tp*dp ranks, and over ``etp`` (default ``tp``)
     expert-tensor-parallel ranks; what is left over (tp*dp / (ep*etp)) are expert replicas.
     """
-    etp = tp if etp is None else etp
+    tp, pp, dp, ep = (whole_number(name, value, 1) for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep)))
+    etp = tp if etp is None else whole_number("etp", etp, 1)
     if spec.num_layers < pp:
         raise LayoutError(f"pp={pp} exceeds the model's {spec.num_layers} layers")
     if spec.num_experts and (tp * dp) % (ep * etp):

@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 import torch
 
+from rlsync.core._checks import whole_number
 from rlsync.core._errors import CanaryError
 
 #: mean |trainer log-prob - engine log-prob| (nats per token) above which a version is refused; rounding between
@@ -81,6 +82,8 @@ class Canary(msgspec.Struct, frozen=True):
 
 def canary_tokens(vocab_size: int, sequences: int = SEQUENCES, length: int = LENGTH, seed: int = 0) -> list[list[int]]:
     """A fixed batch of token ids (the same on every machine for the same arguments)."""
+    vocab_size, sequences, length = (whole_number(name, value, 1) for name, value in (
+        ("vocab_size", vocab_size), ("sequences", sequences), ("length", length)))
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (sequences, length), generator=generator).tolist()
 

@@ -1,4 +1,5 @@
-"""Exceptions and warnings raised by rlsync.
+"""Exceptions and warnings raised by rlsync (and ``whole_number``, the check of a constructor's counts that raises
+the ConfigError).
 
 Every error rlsync raises on purpose derives from :class:`RlsyncError`, so callers can catch
 one type. Errors caused by bad input also derive from :class:`ValueError`, so code written
@@ -24,6 +25,7 @@ against plain Python conventions keeps working.
 from __future__ import annotations
 
 import logging
+import operator
 import re
 from typing import Any
 
@@ -146,3 +148,17 @@ class RedactKeys(logging.Filter):
 
 
 logging.getLogger("rlsync").addFilter(RedactKeys())  # every module that logs imports this one
+
+
+# The numbers a public constructor takes, checked at the door: one line naming the argument, the value and what is
+# allowed, instead of a hang or a traceback later.
+def whole_number(name: str, value: Any, least: int = 0, why: str = "") -> int:
+    """``value`` as an int of at least ``least`` (numpy and torch integers too); a bool, a float, a string or a smaller
+    number is a ConfigError naming ``name`` (and ``why``, the reason for the bound)."""
+    try:
+        number = operator.index(value)  # ints of any kind; not floats or strings
+    except TypeError:
+        number = None
+    if number is None or isinstance(value, bool) or number < least:
+        raise ConfigError(f"{name}={value!r}: a whole number of at least {least}{f' ({why})' if why else ''}")
+    return number

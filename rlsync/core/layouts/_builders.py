@@ -11,8 +11,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from rlsync.core._checks import whole_number
-from rlsync.core._errors import LayoutError
+from rlsync.core._errors import LayoutError, whole_number
 from rlsync.core.layouts._layout import (
     Box,
     BufferSpec,

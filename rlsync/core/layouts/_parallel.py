@@ -13,8 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from rlsync.core.layouts._builders import chunk_bounds, data_parallel, even_bounds, slice_box
-from rlsync.core._checks import whole_number
-from rlsync.core._errors import LayoutError
+from rlsync.core._errors import LayoutError, whole_number
 from rlsync.core.layouts._layout import Box, Layout, Shard, contiguous_strides, make_layout
 from rlsync.core.layouts._presets import ModelSpec, Param
 

@@ -30,8 +30,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 import pluggy
 
-from rlsync.core._checks import whole_number
-from rlsync.core._errors import ConfigError, RolloutBufferError, VersionError
+from rlsync.core._errors import ConfigError, RolloutBufferError, VersionError, whole_number
 from rlsync.core.rollouts._gates import Decision, Gate, freshest_per_group, importance_weights
 from rlsync.core.hooks import default_plugin_manager
 from rlsync.core.rollouts._samples import Sample

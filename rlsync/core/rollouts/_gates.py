@@ -16,8 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from rlsync.core._checks import whole_number
-from rlsync.core._errors import ConfigError
+from rlsync.core._errors import ConfigError, whole_number
 from rlsync.core.rollouts._samples import Sample
 
 

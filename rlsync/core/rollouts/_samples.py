@@ -18,8 +18,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from rlsync.core._checks import whole_number
-from rlsync.core._errors import RolloutBufferError, VersionError
+from rlsync.core._errors import RolloutBufferError, VersionError, whole_number
 
 
 class Sample:

@@ -22,8 +22,7 @@ from typing import Any
 import msgspec
 import torch
 
-from rlsync.core._checks import whole_number
-from rlsync.core._errors import CanaryError
+from rlsync.core._errors import CanaryError, whole_number
 
 #: mean |trainer log-prob - engine log-prob| (nats per token) above which a version is refused; rounding between
 #: fp32 and bf16 kernels stays near 0.002-0.01 (docs/fail-closed.md, measured), a wrong weight moves it by tenths

@@ -34,8 +34,7 @@ from rlsync.core.sync._control import (
     bind_router,
     bound_for,
 )
-from rlsync.core._checks import whole_number
-from rlsync.core._errors import ConfigError, TransferTimeoutError, WeightMismatchError
+from rlsync.core._errors import ConfigError, TransferTimeoutError, WeightMismatchError, whole_number
 from rlsync.core.layouts import Layout, dtype_size, tensor_fingerprints
 from rlsync.core.sync._memory import free_memory
 from rlsync.core.sync._options import SyncOptions

@@ -22,12 +22,12 @@ import torch
 
 from rlsync.core.layouts import tied_aliases
 from rlsync.core.sync._delta import ChangeLog
-from rlsync.core._checks import whole_number
 from rlsync.core._errors import (
     ConfigError,
     PlanError,
     RlsyncWarning,
     WeightMismatchError,
+    whole_number,
 )
 from rlsync.core.layouts import Layout, dtype_size
 from rlsync.core.sync._layout_exchange import ask_layout

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import msgspec
-
 from rich.console import Console
 from rich.table import Table
 

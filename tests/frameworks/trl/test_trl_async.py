@@ -245,6 +245,66 @@ def test_training_rows_keep_each_positions_version_through_tool_turns_and_realig
     assert row.rlsync_versions == [-1, -1, -1]
 
 
+def test_a_replayed_rollout_is_gated_by_its_replayed_tokens_versions_as_in_the_run_that_sampled_it() -> None:
+    """A rollout replayed from its durable episode in a resumed run: its group starts at the resumed run's version, its
+    recorded turns were sampled versions earlier. TRL's own gate (``RolloutQueueDataset``, which reads
+    ``model_version``) drops it exactly as it dropped the same rollout in the run that sampled it, and keeps it when
+    the replayed tokens are recent; a turn sampled in the resumed run counts from the group's start, as before."""
+    import collections
+    import queue
+
+    import numpy as np
+    from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset
+    from trl.experimental.async_grpo.async_rollout_worker import RolloutSample, TurnRecord, _chain_to_sequences
+
+    from accelerate import PartialState
+
+    from rlsync.adapters.trl._rollout import VersionedLogprobs, _with_versions
+
+    PartialState()  # TRL's dataset logs a drop through accelerate's logger, as in the trainer's process
+
+    def sample(turns: list[Any], group_version: int) -> Any:
+        (row,), _ = _chain_to_sequences(turns, "r", 1024)
+        n = len(row.input_ids)
+        return _with_versions(RolloutSample(prompt=[], completion=[], input_ids=np.array(row.input_ids),
+                                            completion_mask=np.ones(n), old_log_probs=np.zeros(n), advantage=0.0,
+                                            model_version=group_version, group_id=0, metrics={}), row)
+
+    def gated(samples: list[Any], trainer_version: int, max_staleness: int) -> list[int]:
+        """What TRL's trainer consumes of ``samples`` (their group ids), by TRL's own dataset."""
+        rollouts: queue.Queue[Any] = queue.Queue()
+        for i, s in enumerate(samples):
+            s.group_id = i
+            rollouts.put(s)
+        end = sample(turns((trainer_version, trainer_version), (False, False)), trainer_version)
+        end.group_id = -1  # this test's end marker: a fresh sample, never dropped
+        rollouts.put(end)
+        dataset = RolloutQueueDataset(rollouts, lambda: trainer_version, lambda _: None, 60.0,
+                                      collections.defaultdict(list), max_staleness=max_staleness, poll_interval_s=0.1)
+        kept = []
+        for row in iter(dataset):
+            if row["group_id"] == -1:
+                return kept
+            kept.append(row["group_id"])
+        raise AssertionError("unreachable")
+
+    def turns(versions: tuple[int, int], replayed: tuple[bool, bool]) -> list[Any]:
+        first = TurnRecord([1, 2], [10, 11], VersionedLogprobs([-0.1] * 2, [versions[0]] * 2, replayed=replayed[0]))
+        second = TurnRecord([1, 2, 10, 11, 20], [30], VersionedLogprobs([-0.2], [versions[1]], replayed=replayed[1]))
+        return [first, second]
+
+    # the run that sampled it: the group started at version 3, the trainer is at 9 when it arrives (max_staleness 4)
+    original = sample(turns((3, 4), (False, False)), 3)
+    # the resumed run replays both turns at its version 8; a third rollout replays only its first turn (version 7)
+    replayed = sample(turns((3, 4), (True, True)), 8)
+    recent = sample(turns((7, 8), (True, False)), 8)
+    assert replayed.model_version == 3 and recent.model_version == 7 and original.model_version == 3
+    assert gated([original], 9, 4) == [] and gated([replayed, recent], 9, 4) == [1]
+    # a turn sampled in this run keeps the group's version even where a server's labels restarted lower
+    fresh = sample(turns((1, 1), (False, False)), 8)
+    assert fresh.model_version == 8 and gated([fresh], 9, 4) == [0]
+
+
 def test_the_rollout_loop_reaches_a_spawned_worker_patched_and_a_server_without_the_route_is_named(tmp_path: Path) -> None:
     """TRL spawns its rollout worker, which unpickles the loop class by reference: importing it there applies the
     row-building patch. A server without /inference/v1/generate is refused at train begin, naming the flag (a

@@ -101,18 +101,20 @@ def test_the_mask_is_on_where_the_sampling_truncates_and_asking_for_it_where_not
     from rlsync import ConfigError
     from rlsync.adapters.trl._sampling import SamplingMask
 
-    def trainer(top_k: int, top_p: float) -> Any:
+    def trainer(top_k: int, top_p: float, min_p: float | None = None) -> Any:
         def logprobs(*args: Any, **kwargs: Any) -> None:
             return None
 
-        return SimpleNamespace(top_k=top_k, top_p=top_p, min_p=None, repetition_penalty=1.0, ref_model=None,
+        return SimpleNamespace(top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=1.0, ref_model=None,
                                _get_per_token_logps_and_entropies=logprobs)
 
     assert SamplingMask(trainer(0, 1.0), None).mask is None
-    assert SamplingMask(trainer(20, 1.0), None).mask == (20, None)
-    assert SamplingMask(trainer(0, 0.7), None).mask == (None, 0.7)
+    assert SamplingMask(trainer(0, 1.0, 0.0), None).mask is None
+    assert SamplingMask(trainer(20, 1.0), None).mask == (20, None, None)
+    assert SamplingMask(trainer(0, 0.7), None).mask == (None, 0.7, None)
+    assert SamplingMask(trainer(0, 1.0, 0.05), None).mask == (None, None, 0.05)  # min-p alone truncates too
     assert SamplingMask(trainer(20, 0.7), False).mask is None
-    with pytest.raises(ConfigError, match="neither top_k nor top_p"):
+    with pytest.raises(ConfigError, match="none of top_k, top_p, min_p"):
         SamplingMask(trainer(0, 1.0), True)
 
 

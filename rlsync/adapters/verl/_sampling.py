@@ -12,7 +12,10 @@ actor scores the token under the full softmax (the temperature applied), so its 
   a LoRA actor's reference pass with its adapter off) mark their batch with that mask;
 - ``FSDPEngineWithLMHead.forward_step`` scores a marked micro-batch under it: the engine module's
   ``logprobs_from_logits`` is ``rlsync.logits_logprobs`` (a chunk of rows at a time, the backward in closed form)
-  while the step runs. verl's entropy (a metric, and a loss term only with ``entropy_coeff``) stays the full softmax's.
+  while the step runs, and its entropy (a metric, and a loss term with ``entropy_coeff``) is the masked distribution's:
+  the engine's ``compute_entropy_from_logits`` and ``verl.utils.torch_functional``'s ``entropy_from_logits`` (the
+  padded path's) are, for the step, functions that hold the mask themselves, so that ``entropy_checkpointing``'s
+  recomputation in the backward (after the step returned) computes the same masked entropy.
 """
 
 from __future__ import annotations
@@ -87,13 +90,34 @@ def wrap_forward_step(original: Any) -> Any:
         mask = tu.get_non_tensor_data(data=micro_batch, key=KEY, default=None)
         if mask is None:
             return original(self, micro_batch, *args, **kwargs)
+        from verl.utils import torch_functional
+
+        entropy = functools.partial(_masked_entropy, mask[0], mask[1])
         token = _ACTIVE.set((mask[0], mask[1]))
+        engine_entropy = self.__dict__.get("compute_entropy_from_logits")
+        padded_entropy = torch_functional.entropy_from_logits
+        self.compute_entropy_from_logits, torch_functional.entropy_from_logits = entropy, entropy
         try:
             return original(self, micro_batch, *args, **kwargs)
         finally:
             _ACTIVE.reset(token)
+            torch_functional.entropy_from_logits = padded_entropy
+            if engine_entropy is None:
+                del self.compute_entropy_from_logits
+            else:
+                self.compute_entropy_from_logits = engine_entropy
 
     return forward_step
+
+
+def _masked_entropy(top_k: int | None, top_p: float | None, logits: Any, chunk_size: int | None = None) -> Any:
+    """The entropy of each row's masked distribution (``logits`` ``[..., V]``, temperature applied), differentiable;
+    ``chunk_size`` (verl's chunked variant's) is not needed: ``logits_logprobs`` goes a chunk of rows at a time."""
+    from rlsync import logits_logprobs
+
+    entropy = logits_logprobs(logits, logits.argmax(-1), top_k=top_k, top_p=top_p, entropy=True)[1]
+    assert entropy is not None
+    return entropy
 
 
 def masked_log_probs(original: Any) -> Any:

@@ -144,6 +144,69 @@ def test_the_actor_scores_under_the_rollouts_top_k_and_top_p_and_an_unmarked_pas
     assert not torch.equal(model.lm_head.weight, before)
 
 
+def _entropies(engine: Any, data: Any, sampled: list[tuple[list[int], list[int]]], *, grad: bool) -> torch.Tensor:
+    """verl's forward_step's entropy of every response position, row by row (and the backward of their sum, as verl's
+    ``forward_backward_batch`` runs it: after the step returned)."""
+    from verl.utils import tensordict_utils as tu
+
+    tu.assign_non_tensor(data, calculate_entropy=True)
+    kept: dict[str, Any] = {}
+
+    def loss(model_output: dict[str, Any], data: Any, dp_group: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        kept["entropy"] = model_output["entropy"]
+        return model_output["entropy"].values().sum(), {}
+
+    with torch.set_grad_enabled(grad):
+        value, _ = engine.forward_step(data, loss, forward_only=not grad)
+    if grad:
+        value.backward()
+    rows = kept["entropy"].detach().unbind()
+    return torch.stack([row[len(prompt) - 1 : len(prompt) - 1 + len(response)] for row, (prompt, response) in zip(rows, sampled)])
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "entropy_checkpointing"])
+def test_the_actors_entropy_and_its_gradient_are_the_masked_distributions_and_the_reference_pass_keeps_the_full_one(
+        checkpointing: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """verl's entropy (logged, and a loss term with ``entropy_coeff``) under the mask its log-probs use; with
+    ``entropy_checkpointing`` the backward recomputes it after the step returned, and must recompute the same."""
+    import verl.utils.torch_functional as verl_F
+    from omegaconf import OmegaConf
+
+    from rlsync import sampling_mask
+    from rlsync.adapters.verl import _sampling
+
+    torch.manual_seed(0)
+    model = models.build("qwen2", 3, head_std=0.01).float()
+    sampled = [(prompt, [int(t) for t in torch.randint(0, model.config.vocab_size, (6,))]) for prompt in PROMPTS]
+    engine = _engine(model, monkeypatch)
+    engine.engine_config = OmegaConf.create({"entropy_checkpointing": checkpointing, "entropy_from_logits_with_chunking": False})
+    original = verl_F.entropy_from_logits
+    engine.compute_entropy_from_logits = original  # what FSDPEngine.__init__ sets without torch.compile
+    worker = SimpleNamespace(rlsync_sampling_mask=(TOP_K, TOP_P))
+
+    def reference(z: torch.Tensor, masked: bool) -> torch.Tensor:
+        keep = sampling_mask(z.detach(), top_k=TOP_K, top_p=TOP_P) if masked else torch.ones_like(z, dtype=torch.bool)
+        logp = z.masked_fill(~keep, float("-inf")).log_softmax(-1).masked_fill(~keep, 0.0)
+        return -(logp.exp() * logp).sum(-1)
+
+    for masked in (True, False):
+        model.zero_grad()
+        run = (lambda self, data: _entropies(engine, data, sampled, grad=True))
+        entropy = (_sampling.wrap_actor_call(run)(worker, _batch(sampled)) if masked else run(None, _batch(sampled)))
+        got = model.lm_head.weight.grad.clone()
+        model.zero_grad()
+        every = [reference(model(torch.tensor([p + t])).logits[0], masked) for p, t in sampled]  # every position's
+        torch.stack([e.sum() for e in every]).sum().backward()  # the loss above sums every position too
+        want = torch.stack([e[len(p) - 1 : -1] for e, (p, _) in zip(every, sampled)]).detach()
+        assert (entropy - want).abs().max() < 1e-4, (masked, (entropy - want).abs().max())
+        assert (got - model.lm_head.weight.grad).abs().max() < 1e-4 * model.lm_head.weight.grad.abs().max()
+        if masked:
+            full = torch.stack([reference(model(torch.tensor([p + t])).logits[0, len(p) - 1 : -1], False) for p, t in sampled])
+            assert (full - entropy).mean() > 0.1, "the mask must matter here"
+    # after the steps verl's own functions are back
+    assert verl_F.entropy_from_logits is original and engine.compute_entropy_from_logits is original
+
+
 def test_the_worker_keeps_the_rollouts_mask_unless_turned_off_or_the_log_probs_are_fused() -> None:
     from omegaconf import OmegaConf
 

@@ -42,7 +42,32 @@ def model_dir(tmp_path: Path, tokenizer_dir: Path) -> Path:
 
 @pytest.fixture
 def server(model_dir: Path, tokenizer_dir: Path, tmp_path: Path) -> Iterator[Any]:
+    """A fresh server, for the tests about one (TRL's async trainer counts versions from a fresh server's 0)."""
     running = example.Server(model_dir, tokenizer_dir, tmp_path / "server.log")
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="session")
+def grpo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example's model and tokenizer (beside it), once for the session: the tests only read them."""
+    from transformers import PreTrainedTokenizerFast
+
+    where = tmp_path_factory.mktemp("grpo")
+    example.build_tokenizer(where / "tokenizer")
+    example.build_model(where / "model", PreTrainedTokenizerFast.from_pretrained(where / "tokenizer"), init_std=0.2)
+    return where / "model"
+
+
+@pytest.fixture(scope="session")
+def grpo_server(grpo_model_dir: Path) -> Iterator[Any]:
+    """One server of ``grpo_model_dir`` for the GRPOTrainer tests (a server start is most of such a test's cost).
+    Each test's trainer syncs its weights before it first generates (TRL's first sync is at step 0), so a test finds
+    the model's weights whatever the one before left, and a new client's versions count from 1 again. What differs
+    from a fresh server: its sampler's random state (the completions a step samples, not their versions)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as the per-test servers run (vllm_env)
+        running = example.Server(grpo_model_dir, grpo_model_dir.parent / "tokenizer", grpo_model_dir.parent / "server.log")
     yield running
     running.stop()
 

@@ -13,9 +13,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.filterwarnings("ig
               pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 
-def test_the_quickstart_syncs_every_step_into_the_server(model_dir: Path, tokenizer_dir: Path, server: Any,
-                                                         tmp_path: Path) -> None:
+def test_the_quickstart_syncs_every_step_into_the_server(grpo_model_dir: Path, grpo_server: Any, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
+
+    model_dir, tokenizer_dir, server = grpo_model_dir, grpo_model_dir.parent / "tokenizer", grpo_server
 
     spec = importlib.util.spec_from_file_location("rlsync_trl_quickstart",
                                                   Path(__file__).parents[3] / "examples" / "trl_quickstart.py")

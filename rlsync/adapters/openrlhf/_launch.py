@@ -102,7 +102,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser().parse_args(own)
     version = installed_version()
     check_version(version)
-    if args.weight_sync == "rlsync":
+    asks_help = any(arg in ("-h", "--help") for arg in theirs)  # OpenRLHF's parser prints and exits: no run, no Ray
+    if args.weight_sync == "rlsync" and not asks_help:
         opts = {"rlsync": __version__, "openrlhf": version, "transport": args.transport, "host": args.host,
                 "timeout": args.timeout, "max_staleness": args.max_staleness,
                 "wire": args.wire, "canary": args.canary, "lora_rank": lora_rank(theirs), "lora_sync": args.lora_sync,

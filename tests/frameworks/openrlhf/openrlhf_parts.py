@@ -18,7 +18,9 @@ Stand-ins, each a FAKE named as such, for what needs CUDA:
 
 from __future__ import annotations
 
+import hashlib
 import os
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -155,8 +157,27 @@ def greedy_of_engine(engine: Any) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def _digest(model_dir: str) -> str:
+    """What a fresh engine's answer depends on: the bytes of the checkpoint's files (config and weights)."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(model_dir).iterdir()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+_FRESH: dict[str, list[list[int]]] = {}  # checkpoint digest -> the fresh engine's greedy output, for this process
+
+
 def fresh_greedy(model_dir: str) -> list[list[int]]:
-    """A new in-process vLLM engine loading ``model_dir`` from disk."""
+    """A new in-process vLLM engine loading ``model_dir`` from disk; its answer is kept by the checkpoint's bytes, so
+    a checkpoint several tests compare with (the same seeds' weights) starts one engine, not one per test."""
+    key = _digest(model_dir)
+    if key not in _FRESH:
+        _FRESH[key] = _fresh_greedy(model_dir)
+    return [list(tokens) for tokens in _FRESH[key]]
+
+
+def _fresh_greedy(model_dir: str) -> list[list[int]]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 

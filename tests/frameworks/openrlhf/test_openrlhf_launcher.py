@@ -358,9 +358,11 @@ def test_the_launcher_hands_the_users_arguments_to_openrlhfs_own_parser(tmp_path
                            capture_output=True, text=True, timeout=300, env=env)
     assert shown.returncode == 0, shown.stderr[-3000:]
     assert "--vllm.sync_backend" in shown.stdout and "--train.async_enable" in shown.stdout  # OpenRLHF's parser
+    assert "Started a local Ray instance" not in shown.stdout + shown.stderr  # help starts no cluster
     refused = subprocess.run([sys.executable, "-m", "rlsync.adapters.openrlhf", "--", "--no.such_flag", "1"],
                              capture_output=True, text=True, timeout=300, env=env)
     assert refused.returncode == 2 and "unrecognized arguments: --no.such_flag" in refused.stderr
+    assert "Started a local Ray instance" in refused.stderr  # a run (its Ray first): what the help line above tells apart
 
 
 @pytest.mark.timeout(600)

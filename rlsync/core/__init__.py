@@ -77,7 +77,7 @@ from rlsync.core.sync import region_offsets
 from rlsync.core.hooks import Registry
 from rlsync.core.sync import NodeRelay
 from rlsync.core.rollouts import PolicyVersionClock, Sample, decode_sample, encode_sample
-from rlsync.core.rollouts import head_logprobs, kept_sizes, logits_logprobs, masked_logprobs, sampling_mask
+from rlsync.core.rollouts import head_logprobs, kept_sizes, logits_logprobs, masked_entropy, masked_logprobs, sampling_mask
 from rlsync.core.sync import SLACK, RankBoxes, StagedReceiver, engine_layout, tensor_metas, whole_tensor_view
 from rlsync.core.layouts import Transfer
 from rlsync.core.sync import Landing, Link, Region, Run, Transport, resolve_transport
@@ -97,7 +97,7 @@ __all__ = [
     "allocate", "apply_delta", "buffer_backends", "build_plan", "canary_tokens", "causal_lm_logprobs", "chunk_bounds", "contiguous_strides", "copy_transfers",
     "data_parallel", "decode_sample", "default_plugin_manager", "dtype_name", "dtype_size", "encode_delta", "encode_sample",
     "engine_layout", "synchronize_devices", "engine_tp", "flat_partitions", "flat_range_boxes", "freshest_per_group", "from_state_dict", "fsdp", "gather_shards",
-    "hookimpl", "hookspec", "importance_weights", "host_port", "is_loopback", "keyed", "shift_port", "split_address", "head_logprobs", "kept_sizes", "load_model_spec", "logits_logprobs", "make_buffer", "make_layout",
+    "hookimpl", "hookspec", "importance_weights", "host_port", "is_loopback", "keyed", "shift_port", "split_address", "head_logprobs", "kept_sizes", "load_model_spec", "logits_logprobs", "make_buffer", "make_layout", "masked_entropy",
     "make_plugin_manager", "masked_logprobs", "megatron", "model_spec", "own_buffer_shard", "raw_dtype", "reader_layout", "sampling_mask",
     "region_offsets", "replicated", "resolve_secret", "resolve_transport", "same_bytes", "scatter", "tensor_metas", "tied_aliases", "transports", "version_label",
     "whole_tensor_view", "wire_codecs", "zero3",

@@ -50,6 +50,9 @@ def test_min_p_drops_tokens_less_likely_than_min_p_times_the_top_one_before_top_
     assert math.isclose(float(chosen), math.log(0.15 / 0.95), rel_tol=1e-5)
     kept = torch.tensor([0.5, 0.3, 0.15]) / 0.95
     assert math.isclose(float(entropy), float(-(kept * kept.log()).sum()), rel_tol=1e-5)
+    from rlsync import masked_entropy
+
+    assert math.isclose(float(masked_entropy(logits, min_p=0.3)), float(-(kept * kept.log()).sum()), rel_tol=1e-5)
 
 
 def test_a_recorded_kept_size_rebuilds_the_mask_from_the_trainers_logits() -> None:

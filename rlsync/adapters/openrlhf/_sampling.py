@@ -89,10 +89,8 @@ def masked_entropy(original: Any) -> Any:
         mask = _ACTIVE.get()
         if mask is None:
             return original(logits)
-        from rlsync import logits_logprobs
+        from rlsync import masked_entropy
 
-        entropy = logits_logprobs(logits, logits.argmax(-1), top_k=mask[0], top_p=mask[1], entropy=True)[1]
-        assert entropy is not None
-        return entropy
+        return masked_entropy(logits, top_k=mask[0], top_p=mask[1])
 
     return compute_entropy

@@ -92,7 +92,11 @@ def wrap_forward_step(original: Any) -> Any:
             return original(self, micro_batch, *args, **kwargs)
         from verl.utils import torch_functional
 
-        entropy = functools.partial(_masked_entropy, mask[0], mask[1])
+        from rlsync import masked_entropy
+
+        def entropy(logits: Any, chunk_size: int | None = None) -> Any:  # verl's chunked variant's chunk_size: not needed
+            return masked_entropy(logits, top_k=mask[0], top_p=mask[1])
+
         token = _ACTIVE.set((mask[0], mask[1]))
         engine_entropy = self.__dict__.get("compute_entropy_from_logits")
         padded_entropy = torch_functional.entropy_from_logits
@@ -108,16 +112,6 @@ def wrap_forward_step(original: Any) -> Any:
                 self.compute_entropy_from_logits = engine_entropy
 
     return forward_step
-
-
-def _masked_entropy(top_k: int | None, top_p: float | None, logits: Any, chunk_size: int | None = None) -> Any:
-    """The entropy of each row's masked distribution (``logits`` ``[..., V]``, temperature applied), differentiable;
-    ``chunk_size`` (verl's chunked variant's) is not needed: ``logits_logprobs`` goes a chunk of rows at a time."""
-    from rlsync import logits_logprobs
-
-    entropy = logits_logprobs(logits, logits.argmax(-1), top_k=top_k, top_p=top_p, entropy=True)[1]
-    assert entropy is not None
-    return entropy
 
 
 def masked_log_probs(original: Any) -> Any:

@@ -13,7 +13,7 @@ from rlsync.core.rollouts._buffer import Batch, MemoryStorage, RolloutBuffer, St
 from rlsync.core.rollouts._episodes import Claim, Episode, EpisodeLog, MemoryEpisodes, Turn
 from rlsync.core.rollouts._gates import Decision, Gate, MaxStaleness, freshest_per_group, importance_weights
 from rlsync.core.rollouts._samples import PolicyVersionClock, Sample, decode_sample, encode_sample
-from rlsync.core.rollouts._sampling_mask import head_logprobs, kept_sizes, logits_logprobs, masked_logprobs, sampling_mask
+from rlsync.core.rollouts._sampling_mask import head_logprobs, kept_sizes, logits_logprobs, masked_entropy, masked_logprobs, sampling_mask
 from rlsync.core.rollouts._make_buffer import make_buffer
 
-__all__ = ["Batch", "Claim", "Decision", "Episode", "EpisodeLog", "Gate", "MaxStaleness", "MemoryEpisodes", "MemoryStorage", "PolicyVersionClock", "RolloutBuffer", "Sample", "Storage", "Ticket", "Turn", "decode_sample", "encode_sample", "freshest_per_group", "head_logprobs", "importance_weights", "kept_sizes", "logits_logprobs", "make_buffer", "masked_logprobs", "sampling_mask"]
+__all__ = ["Batch", "Claim", "Decision", "Episode", "EpisodeLog", "Gate", "MaxStaleness", "MemoryEpisodes", "MemoryStorage", "PolicyVersionClock", "RolloutBuffer", "Sample", "Storage", "Ticket", "Turn", "decode_sample", "encode_sample", "freshest_per_group", "head_logprobs", "importance_weights", "kept_sizes", "logits_logprobs", "make_buffer", "masked_entropy", "masked_logprobs", "sampling_mask"]

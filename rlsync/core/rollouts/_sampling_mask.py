@@ -225,6 +225,16 @@ def logits_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, top_k: int | 
     return logprobs.view(tokens.shape), entropies.view(tokens.shape) if entropy else None
 
 
+def masked_entropy(logits: torch.Tensor, *, top_k: int | None = None, top_p: float | None = None,
+                   min_p: float | None = None) -> torch.Tensor:
+    """Each position's entropy under the sampler's mask (``logits`` ``[..., V]``, temperature applied), differentiable,
+    chunked as ``logits_logprobs``: what an actor that logs or regularizes its entropy uses where its log-probs are
+    masked. (Scored at the most likely token, which every mask keeps, so the set is the mask alone.)"""
+    entropy = logits_logprobs(logits, logits.argmax(-1), top_k=top_k, top_p=top_p, min_p=min_p, entropy=True)[1]
+    assert entropy is not None
+    return entropy
+
+
 class _MaskedLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, tokens: torch.Tensor, sampler: tuple[Any, ...],

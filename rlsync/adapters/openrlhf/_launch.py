@@ -53,6 +53,9 @@ def parser() -> argparse.ArgumentParser:
                         "crosses hosts (tcp, nixl), on: also with shm, off: every engine takes its own copy")
     p.add_argument("--max-staleness", type=int, default=None,
                    help="async mode: drop samples generated more than N weight versions ago (rlsync's MaxStaleness)")
+    p.add_argument("--episodes", metavar="REDIS_URL", default=None,
+                   help="record every rollout's model turns and agent steps in this Redis (redis://HOST:6379/0): a run "
+                        "restarted from its checkpoint replays them instead of generating and calling tools again")
     return p
 
 
@@ -74,6 +77,24 @@ def lora_rank(theirs: Sequence[str]) -> int:
     return int(p.parse_known_args(list(theirs))[0].rank)
 
 
+def ckpt_path(theirs: Sequence[str]) -> str:
+    """OpenRLHF's ``--ckpt.path`` among its arguments (its default if not given)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--ckpt.path", dest="path", default="./ckpt/checkpoints_ppo_ray")  # train_ppo_ray's default
+    return str(p.parse_known_args(list(theirs))[0].path)
+
+
+def episodes_options(url: str | None, theirs: Sequence[str]) -> dict[str, object]:
+    """``--episodes``: the URL, checked here (the redis extra, the URL's form, ``?kept_seconds``), and the log's name."""
+    if url is None:
+        return {"episodes": None}
+    from rlsync.adapters.openrlhf._episodes import episodes_name, open_log
+
+    name = episodes_name(ckpt_path(theirs))
+    open_log(url, name).close()  # connects lazily: nothing is sent yet
+    return {"episodes": url, "episodes_name": name}
+
+
 def ray_env(opts: dict[str, object]) -> dict[str, str]:
     """The environment every process of the run gets: OpenRLHF's own ``ray.init`` defaults, and rlsync's options."""
     return {
@@ -92,7 +113,7 @@ def start_ray(opts: dict[str, object]) -> None:
     env = ray_env(opts)
     os.environ.update(env)  # this process and what it spawns; Ray workers get it from the runtime env too
     ray.init(runtime_env={"env_vars": env, "worker_process_setup_hook": "rlsync.adapters.openrlhf.setup_worker"})
-    clock()  # the run's version clock, owned by this process: it lives as long as the run
+    clock(new_cluster=True)  # the run's version clock, owned by this process: it lives as long as the run
     # this process too: Ray pickles the actor classes it starts here (OpenRLHF's engine actor by value), patched
     patch_trainer()
 
@@ -102,12 +123,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser().parse_args(own)
     version = installed_version()
     check_version(version)
+    if args.episodes and args.weight_sync != "rlsync":
+        raise ConfigError("--episodes records rollouts through rlsync's patches of OpenRLHF, which --weight-sync openrlhf "
+                          "leaves out: drop one of the two")
     asks_help = any(arg in ("-h", "--help") for arg in theirs)  # OpenRLHF's parser prints and exits: no run, no Ray
     if args.weight_sync == "rlsync" and not asks_help:
         opts = {"rlsync": __version__, "openrlhf": version, "transport": args.transport, "host": args.host,
                 "timeout": args.timeout, "max_staleness": args.max_staleness,
                 "wire": args.wire, "canary": args.canary, "lora_rank": lora_rank(theirs), "lora_sync": args.lora_sync,
-                "routing_replay": args.routing_replay, "sampling_mask": args.sampling_mask, "relay": args.relay}
+                "routing_replay": args.routing_replay, "sampling_mask": args.sampling_mask, "relay": args.relay,
+                **episodes_options(args.episodes, theirs)}
         start_ray(opts)
     sys.argv = [ENTRY, *theirs]
     runpy.run_module(ENTRY, run_name="__main__", alter_sys=True)

@@ -43,10 +43,13 @@ class VersionClock:
 _handle: list[Any] = []  # held for the life of this process: Ray collects an actor no handle refers to
 
 
-def clock() -> Any:
-    """The run's clock (created by whoever asks first)."""
+def clock(*, new_cluster: bool = False) -> Any:
+    """The run's clock (created by whoever asks first). ``new_cluster``: this process started Ray again (the launcher's
+    driver), and a handle it kept belongs to the cluster before."""
     import ray
 
+    if new_cluster:
+        _handle.clear()
     if not _handle:
         _handle.append(ray.remote(num_cpus=0)(VersionClock).options(name=CLOCK, get_if_exists=True).remote())
     return _handle[0]
@@ -71,15 +74,20 @@ def _live_with_canary() -> tuple[int, float | None]:
 
 
 def tag_samples(original: Any) -> Any:
-    """Wraps ``SamplesGenerator.generate_samples``: every returned sample gets ``rlsync_versions``."""
+    """Wraps ``SamplesGenerator.generate_samples``: every returned sample gets ``rlsync_versions``. A sample whose
+    rollout replayed turns recorded before a restart (``rlsync_replayed``, durable episodes) was sampled under versions
+    this run does not number: its oldest is this run's first (the weights the run resumed from)."""
 
     @functools.wraps(original)
     def generate_samples(self: Any, **kwargs: Any) -> Any:
         oldest = live_version()
+        first = getattr(self, "_rlsync_first_version", oldest)
+        if self is not None:
+            self._rlsync_first_version = first
         result = original(self, **kwargs)
         newest = live_version()
         for sample in result[0]:
-            sample.rlsync_versions = (oldest, newest)
+            sample.rlsync_versions = (min(first, oldest) if getattr(sample, "rlsync_replayed", False) else oldest, newest)
         return result
 
     return generate_samples

@@ -5,9 +5,10 @@ OpenRLHF has no plugin point for weight sync. The launcher puts the options in t
 
 - the trainer side (``apply_trainer_side``): ``ActorPPOTrainer._init_vllm_sync_group`` and
   ``ActorPPOTrainer.broadcast_to_vllm`` become the given functions; ``ActorPPOTrainer.__init__`` and
-  ``training_step``, ``SamplesGenerator.generate_samples`` and ``_process_response_into_experience``, and
-  ``BasePPOTrainer.train_step`` (twice: the staleness gate outside, the routes inside) are wrapped by the given
-  decorators;
+  ``training_step``, ``SamplesGenerator.generate_samples``, ``_process_response_into_experience``,
+  ``_dispatch_prompts_to_vllm`` and ``generate_eval_samples``, ``BasePPOTrainer.train_step`` (twice: the staleness
+  gate outside, the routes inside) and ``init_checkpoint_states``, and ``GenerateSamplesActor.fit`` are wrapped by the
+  given decorators;
 - OpenRLHF's engine actor (``apply_engine_actor``, in the driver that starts the engines): ``RolloutRayActor``'s
   ``__init__``, ``update_weight``, ``generate`` and ``generate_responses`` are wrapped by the given decorators;
 - the sampling mask (``apply_sampling_mask``, beside the trainer side): ``PolicyModelActor.init_model_from_pretrained``
@@ -20,6 +21,11 @@ OpenRLHF has no plugin point for weight sync. The launcher puts the options in t
 What replaces OpenRLHF's code is the adapter's (``rlsync.adapters.openrlhf``), handed in by its caller: these
 patches import no adapter. The adapter applies them in the launcher's driver, in every Ray worker (Ray's
 ``worker_process_setup_hook``) and in vLLM's engine processes (its ``vllm.general_plugins`` entry point).
+
+OpenRLHF's ``@ray.remote`` classes (``PPOTrainer``, ``TrainingActor``, ``GenerateSamplesActor``, ``PolicyModelActor``,
+``RolloutRayActor``) are patched in the class Ray builds their actors from (``_actor_class``): Ray copies every method
+into it when the class is decorated, at import, and ships that class to the actor's process by value, so a patch of
+the plain class or its base never reaches those actors.
 
 Supported OpenRLHF versions: ``SUPPORTED``. Any other is a ``ConfigError`` naming it, on either side.
 """
@@ -63,12 +69,19 @@ def options() -> dict[str, Any] | None:
 Wrap = Callable[[Any], Any]  # takes OpenRLHF's method, returns its replacement
 
 
+def _actor_class(remote: Any) -> Any:
+    """The class Ray builds the actors of a ``@ray.remote`` class from (a subclass holding a copy of every method)."""
+    return remote.__ray_metadata__.modified_class if hasattr(remote, "__ray_metadata__") else remote
+
+
 def apply_trainer_side(*, init_vllm_sync_group: Callable[..., Any], broadcast_to_vllm: Callable[..., Any],
                        tag_samples: Wrap, gate_samples: Wrap, trainer_init: Wrap, training_step: Wrap,
-                       process_response: Wrap, routes_step: Wrap) -> None:
-    """Replace OpenRLHF's trainer-side weight sync and wrap its trainer, sample generation and train step (once)."""
+                       process_response: Wrap, routes_step: Wrap, dispatch: Wrap, eval_samples: Wrap,
+                       checkpoint_states: Wrap, generator_fit: Wrap) -> None:
+    """Replace OpenRLHF's trainer-side weight sync and wrap its trainer, sample generation and train step (once).
+    Like ``apply_engine_actor``, this must run in OpenRLHF's driver before it starts its trainer actors."""
     check_version(installed_version())
-    from openrlhf.trainer import ppo_trainer
+    from openrlhf.trainer import ppo_trainer, ppo_trainer_async
     from openrlhf.trainer.ppo_utils import samples_generator
     from openrlhf.trainer.ray import ppo_actor
 
@@ -82,8 +95,16 @@ def apply_trainer_side(*, init_vllm_sync_group: Callable[..., Any], broadcast_to
     generator = samples_generator.SamplesGenerator
     generator.generate_samples = tag_samples(generator.generate_samples)
     generator._process_response_into_experience = process_response(generator._process_response_into_experience)
+    generator._dispatch_prompts_to_vllm = dispatch(generator._dispatch_prompts_to_vllm)
+    generator.generate_eval_samples = eval_samples(generator.generate_eval_samples)
     base = ppo_trainer.BasePPOTrainer
     base.train_step = gate_samples(routes_step(base.train_step))
+    base.init_checkpoint_states = checkpoint_states(base.init_checkpoint_states)
+    for remote in (ppo_trainer.PPOTrainer, ppo_trainer_async.TrainingActor):  # their copies of the base's methods
+        cls = _actor_class(remote)
+        cls.train_step, cls.init_checkpoint_states = base.train_step, base.init_checkpoint_states
+    samples_actor = _actor_class(ppo_trainer_async.GenerateSamplesActor)
+    samples_actor.fit = generator_fit(samples_actor.fit)
     trainer._rlsync_patched = True
 
 
@@ -96,7 +117,7 @@ def apply_sampling_mask(*, policy_init: Wrap, actor_forward: Wrap, log_probs: Wr
 
     if getattr(actor, "_rlsync_patched", False):
         return
-    policy = ppo_actor.PolicyModelActor
+    policy = _actor_class(ppo_actor.PolicyModelActor)
     policy.init_model_from_pretrained = policy_init(policy.init_model_from_pretrained)
     actor.Actor.forward = actor_forward(actor.Actor.forward)
     actor.log_probs_from_logits = log_probs(actor.log_probs_from_logits)
@@ -120,9 +141,7 @@ def apply_engine_actor(*, wrap_init: Wrap, wrap_update_weight: Wrap, wrap_genera
     check_version(installed_version())
     from openrlhf.trainer.ray import vllm_engine
 
-    actor = vllm_engine.RolloutRayActor
-    # Ray's subclass of the class, holding a copy of each method: what it pickles and builds the actor from
-    cls = actor.__ray_metadata__.modified_class if hasattr(actor, "__ray_metadata__") else actor
+    cls = _actor_class(vllm_engine.RolloutRayActor)
     if getattr(cls, "_rlsync_patched", False):
         return
     cls.__init__ = wrap_init(cls.__init__)

@@ -112,9 +112,11 @@ class TrainerRank:
         from openrlhf.models import actor
         from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
+        from rlsync.patches.openrlhf import _actor_class
+
         wrapped = {name: hasattr(getattr(ActorPPOTrainer, name), "__wrapped__") for name in ("__init__", "training_step")}
-        masked = all(hasattr(f, "__wrapped__") for f in (actor.Actor.forward, actor.log_probs_from_logits,
-                                                          actor.compute_entropy, PolicyModelActor.init_model_from_pretrained))
+        masked = all(hasattr(f, "__wrapped__") for f in (actor.Actor.forward, actor.log_probs_from_logits, actor.compute_entropy,
+                                                          _actor_class(PolicyModelActor).init_model_from_pretrained))
         return {**replaced, **wrapped, "sampling_mask": masked}
 
     def load(self, seed: int, nudge: bool = False, with_lora: bool = False) -> None:
@@ -228,3 +230,27 @@ def experts_given(model: torch.nn.Module) -> tuple[list[torch.Tensor], Any]:
     hooks = [m.register_forward_hook(lambda m, args, out: given.append(args[1].detach().clone()))
              for m in model.modules() if type(m).__name__.endswith("Experts")]
     return given, lambda: [h.remove() for h in hooks]
+
+
+class EngineHandle:
+    """A FAKE of OpenRLHF's engine actor handle (``RolloutRayActor``, a Ray actor): ``get_num_unfinished_requests``
+    and ``generate_responses`` with its signature, answering each sample with a response of the executor's fields
+    and keeping the episode name each request carried in its sampling parameters."""
+
+    def __init__(self) -> None:
+        self.named: list[tuple[str, str, str | None]] = []
+
+    def get_num_unfinished_requests(self) -> int:
+        return 0
+
+    def generate_responses(self, prompt: str, label: str, sampling_params: Any, max_length: int, hf_tokenizer: Any,
+                           num_samples: int = 1, images: Any = None) -> list[dict[str, Any]]:
+        from rlsync.adapters.openrlhf._episodes import EXTRA
+
+        self.named.append((prompt, label, (sampling_params.extra_args or {}).get(EXTRA)))
+        return [{"prompt": prompt, "label": label, "observation_tokens": [5, 6, 7], "action_ranges": [(1, 3)],
+                 "rollout_log_probs": None, "reward": 0.0, "scores": 0.0, "truncated": False, "extra_logs": {}}] * num_samples
+
+    def take(self) -> list[tuple[str, str, str | None]]:
+        named, self.named = self.named, []
+        return named

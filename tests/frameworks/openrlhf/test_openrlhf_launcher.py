@@ -57,6 +57,40 @@ def test_the_launchers_hook_patches_openrlhfs_trainer_in_every_ray_worker(launch
         ray.kill(r)
 
 
+def _code_file(cls: Any, name: str) -> str:
+    return str(getattr(cls, name).__code__.co_filename)
+
+
+def test_openrlhfs_ray_actors_are_built_from_patched_classes(launched_ray: dict[str, object]) -> None:
+    """Ray copies every method of a ``@ray.remote`` class into the class it builds actors from when the class is
+    decorated (at import), and ships that class by value: rlsync's patches must be in it, or OpenRLHF's trainer,
+    policy and generator actors run OpenRLHF's own methods (the staleness gate, the sampling mask and the episodes'
+    counts would never run in a real run). A real ``PolicyModelActor`` (its ``__init__`` is light) is asked what it
+    runs; the others' ``__init__`` load datasets or start engines, so the class Ray would ship them is unpickled here."""
+    import ray
+    import ray.cloudpickle as cloudpickle
+    from openrlhf.trainer import ppo_trainer, ppo_trainer_async
+    from openrlhf.trainer.ray import ppo_actor, vllm_engine
+
+    from rlsync.patches.openrlhf import _actor_class
+
+    ours = "rlsync/adapters/openrlhf/"
+    policy = ppo_actor.PolicyModelActor.options(num_gpus=0, num_cpus=0).remote(1, 0, "127.0.0.1", 29500)
+    runs = ray.get(policy.__ray_call__.remote(lambda self: type(self).init_model_from_pretrained.__code__.co_filename))
+    assert runs.endswith(ours + "_sampling.py"), runs
+    ray.kill(policy)
+    expected = {(ppo_trainer.PPOTrainer, "train_step"): "_versions.py",  # the staleness gate, outermost
+                (ppo_trainer.PPOTrainer, "init_checkpoint_states"): "_episodes.py",
+                (ppo_trainer_async.TrainingActor, "train_step"): "_versions.py",
+                (ppo_trainer_async.GenerateSamplesActor, "fit"): "_episodes.py",
+                (vllm_engine.RolloutRayActor, "generate_responses"): "_episodes.py",
+                (vllm_engine.RolloutRayActor, "generate"): "_episodes.py",
+                (vllm_engine.RolloutRayActor, "__init__"): "_engine_actor.py"}
+    for (remote, name), module in expected.items():
+        shipped = cloudpickle.loads(cloudpickle.dumps(_actor_class(remote)))  # what Ray sends the actor's process
+        assert _code_file(shipped, name).endswith(ours + module), (remote, name, _code_file(shipped, name))
+
+
 def test_an_unsupported_openrlhf_is_refused_by_name() -> None:
     from rlsync import ConfigError
     from rlsync.adapters.openrlhf._launch import main
@@ -333,6 +367,13 @@ def test_samples_carry_the_version_that_generated_them_and_stale_ones_never_trai
     ray.get(clock().set.remote(5))
     generated = tag_samples(lambda self, **_: ([SimpleNamespace(), SimpleNamespace()], None, 2, False))(None)
     assert [s.rlsync_versions for s in generated[0]] == [(5, 5), (5, 5)]
+    # a rollout replayed from an episode recorded before a restart counts as old as the run's first weights
+    generator = SimpleNamespace()
+    tag_samples(lambda self, **_: ([], None, 0, False))(generator)
+    ray.get(clock().set.remote(8))
+    generated = tag_samples(lambda self, **_: ([SimpleNamespace(rlsync_replayed=True), SimpleNamespace()], None, 2, False))(generator)
+    assert [s.rlsync_versions for s in generated[0]] == [(5, 8), (8, 8)]
+    ray.get(clock().set.remote(5))
     samples = [SimpleNamespace(rlsync_versions=v, n=i) for i, v in enumerate([(5, 5), (4, 4), (3, 3), (3, 4)])]
     received: list[list[int]] = []
 
@@ -363,6 +404,23 @@ def test_the_launcher_hands_the_users_arguments_to_openrlhfs_own_parser(tmp_path
                              capture_output=True, text=True, timeout=300, env=env)
     assert refused.returncode == 2 and "unrecognized arguments: --no.such_flag" in refused.stderr
     assert "Started a local Ray instance" in refused.stderr  # a run (its Ray first): what the help line above tells apart
+
+
+def test_the_episodes_option_is_checked_at_the_door_and_names_the_runs_episodes_by_its_checkpoint_folder(
+        tmp_path: Path) -> None:
+    from rlsync import ConfigError
+    from rlsync.adapters.openrlhf._launch import episodes_options, main
+
+    url = "redis://127.0.0.1:6379/0?kept_seconds=7200"
+    opts = episodes_options(url, ["--pretrain", "m", "--ckpt.path", str(tmp_path / "ckpt"), "--ckpt.load_enable"])
+    assert opts == {"episodes": url, "episodes_name": f"rlsync-episodes:openrlhf:{tmp_path / 'ckpt'}"}
+    assert episodes_options(None, []) == {"episodes": None}
+    with pytest.raises(ConfigError, match=r"--episodes 'http://h:6379/0'.*redis://HOST:6379/0"):
+        episodes_options("http://h:6379/0", [])
+    with pytest.raises(ConfigError, match="kept_seconds"):
+        episodes_options("redis://h:6379/0?kept_seconds=0", [])
+    with pytest.raises(ConfigError, match="--weight-sync openrlhf"):
+        main(["--episodes", "redis://h:6379/0", "--weight-sync", "openrlhf", "--", "--pretrain", "m"])
 
 
 @pytest.mark.timeout(600)

@@ -173,3 +173,63 @@ def test_the_driver_names_each_prompt_again_the_same_after_a_restart_from_its_ch
 
     resumed.generate_eval_samples()  # evaluation prompts are not recorded: no name
     assert {name for _, _, name in named()} == {None}
+
+
+def test_an_agent_steps_result_and_its_instances_state_come_back_on_a_replay_and_images_are_refused_by_name() -> None:
+    """A ``MultiTurnAgentExecutor`` step as rlsync records it (``_recorded_step``, in a real ``Episode`` over
+    ``MemoryEpisodes``): what OpenRLHF's step returns (tensor rewards, text, ``done``, numpy logs, new vLLM
+    ``SamplingParams``) comes back from the record equal, and the instance's plain attributes with it; a step that
+    answers with an image is refused naming the agent and the option."""
+    import asyncio
+    import threading
+    import time
+
+    import numpy as np
+    from PIL import Image
+    from vllm import SamplingParams
+
+    from rlsync import ConfigError, Episode, MemoryEpisodes
+    from rlsync.adapters.openrlhf import _episodes
+
+    class Instance:
+        def __init__(self) -> None:
+            self.turns, self.seen, self.lock = 0, ["start"], threading.Lock()
+
+    answer = {"rewards": torch.tensor(1.5), "scores": torch.tensor([[1, 2]], dtype=torch.int32),
+              "environment_feedback": " w3 <end>", "done": False, "extra_logs": {"calls": np.float32(2.0), "pair": (1, "a")},
+              "sampling_params": SamplingParams(temperature=0.3, max_tokens=5, stop_token_ids=[9])}
+    log, runs = MemoryEpisodes(lambda samples: None), []
+
+    async def step(instance: Instance, run_answer: dict[str, Any]) -> Any:
+        async def run() -> dict[str, Any]:
+            runs.append(_episodes.tool_call_key())
+            instance.turns += 1
+            instance.seen.append("w3")
+            return run_answer
+
+        return await _episodes._recorded_step(instance, "step", run, {"action_text": "w1 w2"})
+
+    def claimed(name: str = "7/abc/0") -> Episode:
+        episode = Episode.claim(log, name, b"prompt", "me", lease_seconds=0.05)
+        assert episode is not None
+        _episodes.CURRENT.set(episode)
+        return episode
+
+    first = Instance()
+    claimed()
+    assert asyncio.run(step(first, answer)) is answer and runs == ["7/abc/0/0"]  # run now: the step's own answer
+    time.sleep(0.1)  # the lease ran out: the actor is presumed dead
+    again = Instance()
+    claimed()
+    replayed = asyncio.run(step(again, answer))
+    assert runs == ["7/abc/0/0"]  # not run again
+    assert (again.turns, again.seen, again.lock is not first.lock) == (1, ["start", "w3"], True)  # state back, lock left
+    assert torch.equal(replayed["rewards"], answer["rewards"]) and replayed["rewards"].dtype == torch.float32
+    assert torch.equal(replayed["scores"], answer["scores"]) and replayed["scores"].dtype == torch.int32
+    assert replayed["sampling_params"] == answer["sampling_params"]
+    assert replayed["extra_logs"] == {"calls": 2.0, "pair": [1, "a"]}  # tuples come back as lists
+    assert {k: replayed[k] for k in ("environment_feedback", "done")} == {"environment_feedback": " w3 <end>", "done": False}
+
+    claimed("8/def/0")
+    with pytest.raises(ConfigError, match=r"Instance\.step returned a PIL.*rlsync launch openrlhf --episodes"):
+        asyncio.run(step(Instance(), {**answer, "environment_images": [Image.new("RGB", (2, 2))]}))

@@ -47,12 +47,29 @@ def _spawn(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[
 
 
 def _outputs(results: Path) -> dict[int, set[str]]:
-    """Every rollout a life of a worker returned, by prompt (greedy: a prompt's two rollouts are the same)."""
+    """Every rollout a life of a worker returned, by prompt (greedy: a prompt's two rollouts are the same); log-probs
+    to 1e-4 (``_logprobs``: a turn generated in another batch may differ in float32's last bits)."""
     got: dict[int, set[str]] = collections.defaultdict(set)
     for line in results.read_text().splitlines():
         row = json.loads(line)
+        row.pop("logprobs")
         got[row.pop("number")].add(json.dumps(row, sort_keys=True))
     return got
+
+
+def _logprobs(results: Path) -> dict[int, list[list[float]]]:
+    got: dict[int, list[list[float]]] = collections.defaultdict(list)
+    for line in results.read_text().splitlines():
+        row = json.loads(line)
+        got[row["number"]].append(row["logprobs"])
+    return got
+
+
+def _close_logprobs(got: Path, expected: Path) -> None:
+    reference = {n: rows[0] for n, rows in _logprobs(expected).items()}
+    for number, rows in _logprobs(got).items():
+        for row in rows:
+            assert row == pytest.approx(reference[number], abs=1e-4), f"prompt {number}'s log-probs differ"
 
 
 @pytest.mark.timeout(900)
@@ -101,6 +118,7 @@ def test_engine_actors_killed_at_random_lose_no_rollout_and_rerun_no_agent_step(
     assert sorted(got) == numbers
     for number in numbers:
         assert got[number] == expected[number], f"prompt {number}'s rollouts ended otherwise than without a kill"
+    _close_logprobs(results, tmp_path / "reference")
     reference_calls, calls = worker_kills.check_calls(tools, reference_tools, most_run_again=killed * 2 * len(shares[0]))
     assert len(reference_calls) >= 2 * PROMPTS * 2  # a reset and at least one step per rollout
     model_calls = len(Path(f"{reference_tools}.model-calls").read_text().splitlines())
@@ -111,6 +129,7 @@ def test_engine_actors_killed_at_random_lose_no_rollout_and_rerun_no_agent_step(
     # the re-run replayed its finished rollouts whole: the same outputs, no model call, no agent step
     again = _outputs(tmp_path / "rerun")
     assert sorted(again) == shares[0] and all(again[n] == expected[n] for n in shares[0])
+    _close_logprobs(tmp_path / "rerun", tmp_path / "reference")
     worker_kills.check_rerun(tools, executed, called, tmp_path / "rerun.log", replays=2 * len(shares[0]))
 
 

@@ -193,6 +193,19 @@ def test_the_driver_names_each_prompt_again_the_same_after_a_restart_from_its_ch
     resumed.generate_eval_samples()  # evaluation prompts are not recorded: no name
     assert {name for _, _, name in named()} == {None}
 
+    # the async trainer hands its generator actor the checkpoint's count: GenerateSamplesActor.fit as Ray ships it
+    import ray.cloudpickle as cloudpickle
+    from openrlhf.trainer.ppo_trainer_async import GenerateSamplesActor
+
+    from rlsync.patches.openrlhf import _actor_class
+
+    shipped = cloudpickle.loads(cloudpickle.dumps(_actor_class(GenerateSamplesActor)))
+    queue: list[Any] = []
+    actor = SimpleNamespace(samples_generator=SimpleNamespace(), args=SimpleNamespace(train=SimpleNamespace(num_episodes=0)),
+                            rollout_queue=SimpleNamespace(put=lambda item, block: queue.append(item)))
+    shipped.fit(actor, episode=0, total_consumed_prompts=17)  # no episode left to run: OpenRLHF's loop says done
+    assert actor.samples_generator._rlsync_prompts == 17 and queue == ["done"]
+
 
 def test_an_agent_steps_result_and_its_instances_state_come_back_on_a_replay_and_images_are_refused_by_name() -> None:
     """A ``MultiTurnAgentExecutor`` step as rlsync records it (``_recorded_step``, in a real ``Episode`` over

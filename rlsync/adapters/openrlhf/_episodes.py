@@ -222,8 +222,8 @@ def wrap_generate_responses(original: Any) -> Any:
 
 
 async def _named_responses(original: Any, actor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    bound = inspect.signature(original).bind(actor, *args, **kwargs)
-    params = bound.arguments.get("sampling_params")
+    # the driver's patch sends every argument by keyword (as OpenRLHF's dispatch does): a named request has them there
+    params = kwargs.get("sampling_params")
     extra = dict(getattr(params, "extra_args", None) or {})
     name = extra.pop(EXTRA, None)
     if name is None or params is None:
@@ -232,12 +232,11 @@ async def _named_responses(original: Any, actor: Any, args: tuple[Any, ...], kwa
         raise ConfigError(f"a request names episode {name!r}, but this engine actor was not started with {OPTION}")
     params = params.clone()  # what vLLM sees: the extra argument taken out again
     params.extra_args = extra or None
-    bound.arguments["sampling_params"] = params
     _instrument(actor.executor)
-    samples = int(bound.arguments.get("num_samples", 1))
+    samples = int(kwargs.get("num_samples", 1))
     token = _PENDING.set(collections.deque(f"{name}/{k}" for k in range(samples)))
     try:
-        return await original(*bound.args, **bound.kwargs)
+        return await original(actor, *args, **{**kwargs, "sampling_params": params})
     finally:
         _PENDING.reset(token)
 

@@ -95,3 +95,19 @@ def test_per_expert_lora_is_refused_by_name_before_anything_is_sent() -> None:
     with pytest.raises(ConfigError, match="per-expert LoRA"):
         server.publish_lora({"base_model.model.model.layers.0.mlp.experts.lora_A.weight": torch.zeros(8, 16)},
                             {"r": 8, "target_modules": [], "target_parameters": ["mlp.experts.gate_up_proj"]})
+
+
+@pytest.mark.parametrize(("label", "version"), [("default", 0), ("7", 7), ("12+00ab34cd56ef7890", 12),
+                                                 ("policy@3", 3), ("policy@4+00ab34cd56ef7890", 4)])
+def test_a_servers_weight_version_label_reads_as_its_version(label: str, version: int) -> None:
+    from rlsync.adapters.vllm import label_version
+
+    assert label_version(label) == version
+
+
+def test_a_label_rlsync_did_not_set_is_refused_by_name() -> None:
+    from rlsync import VersionError
+    from rlsync.adapters.vllm import label_version
+
+    with pytest.raises(VersionError, match="'step-10' is not one of rlsync's"):
+        label_version("step-10")

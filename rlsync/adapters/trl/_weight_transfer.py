@@ -5,7 +5,8 @@ TRL calls, on its main process: ``init_weight_transfer()`` once at train begin, 
 (``WeightTransferProtocol`` in ``async_grpo_trainer.py``). The server is a stock vLLM server started with
 ``--weight-transfer-config '{"backend": "rlsync"}'``: this object drives its weight-transfer routes
 (``rlsync.adapters.vllm.VllmServer``), and the version it makes live is the trainer's ``model_version``
-after the sync (syncs are counted from the server's live version: 1, 2, ... on a fresh server, as TRL counts).
+after the sync, which TRL restores from its checkpoint on a resume: the server's labels (every token's version)
+count as TRL does, whether the server is fresh or kept running across the resume.
 
 LoRA: TRL turns its own adapter-only route off when a ``weight_transfer`` is given and hands it the merged weights.
 With a PEFT model (not sharded by FSDP) and a server started with ``--enable-lora --max-lora-rank R`` (and
@@ -131,7 +132,8 @@ class RlsyncWeightTransfer:
             return  # a new adapter name is a new prefix-cache namespace in vLLM: nothing to reset
         # TRL's iterator yields live parameters (views, fp32 unless the model is bf16): publish casts them to the
         # server's dtype and holds them only until the version is live, which happens before this returns.
-        self.last_stats = self.server.publish(iterator)
+        version = None if self._trainer is None else self._trainer.model_version + 1  # TRL bumps it after this send
+        self.last_stats = self.server.publish(iterator, version)
         self.server.reset_prefix_cache()  # cached prefixes were computed with the previous weights
 
     def resume(self) -> None:

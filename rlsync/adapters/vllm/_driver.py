@@ -12,6 +12,17 @@ from rlsync import DEFAULT_TIMEOUT, Canary, VersionError, version_label
 STARTING_LABEL = "default"  # vLLM's weight version label before any update (``EngineCore._weight_version``)
 
 
+def label_version(label: Any, *, base: int = 0) -> int:
+    """The version in a weight version label rlsync makes live ("V", "V+DIGEST", "NAME@V", "NAME@V+DIGEST");
+    ``base`` for vLLM's starting label (the weights the engine started with)."""
+    if label is None or str(label) == STARTING_LABEL:
+        return base
+    number = str(label).rsplit("@", 1)[-1].split("+", 1)[0]
+    if not number.lstrip("-").isdigit():
+        raise VersionError(f"weight version label {label!r} is not one of rlsync's ('V', 'V+DIGEST', 'NAME@V')")
+    return int(number)
+
+
 def apply_next_version(llm: Any, timeout: float = DEFAULT_TIMEOUT) -> int:
     """Every worker loads the next version that has fully landed (``rlsync_apply``); then the prefix cache is
     reset (cached prefixes hold activations computed with the old weights) and the version becomes the
@@ -82,10 +93,5 @@ def token_versions(completion: Any, *, base: int = 0) -> np.ndarray:
     the engine started with (vLLM labels them "default"): ``base``."""
     versions = np.full(len(completion.token_ids), base, dtype=np.int64)
     for span in completion.weight_versions or ():
-        if span.version == STARTING_LABEL:
-            continue
-        label = str(span.version).rsplit("@", 1)[-1].split("+", 1)[0]
-        if not label.lstrip("-").isdigit():
-            raise VersionError(f"weight version label {span.version!r} is not one of rlsync's ('V', 'V+DIGEST', 'NAME@V')")
-        versions[span.start:span.end] = int(label)
+        versions[span.start:span.end] = label_version(span.version, base=base)
     return versions

@@ -31,6 +31,7 @@ from rlsync import (
     WeightsWriter,
     version_label,
 )
+from rlsync.adapters.vllm._driver import label_version
 from rlsync.adapters.vllm._lora import refuse_unsupported
 from rlsync.adapters.vllm._server_calls import ServerCalls
 from rlsync.core import keyed, shift_port
@@ -109,7 +110,7 @@ class VllmServer(ServerCalls):
     # --- weights ------------------------------------------------------------------------------------------
     def publish(self, named_tensors: Iterable[tuple[str, Any]], version: int | None = None, *,
                 canary: Canary | None = None) -> PublishStats:
-        """Make ``named_tensors`` live on the server as ``version`` (default: the next one after the live one).
+        """Make ``named_tensors`` live on the server as ``version`` (default: the next one after the server's live one).
 
         The first call fixes the tensor list (names, shapes; the server's dtype); later calls must send the
         same tensors. Returns once the server serves the new version; on any error the server still serves
@@ -182,8 +183,8 @@ class VllmServer(ServerCalls):
         return self._writer
 
     def _next(self, writer: WeightsWriter, version: int | None) -> int:
-        # version 0 is the checkpoint the server started from: a fresh server's first published version is 1; after
-        # close() and a new receiver, numbering goes on from what this object last made live
+        # version 0 is the checkpoint the server started from: a fresh server's first published version is 1; a server
+        # that serves version N (another client made it live) goes on at N + 1 (self.version is read at _open)
         return max(writer.next_version, self.version + 1) if version is None else version
 
     def _go_live(self, writer: WeightsWriter, version: int, canary: Canary | None, *,
@@ -286,9 +287,18 @@ class VllmServer(ServerCalls):
         readers = [shift_port(address, r) for r in range(workers)]
         self._workers = workers
         self._writer = WeightsWriter(from_state_dict(state), None, 0, readers, options=self.options)
+        self.version = max(self.version, self._live_version())
         self._names = list(state)
         self._lora = lora
         self._adapters = []
+
+    def _live_version(self) -> int:
+        """The version the server serves now, by its label: a new receiver starts counting again, the server does not
+        (a trainer resumed against a server that kept running must not label new weights with old versions)."""
+        try:
+            return label_version(self.weight_version())
+        except VersionError:  # a label someone else set ("step-10"): not one of rlsync's versions, count from 1
+            return 0
 
     def close(self) -> None:
         """Release the server's receiving side (a later trainer can connect again) and this writer."""

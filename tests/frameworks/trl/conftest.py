@@ -63,7 +63,7 @@ def grpo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def grpo_server(grpo_model_dir: Path) -> Iterator[Any]:
     """One server of ``grpo_model_dir`` for the GRPOTrainer tests (a server start is most of such a test's cost).
     Each test's trainer syncs its weights before it first generates (TRL's first sync is at step 0), so a test finds
-    the model's weights whatever the one before left, and a new client's versions count from 1 again. What differs
+    the model's weights whatever the one before left, and a new client's versions go on from the server's live one. What differs
     from a fresh server: its sampler's random state (the completions a step samples, not their versions)."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as the per-test servers run (vllm_env)

@@ -58,6 +58,16 @@ def test_async_trainer_sync_weight_lands_in_the_server(model_dir: Path, server: 
     logged = trainer._metrics["train"]
     assert logged["rlsync/version"] == [1.0, 2.0, 3.0] and len(logged["rlsync/sync_seconds"]) == 3
     trainer.weight_transfer.destroy()
+    # a resumed run: TRL restores model_version from its checkpoint (rollout_state.json), and a new transfer syncs into
+    # the server that kept running: the server's labels (every sampled token's version) go on as TRL counts, not from 1
+    trainer.model_version = 7
+    trainer.weight_transfer = RlsyncWeightTransfer(server.url)
+    trainer.weight_transfer.init_weight_transfer()
+    trainer._sync_weight()
+    assert trainer.model_version == 8 and trainer.weight_transfer.last_stats.version == 8
+    assert server.call_json("/weight_info")["weight_version"] == "8"
+    assert server.greedy(PROMPTS) == seen[-1]  # the same weights under a new version
+    trainer.weight_transfer.destroy()
 
 
 def test_an_unreachable_server_and_an_unsupported_trl_are_named() -> None:

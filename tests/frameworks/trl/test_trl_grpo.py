@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from trl_helpers import PROMPTS, checkpoint, example, fresh_greedy, grpo_trainer
+from trl_helpers import PROMPTS, checkpoint, example, fresh_greedy, grpo_trainer, live_version
 
 from rlsync import SyncOptions
 
@@ -20,6 +20,7 @@ def test_every_sync_of_a_real_grpo_run_serves_the_trainers_weights(grpo_model_di
     from rlsync.adapters.trl import RlsyncSyncCallback
 
     model_dir, server = grpo_model_dir, grpo_server
+    base = live_version(server)  # the shared server's: versions go on from it
     trainer = grpo_trainer(model_dir, server, tmp_path, steps=4)
     callback = RlsyncSyncCallback(trainer)
     trainer.add_callback(callback)
@@ -35,7 +36,7 @@ def test_every_sync_of_a_real_grpo_run_serves_the_trainers_weights(grpo_model_di
     trainer.vllm_generation.sync_weights = sync_and_look
     trainer.train()
     assert [step for step, *_ in checks] == [0, 1, 2, 3]  # a sync before each step's generation
-    assert [version for _, version, *_ in checks] == [1, 2, 3, 4]  # the server reports the version of each
+    assert [version - base for _, version, *_ in checks] == [1, 2, 3, 4]  # the server reports the version of each
     # training moved the weights and the server followed (two steps may still agree greedily: not asserted)
     assert len({str(greedy) for _, _, greedy, _ in checks}) >= 2
     for step, version, greedy, named in checks[1:]:  # after real optimizer steps 1, 2, 3
@@ -51,6 +52,7 @@ def test_a_sample_older_than_the_allowed_staleness_never_reaches_the_loss(grpo_m
     from rlsync.adapters.trl import VERSIONS, RlsyncSyncCallback
 
     model_dir, server = grpo_model_dir, grpo_server
+    base = live_version(server)
     # one generation serves three optimizer steps: its samples are 0, 1 and 2 steps old when they are trained on
     trainer = grpo_trainer(model_dir, server, tmp_path, steps=6, steps_per_generation=3)
     received: list[tuple[int, torch.Tensor, torch.Tensor]] = []
@@ -65,7 +67,7 @@ def test_a_sample_older_than_the_allowed_staleness_never_reaches_the_loss(grpo_m
     trainer.train()
     assert [step for step, *_ in received] == [0, 1, 2, 3, 4, 5]
     for step, versions, mask in received:
-        lag = (step + 1) - versions.min(dim=1).values  # the trainer's version minus each sample's oldest token's
+        lag = (base + step + 1) - versions.min(dim=1).values  # the trainer's version minus each sample's oldest token's
         assert set(lag.tolist()) == {step % 3}
         if step % 3 == 2:  # two steps old: every one of its tokens is out of the loss
             assert int(mask.sum()) == 0, f"step {step}: stale tokens reached the loss"
@@ -83,6 +85,7 @@ def test_delta_syncs_at_an_rl_learning_rate_move_a_fraction_and_serve_the_traine
     from rlsync.adapters.trl import RlsyncSyncCallback
 
     model_dir, server = grpo_model_dir, grpo_server
+    base = live_version(server)
     trainer = grpo_trainer(model_dir, server, tmp_path, steps=3, lr=1e-6)
     trainer.add_callback(RlsyncSyncCallback(trainer, options=SyncOptions(wire="delta", verify=True)))  # the engine checks every tensor's CRC
     rlsync_sync = trainer.vllm_generation.sync_weights
@@ -103,7 +106,7 @@ def test_delta_syncs_at_an_rl_learning_rate_move_a_fraction_and_serve_the_traine
     assert greedy == fresh_greedy(checkpoint(model_dir, named, tmp_path / "last"))
     # the label the server stamps on its outputs binds the version to the bytes: version+digest of the checksums
     label = server.call_json("/weight_info")["weight_version"]
-    assert label.startswith("3+") and len(label) == 2 + 16, label
+    assert label.startswith(f"{base + 3}+") and len(label) == len(str(base + 3)) + 1 + 16, label
 
 
 def test_a_version_the_server_computes_wrongly_is_refused_before_it_serves(grpo_model_dir: Path, grpo_server: Any) -> None:
@@ -118,9 +121,11 @@ def test_a_version_the_server_computes_wrongly_is_refused_before_it_serves(grpo_
     from rlsync.adapters.vllm import VllmServer
 
     model_dir, server = grpo_model_dir, grpo_server
+    base = live_version(server)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     client = VllmServer(server.url)
     first = client.publish(model.named_parameters(), canary=Canary.of(model))
+    assert first.version == base + 1  # the next after the server's live version
     assert first.canary_deviation is not None and 0 < first.canary_deviation < 0.05  # fp32 trainer, bf16 server
     before = server.greedy(PROMPTS)
     stepped = copy.deepcopy(model)
@@ -129,10 +134,17 @@ def test_a_version_the_server_computes_wrongly_is_refused_before_it_serves(grpo_
             p.add_(torch.randn_like(p), alpha=0.05)
     with pytest.raises(CanaryError, match=r"the vLLM server at .* deviate from the trainer's by .* at token \d+"):
         client.publish(model.named_parameters(), canary=Canary.of(stepped))  # stepped's canary; the old bytes arrive
-    assert server.call_json("/weight_info")["weight_version"] == "1"
+    assert server.call_json("/weight_info")["weight_version"] == str(base + 1)
     assert server.greedy(PROMPTS) == before
-    assert client.publish(stepped.named_parameters(), canary=Canary.of(stepped)).version == 2  # a good one goes on
+    assert client.publish(stepped.named_parameters(), canary=Canary.of(stepped)).version == base + 2  # a good one goes on
     client.close()
+    # a new client (a trainer resumed against the server that kept running) goes on from the server's live version:
+    # labelling new weights with an old version would make every token it samples look older than it is
+    again = VllmServer(server.url)
+    assert again.publish(model.named_parameters()).version == base + 3
+    assert server.call_json("/weight_info")["weight_version"] == str(base + 3)
+    assert server.greedy(PROMPTS) == before  # model's weights again
+    again.close()
 
 
 LORA_RANK = 8

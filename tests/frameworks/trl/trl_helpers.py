@@ -18,6 +18,13 @@ PROMPTS = [[3, 9, 4, 12], [20, 7], [5, 5, 16, 8, 11]]
 NEW_TOKENS = 8
 
 
+def live_version(server: Any) -> int:
+    """The version a (shared) server serves now, by its label: a new client's versions go on from it."""
+    from rlsync.adapters.vllm import label_version
+
+    return label_version(server.call_json("/weight_info")["weight_version"])
+
+
 def checkpoint(model_dir: Path, named: dict[str, Any], where: Path) -> Path:
     """``model_dir``'s config and tokenizer with ``named`` as its weights: what a fresh engine loads."""
     import shutil

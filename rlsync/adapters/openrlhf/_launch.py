@@ -1,11 +1,11 @@
 """``rlsync launch openrlhf [OPTIONS] -- <OpenRLHF's usual arguments>`` (also ``python -m rlsync.adapters.openrlhf``).
 
 Starts OpenRLHF's own entry point (``openrlhf.cli.train_ppo_ray``: its parser, its checks, its ``train``)
-with the user's arguments, unchanged except for the weight sync: before that, it starts Ray itself with
-``worker_process_setup_hook`` = ``rlsync.adapters.openrlhf.setup_worker`` and the environment OpenRLHF's own
-``ray.init`` would set, so that every Ray worker applies rlsync's trainer-side patches (``train`` calls
-``ray.init`` only when Ray is not running), and exports ``RLSYNC_OPENRLHF`` so that vLLM's engine processes
-(which are not Ray workers) apply the engine side through the adapter's vLLM plugin.
+with the user's arguments, unchanged except for the weight sync: where ``train`` starts Ray (its ``ray.init``,
+once OpenRLHF's parser and checks have accepted the arguments: a typo starts no cluster), rlsync starts it instead,
+with OpenRLHF's runtime environment plus ``worker_process_setup_hook`` = ``rlsync.adapters.openrlhf.setup_worker``,
+so that every Ray worker applies rlsync's trainer-side patches, and exports ``RLSYNC_OPENRLHF`` so that vLLM's engine
+processes (which are not Ray workers) apply the engine side through the adapter's vLLM plugin.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import os
 import runpy
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from rlsync import DEFAULT_TIMEOUT, ConfigError, __version__
 from rlsync.adapters.openrlhf._hooks import patch_trainer
@@ -105,17 +106,37 @@ def ray_env(opts: dict[str, object]) -> dict[str, str]:
     }
 
 
-def start_ray(opts: dict[str, object]) -> None:
+def start_ray(opts: dict[str, object], *args: Any, runtime_env: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+    """``ray.init(*args, runtime_env=..., **kwargs)`` with rlsync's worker hook and options added to the runtime env."""
     import ray
 
     if ray.is_initialized():
         raise ConfigError("Ray is already initialised in this process: the launcher must start it (with its worker hook)")
-    env = ray_env(opts)
+    env = {**((runtime_env or {}).get("env_vars") or {}), **ray_env(opts)}
     os.environ.update(env)  # this process and what it spawns; Ray workers get it from the runtime env too
-    ray.init(runtime_env={"env_vars": env, "worker_process_setup_hook": "rlsync.adapters.openrlhf.setup_worker"})
+    context = ray.init(*args, runtime_env={**(runtime_env or {}), "env_vars": env,
+                                           "worker_process_setup_hook": "rlsync.adapters.openrlhf.setup_worker"}, **kwargs)
     clock(new_cluster=True)  # the run's version clock, owned by this process: it lives as long as the run
     # this process too: Ray pickles the actor classes it starts here (OpenRLHF's engine actor by value), patched
     patch_trainer()
+    return context
+
+
+def start_ray_in_openrlhfs_place(opts: dict[str, object]) -> None:
+    """OpenRLHF's ``train`` starts Ray (``ray.init``, when none runs) after its parser and its checks of the arguments:
+    rlsync's ``start_ray`` takes the place of that one call, with what OpenRLHF passes, so that arguments OpenRLHF
+    refuses (a typo, ``--help``) start no cluster."""
+    import ray
+
+    if ray.is_initialized():
+        raise ConfigError("Ray is already initialised in this process: the launcher must start it (with its worker hook)")
+    openrlhfs = ray.init
+
+    def init(*args: Any, **kwargs: Any) -> Any:
+        ray.init = openrlhfs  # once: whoever calls it next gets Ray's own
+        return start_ray(opts, *args, **kwargs)
+
+    ray.init = init
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -126,13 +147,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.episodes and args.weight_sync != "rlsync":
         raise ConfigError("--episodes records rollouts through rlsync's patches of OpenRLHF, which --weight-sync openrlhf "
                           "leaves out: drop one of the two")
-    asks_help = any(arg in ("-h", "--help") for arg in theirs)  # OpenRLHF's parser prints and exits: no run, no Ray
-    if args.weight_sync == "rlsync" and not asks_help:
+    if args.weight_sync == "rlsync":
         opts = {"rlsync": __version__, "openrlhf": version, "transport": args.transport, "host": args.host,
                 "timeout": args.timeout, "max_staleness": args.max_staleness,
                 "wire": args.wire, "canary": args.canary, "lora_rank": lora_rank(theirs), "lora_sync": args.lora_sync,
                 "routing_replay": args.routing_replay, "sampling_mask": args.sampling_mask, "relay": args.relay,
                 **episodes_options(args.episodes, theirs)}
-        start_ray(opts)
+        start_ray_in_openrlhfs_place(opts)
     sys.argv = [ENTRY, *theirs]
     runpy.run_module(ENTRY, run_name="__main__", alter_sys=True)

@@ -403,7 +403,45 @@ def test_the_launcher_hands_the_users_arguments_to_openrlhfs_own_parser(tmp_path
     refused = subprocess.run([sys.executable, "-m", "rlsync.adapters.openrlhf", "--", "--no.such_flag", "1"],
                              capture_output=True, text=True, timeout=300, env=env)
     assert refused.returncode == 2 and "unrecognized arguments: --no.such_flag" in refused.stderr
-    assert "Started a local Ray instance" in refused.stderr  # a run (its Ray first): what the help line above tells apart
+    assert "Started a local Ray instance" not in refused.stdout + refused.stderr  # refused before any cluster starts
+    # arguments OpenRLHF accepts: Ray starts where OpenRLHF's train starts it, with rlsync's hook and options added to
+    # OpenRLHF's runtime env (the run is stopped at train's next step, get_strategy: nothing here has a GPU)
+    accepted = ["--actor.model_name_or_path", "m", "--algo.advantage.estimator", "reinforce_baseline",
+                "--rollout.n_samples_per_prompt", "2"]
+    run = subprocess.run([sys.executable, "-c", STOPPED_AFTER_RAY, "--max-staleness", "2", "--", *accepted],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert seen["hook"] == "rlsync.adapters.openrlhf.setup_worker" and seen["init_is_rays"]
+    from rlsync.patches.openrlhf import OPTIONS_ENV
+
+    assert seen["env"]["NCCL_DEBUG"] == "WARN" and json.loads(seen["env"][OPTIONS_ENV])["max_staleness"] == 2
+    assert seen["model"] == "m"  # OpenRLHF's parsed arguments, handed to its train
+
+
+# `python -c` of a launch whose OpenRLHF run stops at get_strategy, the step after train's ray.init, and says what the
+# running Ray was started with (train_ppo_ray imports get_strategy when runpy runs it: patched in openrlhf.utils first)
+STOPPED_AFTER_RAY = """
+import json, sys
+import openrlhf.utils
+import ray
+
+class Stop(Exception):
+    pass
+
+def stop(args):
+    env = ray.get_runtime_context().runtime_env
+    print(json.dumps({"hook": env.get("worker_process_setup_hook"), "env": env.get("env_vars"),
+                      "init_is_rays": ray.init.__module__.startswith("ray"), "model": args.actor.model_name_or_path}))
+    raise Stop
+
+openrlhf.utils.get_strategy = stop
+from rlsync.adapters.openrlhf._launch import main
+try:
+    main(sys.argv[1:])
+except Stop:
+    ray.shutdown()
+"""
 
 
 def test_the_episodes_option_is_checked_at_the_door_and_names_the_runs_episodes_by_its_checkpoint_folder(
@@ -415,7 +453,7 @@ def test_the_episodes_option_is_checked_at_the_door_and_names_the_runs_episodes_
     opts = episodes_options(url, ["--pretrain", "m", "--ckpt.path", str(tmp_path / "ckpt"), "--ckpt.load_enable"])
     assert opts == {"episodes": url, "episodes_name": f"rlsync-episodes:openrlhf:{tmp_path / 'ckpt'}"}
     assert episodes_options(None, []) == {"episodes": None}
-    with pytest.raises(ConfigError, match=r"--episodes 'http://h:6379/0'.*redis://HOST:6379/0"):
+    with pytest.raises(ConfigError, match=r"--episodes='http://h:6379/0'.*redis://HOST:6379/0"):
         episodes_options("http://h:6379/0", [])
     with pytest.raises(ConfigError, match="kept_seconds"):
         episodes_options("redis://h:6379/0?kept_seconds=0", [])

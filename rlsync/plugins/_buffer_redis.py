@@ -327,6 +327,20 @@ class RedisEpisodes:
                           ("finish", _EP_FINISH))}
         self.retry_seconds = retry_seconds
 
+    @classmethod
+    def from_option(cls, url: str, *, name: str, option: str) -> RedisEpisodes:
+        """The log a framework's episodes option gives (verl's config key, TRL's ``episodes=``, OpenRLHF's launcher
+        flag), checked where the option is read: a URL redis-py cannot read, a bad ``?kept_seconds`` or the missing
+        extra is a ``ConfigError`` that starts with ``option``, the setting as the user writes it with ``{url}`` where
+        the value goes (shown without its credentials). Nothing is sent yet (redis-py connects at its first command)."""
+        setting = option.format(url=repr(_shown(url)))
+        try:
+            return cls(url, name=name)
+        except ValueError as exc:  # redis-py's word for a URL it cannot read
+            raise ConfigError(f"{setting}: {exc}; for example redis://HOST:6379/0") from None
+        except ConfigError as exc:
+            raise ConfigError(f"{setting}: {exc}") from None
+
     def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
         return _retrying(self._errors, self.retry_seconds, lambda: self._scripts[script](keys=keys, args=args), self._url)
 

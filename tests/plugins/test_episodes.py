@@ -197,3 +197,20 @@ def test_generators_killed_at_random_lose_no_episode_and_rerun_no_recorded_tool_
     pytest.importorskip("redis")
     with RedisServer.running(tmp_path) as server:
         episode_generator.run_with_kills(server.url, tmp_path, episodes=100, kills=25)
+
+
+def test_a_frameworks_episodes_option_is_named_in_every_error_about_its_url() -> None:
+    """The one check behind verl's, TRL's and OpenRLHF's episodes options: the setting as the user wrote it leads the
+    error, its password never shows, and nothing is sent (no Redis listens here)."""
+    pytest.importorskip("redis")
+    from rlsync.plugins import RedisEpisodes
+
+    option = "RlsyncWeightTransfer(episodes={url})"
+    with pytest.raises(ConfigError, match=r"^RlsyncWeightTransfer\(episodes='http://<credentials>@h:6379/0'\): .*"
+                                          r"for example redis://HOST:6379/0") as typo:
+        RedisEpisodes.from_option("http://:hunter2@h:6379/0", name="run", option=option)
+    with pytest.raises(ConfigError, match=r"^--episodes='redis://h:6379/0\?kept_seconds=0': kept_seconds='0'") as kept:
+        RedisEpisodes.from_option("redis://h:6379/0?kept_seconds=0", name="run", option="--episodes={url}")
+    assert "hunter2" not in str(typo.value) + str(kept.value)
+    log = RedisEpisodes.from_option("redis://127.0.0.1:9/0?kept_seconds=60", name="run", option="--episodes={url}")
+    assert log.kept_seconds == 60

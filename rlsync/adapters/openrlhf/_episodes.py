@@ -78,14 +78,9 @@ def episodes_name(ckpt_path: str) -> str:
 
 def open_log(url: str, name: str) -> EpisodeLog:
     """The Redis episode log at ``url`` (checked by the launcher at the door: the extra, the URL, ``?kept_seconds``)."""
-    try:
-        from rlsync.plugins import RedisEpisodes
-    except ImportError as exc:  # pragma: no cover - the redis extra
-        raise ConfigError(f"{OPTION} needs the Redis client: pip install 'rlsync[redis]' ({exc})") from None
-    try:
-        return RedisEpisodes(url, name=name)
-    except ValueError as exc:  # redis-py's word for a URL it cannot read
-        raise ConfigError(f"{OPTION} {url!r}: {exc}; for example redis://HOST:6379/0") from None
+    from rlsync.plugins import RedisEpisodes
+
+    return RedisEpisodes.from_option(url, name=name, option=OPTION + "={url}")
 
 
 @functools.cache

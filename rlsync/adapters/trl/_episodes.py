@@ -27,7 +27,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from rlsync import ConfigError, Episode, EpisodeLog
+from rlsync import Episode, EpisodeLog
 
 _log = logging.getLogger("rlsync")
 #: the episode of the rollout running in this asyncio task (TRL runs each in a task of its own)
@@ -42,14 +42,9 @@ def tool_call_key() -> str | None:
 
 
 def log_for(url: str, name: str) -> EpisodeLog:
-    try:
-        from rlsync.plugins import RedisEpisodes
-    except ImportError as exc:  # pragma: no cover - the redis extra
-        raise ConfigError(f"RlsyncWeightTransfer(episodes=...) needs the Redis client: pip install 'rlsync[redis]' ({exc})") from None
-    try:
-        return RedisEpisodes(url, name=name)
-    except ValueError as exc:  # redis-py's word for a URL it cannot read
-        raise ConfigError(f"RlsyncWeightTransfer(episodes={url!r}): {exc}; for example redis://HOST:6379/0") from None
+    from rlsync.plugins import RedisEpisodes
+
+    return RedisEpisodes.from_option(url, name=name, option="RlsyncWeightTransfer(episodes={url})")
 
 
 class Episodes:

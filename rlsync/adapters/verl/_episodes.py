@@ -71,15 +71,9 @@ def episodes_url(config: Any) -> str | None:
 
 @functools.cache
 def _episode_log(url: str, name: str) -> EpisodeLog:
-    """One Redis client per process and log (a worker runs many trajectories at once)."""
-    try:
-        from rlsync.plugins import RedisEpisodes
-    except ImportError as exc:  # pragma: no cover - the redis extra
-        raise ConfigError(f"{OPTION} needs the Redis client: pip install 'rlsync[redis]' ({exc})") from None
-    try:
-        return RedisEpisodes(url, name=name)
-    except ValueError as exc:  # redis-py's word for a URL it cannot read
-        raise ConfigError(f"{OPTION}={url!r}: {exc}; for example redis://HOST:6379/0") from None
+    from rlsync.plugins import RedisEpisodes
+
+    return RedisEpisodes.from_option(url, name=name, option=OPTION + "={url}")
 
 
 def episode_id(trajectory: dict[str, Any], prompt: bytes, kwargs: dict[str, Any]) -> str:

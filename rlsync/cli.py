@@ -114,10 +114,12 @@ def bench(
                                                                    "host; it takes two copies of the model per rank).")] = None,
     tensors: Annotated[Optional[int], typer.Option(help="Host cost per tensor: the same bytes (--size, default 64MiB) "
                                                        "as 1 and as this many tensors, over the first of --transports "
-                                                       "(default shm): a first version, then --repeats measured.")] = None,
+                                                       "(default shm): a first version, then --repeats measured. With "
+                                                       "--device: every path there, with the bytes as this many tensors.")] = None,
     model: Annotated[Optional[str], typer.Option(help="Host cost per tensor on a preset's own tensors (rlsync plan "
                                                      "--list-models), as a trainer holds them: experts one by one "
-                                                     "(qwen3-30b-a3b: about 19,000; kimi-k2: about 70,000).")] = None,
+                                                     "(qwen3-30b-a3b: about 19,000; kimi-k2: about 70,000). With "
+                                                     "--device: every path there, on those tensors.")] = None,
     scale: Annotated[str, typer.Option(help="With --model: each tensor's share of its real size, e.g. 1/256 (the "
                                             "count stays the model's).")] = "1/256",
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
@@ -133,7 +135,7 @@ def bench(
         from rlsync.bench import run_device
 
         run_device(device=device, size=size, transports=transports, repeats=repeats, json_output=json_output,
-                   path_timeout=path_timeout)
+                   path_timeout=path_timeout, tensors=tensors, model=model, scale=scale)
     elif wire is not None:
         if wire != "delta":
             raise typer.BadParameter(f"--wire {wire!r}: the bench compares 'delta' with full versions (fp8 is a tensor "

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -34,7 +35,7 @@ from typing import Any
 
 import msgspec
 
-from rlsync import SyncOptions
+from rlsync import ConfigError, SyncOptions
 from rlsync.bench._weights import _read, bench_spec, check_fits, parse_size
 from rlsync.layouts import model_spec
 
@@ -68,16 +69,50 @@ def _timed(fn: Callable[[], Any], device: str) -> float:
     return time.perf_counter() - started
 
 
+def _shapes(config: dict[str, Any]) -> list[tuple[str, list[int]]]:
+    """The bench model's tensors (bf16): a Qwen2-shaped config's (``bench_spec``), ``{"tensors": N, "values": V}``
+    (``--tensors N``: N tensors of V values) or ``{"model": PRESET, "scale": S}`` (``--model``: a preset's own tensors
+    as a trainer holds them, experts one by one, each S of its size)."""
+    if "tensors" in config:
+        return [(f"layers.{i}.weight", [int(config["values"])]) for i in range(int(config["tensors"]))]
+    if "model" in config:
+        from rlsync.bench._tensors import model_sizes
+
+        return [(name, [n]) for name, n in model_sizes(str(config["model"]), float(config["scale"])).items()]
+    return [(p.meta.name, list(p.meta.shape)) for p in model_spec(config).params]
+
+
+def _nbytes(config: dict[str, Any]) -> int:
+    return sum(2 * math.prod(shape) for _, shape in _shapes(config))
+
+
+def device_config(nbytes: int, tensors: int | None = None, model: str | None = None, scale: str = "1/256") -> dict[str, Any]:
+    """What the bench syncs: ``nbytes`` as a Qwen2-shaped model, the same bytes as ``tensors`` equal tensors, or a
+    preset's own tensors (``model``, each ``scale`` of its size)."""
+    from rlsync.bench._tensors import MAX_TENSORS, parse_scale
+
+    if model is not None:
+        if tensors is not None:
+            raise ConfigError("--model takes its tensors from the preset: leave out --tensors")
+        return {"model": model, "scale": parse_scale(scale)}
+    if tensors is None:
+        return bench_spec(nbytes)
+    if not 1 <= tensors <= min(MAX_TENSORS, nbytes // 2):
+        raise ConfigError(f"--tensors {tensors}: from 1 to {min(MAX_TENSORS, nbytes // 2):,} for {nbytes:,} bytes (one bf16 "
+                          f"value each at least, and {MAX_TENSORS:,} in all: a MoE of 1T parameters has about 70,000)")
+    return {"tensors": tensors, "values": nbytes // 2 // tensors}
+
+
 def _tensors(config: dict[str, Any], device: str, fill: bool) -> dict[str, Any]:
     torch = _torch()
     out = {}
-    for i, p in enumerate(model_spec(config).params):
-        t = torch.empty(p.meta.shape, dtype=torch.bfloat16, device=device)
+    for i, (name, shape) in enumerate(_shapes(config)):
+        t = torch.empty(shape, dtype=torch.bfloat16, device=device)
         if fill:
             t.view(torch.int16).copy_(torch.arange(t.numel(), dtype=torch.int32, device=device).view(t.shape) % 16381 + i)
         else:
             t.zero_()
-        out[p.meta.name] = t
+        out[name] = t
     return out
 
 
@@ -246,7 +281,7 @@ def bucket_trainer(device: str, config: dict[str, Any], transport: str, versions
 def limits(device: str, config: dict[str, Any], repeats: int) -> dict[str, float]:
     """Seconds of one copy of every byte, and of a copy per tensor into tensors that stay (best of ``repeats``)."""
     torch = _torch()
-    one = _one_copy(device, model_spec(config).nbytes, repeats)
+    one = _one_copy(device, _nbytes(config), repeats)
     src, dst = _tensors(config, device, fill=True), _tensors(config, device, fill=False)
     names = list(src)
     per = min(_timed(lambda: torch._foreach_copy_([dst[n] for n in names], [src[n] for n in names]), device)
@@ -343,15 +378,17 @@ def _run(args: list[str], timeout: float = PATH_TIMEOUT) -> dict[str, Any]:
 
 
 def measure(device: str, nbytes: int, transports: list[str] | None, repeats: int, changed: float = CHANGED,
-            progress: Callable[[str], None] | None = None, path_timeout: float = PATH_TIMEOUT) -> dict[str, Any]:
+            progress: Callable[[str], None] | None = None, path_timeout: float = PATH_TIMEOUT,
+            config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run everything and return the ``--json`` object. A path that fails (or outlasts ``path_timeout``) is a row
-    with its ``error``, and the others still run: one broken transport does not hide the figures of the rest."""
+    with its ``error``, and the others still run: one broken transport does not hide the figures of the rest.
+    ``config``: the tensors (``device_config``; default: ``nbytes`` as a Qwen2-shaped model)."""
     from rlsync.core import transports as registered
 
     kind = "cuda" if device.startswith("cuda") else "cpu"
     registry = registered()
-    config = bench_spec(nbytes)
-    total = model_spec(config).nbytes
+    config = config if config is not None else bench_spec(nbytes)
+    total = _nbytes(config)
     versions = repeats + 2  # the first pays for connecting and registering; the second fills the other slot
     say = progress or (lambda _step: None)
     say("device copy limits")
@@ -403,7 +440,7 @@ def measure(device: str, nbytes: int, transports: list[str] | None, repeats: int
     for row in rows:
         row["x_per_tensor_copy"] = per_tensor / row["seconds"]
         row["x_bucketed"] = None if bucket is None else bucket / row["seconds"]
-    return {"device": device, "device_name": _device_name(device), "bytes": total, "tensors": len(model_spec(config).params),
+    return {"device": device, "device_name": _device_name(device), "bytes": total, "tensors": len(_shapes(config)),
             "limits": {"one_copy_seconds": limit["one_copy"], "one_copy_gbps": total / limit["one_copy"] / 1e9,
                        "per_tensor_seconds": per_tensor, "per_tensor_gbps": total / per_tensor / 1e9},
             "results": rows, "failed": failed, "delta": delta, **({"stopped": stopped} if stopped else {})}
@@ -418,7 +455,8 @@ def _device_name(device: str) -> str:
 
 
 def run(*, device: str, size: str | None, transports: str | None, repeats: int, json_output: bool,
-        path_timeout: float = PATH_TIMEOUT) -> None:
+        path_timeout: float = PATH_TIMEOUT, tensors: int | None = None, model: str | None = None,
+        scale: str = "1/256") -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -427,13 +465,16 @@ def run(*, device: str, size: str | None, transports: str | None, repeats: int, 
     torch = _torch()
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here (torch.cuda.is_available() is False); use --device cpu")
-    nbytes = parse_size(size or ("8GiB" if device.startswith("cuda") else "256MiB"))
+    if model is not None and size is not None:
+        raise ConfigError("--model takes its tensors and their sizes from the preset (and --scale): leave out --size")
+    config = device_config(parse_size(size or ("8GiB" if device.startswith("cuda") else "256MiB")), tensors, model, scale)
+    nbytes = _nbytes(config)
     if not device.startswith("cuda"):  # trainer and engine copies, staging and the bucketed recipe, in host memory
         check_fits(nbytes, 6, f"rlsync bench --device {device} --size {size}")
     names = [t for t in transports.split(",") if t] if transports else None
     _stop_on_sigterm()
     with progress(None, f"weight sync on {device}") as advance:
-        report = measure(device, nbytes, names, repeats, progress=advance, path_timeout=path_timeout)
+        report = measure(device, nbytes, names, repeats, progress=advance, path_timeout=path_timeout, config=config)
     if json_output:
         print(json.dumps(report))
         return

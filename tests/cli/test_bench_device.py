@@ -35,6 +35,39 @@ def test_bench_device_cpu_reports_limits_baseline_paths_and_delta_all_exact() ->
     assert 0 < zstd["delta_bytes"] < delta["delta_bytes"] and zstd["find_encode_gbps"] > 0
 
 
+@pytest.mark.multiproc
+def test_bench_device_takes_the_bytes_as_the_tensor_count_asked() -> None:
+    """#56's GPU measurement (``--device cuda --tensors 20000``) on the CPU: every path syncs that many tensors, exact."""
+    out = subprocess.run(
+        [sys.executable, "-m", "rlsync.cli", "bench", "--device", "cpu", "--tensors", "3000", "--size", "8MiB",
+         "--repeats", "1", "--transports", "shm", "--json"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["tensors"] == 3000 and report["bytes"] == 3000 * 2 * (8 * 2**20 // 2 // 3000)
+    assert report["failed"] == [] and {r["name"] for r in report["results"]} == {
+        "bucketed-2GiB", "shm/host", "shm/direct", "shm/host delta 2%"}
+    assert all(r["exact"] is True for r in report["results"]), report["results"]
+
+
+def test_bench_device_on_a_presets_tensors_and_its_refusals() -> None:
+    from rlsync import ConfigError
+    from rlsync.bench._device import _shapes, device_config
+    from rlsync.bench._tensors import model_sizes
+
+    shapes = _shapes(device_config(0, model="qwen3-30b-a3b", scale="1/4096"))
+    assert dict((name, shape[0]) for name, shape in shapes) == model_sizes("qwen3-30b-a3b", 1 / 4096)
+    assert len(shapes) > 18_000  # the experts one by one, as a trainer holds them
+    with pytest.raises(ConfigError, match="--tensors 0: from 1 to"):
+        device_config(2**20, tensors=0)
+    with pytest.raises(ConfigError, match="leave out --tensors"):
+        device_config(2**20, tensors=10, model="qwen3-30b-a3b")
+    out = subprocess.run([sys.executable, "-m", "rlsync.cli", "bench", "--device", "cpu", "--model", "kimi-k2",
+                          "--size", "1GiB"], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "leave out --size" in out.stderr
+
+
 def test_bench_device_cuda_without_a_gpu_says_so() -> None:
     import torch
 

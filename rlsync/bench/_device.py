@@ -467,10 +467,16 @@ def run(*, device: str, size: str | None, transports: str | None, repeats: int, 
         raise SystemExit("--device cuda: no CUDA device here (torch.cuda.is_available() is False); use --device cpu")
     if model is not None and size is not None:
         raise ConfigError("--model takes its tensors and their sizes from the preset (and --scale): leave out --size")
-    config = device_config(parse_size(size or ("8GiB" if device.startswith("cuda") else "256MiB")), tensors, model, scale)
+    asked = parse_size(size or ("8GiB" if device.startswith("cuda") else "256MiB"))
+    if model is None and not device.startswith("cuda"):  # before a tensor list of that size is built
+        check_fits(asked, 6, f"rlsync bench --device {device} --size {size}")
+    config = device_config(asked, tensors, model, scale)
     nbytes = _nbytes(config)
     if not device.startswith("cuda"):  # trainer and engine copies, staging and the bucketed recipe, in host memory
-        check_fits(nbytes, 6, f"rlsync bench --device {device} --size {size}")
+        if model is None:
+            check_fits(nbytes, 6, f"rlsync bench --device {device} --size {size}")
+        else:
+            check_fits(nbytes, 6, f"rlsync bench --device {device} --model {model} --scale {scale}", "a smaller --scale")
     names = [t for t in transports.split(",") if t] if transports else None
     _stop_on_sigterm()
     with progress(None, f"weight sync on {device}") as advance:

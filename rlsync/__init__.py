@@ -1,7 +1,7 @@
 """rlsync: weight export, rollout buffering and staleness gating for RL post-training.
 
 Every public name is here, the extension contracts included: a transport (``Transport``, ``Landing``,
-``Link``, ``Run``, ``Region``, ``CurrentStreams`` for a device link), a buffer backend's ``Storage``, a staleness ``Gate``, a ``WireCodec``,
+``Link``, ``Run``, ``Region``, ``CurrentStreams`` and ``BatchedCopies`` for a device link), a buffer backend's ``Storage``, a staleness ``Gate``, a ``WireCodec``,
 the shared ``SyncOptions``, the engine-neutral ``StagedReceiver``, and the hooks (``hookimpl``,
 ``plugin_manager``). Layout builders and model presets are in ``rlsync.layouts``; the in-memory transport
 and the conformance checks for plugin authors in ``rlsync.testing``.
@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # the names for type checkers and readers; at run time each l
     from rlsync.core import (
         DEFAULT_TIMEOUT,
         Batch,
+        BatchedCopies,
         Box,
         BufferSpec,
         Canary,
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # the names for type checkers and readers; at run time each l
         MemoryStorage,
         NodeRelay,
         PeerLostError,
+        PreparedCopies,
         Plan,
         PlanError,
         PlanMismatchError,
@@ -98,6 +100,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Batch",
+    "BatchedCopies",
     "Box",
     "BufferSpec",
     "Canary",
@@ -129,6 +132,7 @@ __all__ = [
     "PlanStats",
     "PluginError",
     "PolicyVersionClock",
+    "PreparedCopies",
     "Region",
     "Registry",
     "RlsyncError",

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from rlsync import (
+    BatchedCopies,
     Episode,
     EpisodeLog,
     Landing,
@@ -88,20 +89,36 @@ class MemoryLanding(Landing):
 
 
 class MemoryLink(Link):
+    """Into host regions: each write copied at once. Into device regions (torch tensors, on any device): gathered and
+    copied at ``flush`` in batches, prepared versions included (``rlsync.BatchedCopies``, as ``cuda_ipc`` does), so
+    that the CPU tests run the lines a GPU link runs."""
+
     def __init__(self, landing: MemoryLanding) -> None:
         self.landing = landing
+        self._copies = BatchedCopies(landing.regions) if landing.memory == "device" else None
 
     def write(self, source: Any, runs: Sequence[Run]) -> None:
-        regions = self.landing.regions
-        if self.landing.memory == "device":
-            source = torch.from_numpy(source) if isinstance(source, np.ndarray) else source
-            for src, slot, dst, n in runs:
-                regions[slot][dst : dst + n].copy_(source[src : src + n])
+        if self._copies is not None:
+            self._copies.add(source, runs)
             return
+        regions = self.landing.regions
         if isinstance(source, torch.Tensor):
             source = source.cpu().numpy()
         for src, slot, dst, n in runs:
             regions[slot][dst : dst + n] = source[src : src + n]
+
+    def prepare(self, parts: Sequence[tuple[Any, Sequence[Run]]]) -> Any:
+        return super().prepare(parts) if self._copies is None else self._copies.prepare(parts)
+
+    def write_prepared(self, prepared: Any) -> None:
+        if self._copies is None:
+            super().write_prepared(prepared)
+        else:
+            self._copies.add_prepared(prepared)
+
+    def flush(self) -> None:
+        if self._copies is not None:
+            BatchedCopies.copy(self._copies.take())
 
 
 class MemoryTransport(Transport):

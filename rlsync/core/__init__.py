@@ -25,6 +25,7 @@ from rlsync.core.sync import INBOX_SHARE, ChangeLog
 from rlsync.core.rollouts import Claim, Episode, EpisodeLog, MemoryEpisodes, Turn
 from rlsync.core.sync import apply_delta, encode_delta
 from rlsync.core.sync import CurrentStreams, synchronize_devices
+from rlsync.core.sync import BatchedCopies, PreparedCopies
 from rlsync.core._errors import (
     CanaryError,
     ConfigError,
@@ -87,7 +88,7 @@ from rlsync.core.sync import WeightsWriter
 
 __all__ = [
     "BUILTIN_PLUGINS", "DEFAULT_TIMEOUT", "ENTRY_POINT_GROUP", "PRESETS", "SLACK", "WIRES",
-    "INBOX_SHARE", "Batch", "Box", "BufferSpec", "Canary", "CanaryError", "ChangeLog", "Claim", "CurrentStreams", "Episode", "EpisodeLog", "LeaseLostError", "MemoryEpisodes", "Turn", "Checksums", "HostStaging", "ConfigError", "Decision", "Finish", "Gate", "Landing", "LandedVersions",
+    "INBOX_SHARE", "Batch", "BatchedCopies", "Box", "BufferSpec", "Canary", "CanaryError", "ChangeLog", "Claim", "CurrentStreams", "Episode", "PreparedCopies", "EpisodeLog", "LeaseLostError", "MemoryEpisodes", "Turn", "Checksums", "HostStaging", "ConfigError", "Decision", "Finish", "Gate", "Landing", "LandedVersions",
     "LandingMode", "Layout", "LayoutError", "Link", "MaxStaleness", "MemoryStorage", "ModelSpec", "NodeRelay", "Param",
     "PeerLostError", "Plan", "PlanError", "PlanMismatchError", "PlanStats", "PluginError", "PolicyVersionClock",
     "RankBoxes", "Region", "Registry", "RlsyncError", "RlsyncWarning", "RolloutBuffer", "RolloutBufferError", "Run",

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from rlsync import CurrentStreams, Landing, Link, Run, Transport, TransportError
+from rlsync import BatchedCopies, CurrentStreams, Landing, Link, Run, Transport, TransportError
 
 # A storage's IPC share names the caching allocator's whole segment (the handle) plus where in it the storage starts
 # (torch's CUDACachingAllocator::shareIpcHandle): every storage of one segment has the same handle, so a storage is
@@ -125,56 +125,44 @@ def _open_region(index: int, entry: Sequence[Any]) -> torch.Tensor:
 
 class CudaIpcLink(Link):
     """Writes are gathered and issued at ``flush`` as one batched copy (``torch._foreach_copy_``: one launch for
-    the whole version instead of one per tensor, which bounds small tensors by the host, not the GPU)."""
-
-    _MAX_VIEWS = 1 << 16  # region views kept for reuse (a model's runs fit; changing delta runs do not pile up)
+    the whole version instead of one per tensor, which bounds small tensors by the host, not the GPU); a version the
+    writer prepared is handed over as one batch of views made once (``rlsync.core.BatchedCopies``)."""
 
     def __init__(self, description: dict[str, Any]) -> None:
         self._index = _local_index(str(description["uuid"]))
         self._regions = [_open_region(self._index, share) for share in description["regions"]]
         self._stream = torch.cuda.Stream(self._index)  # type: ignore[no-untyped-call, unused-ignore]
-        self._views: dict[tuple[int, int, int], torch.Tensor] = {}  # (slot, offset, n) -> that part of the region
-        self._targets: list[torch.Tensor] = []  # the copies gathered since the last flush: targets, sources
-        self._sources: list[torch.Tensor] = []
+        self._copies = BatchedCopies(self._regions, cuda=self._index)
         self._after = CurrentStreams()  # the streams the sources were written from: the copies wait for them
-        self._held: list[torch.Tensor] = []  # sources of copies in flight: alive until flush
-
-    def _target(self, slot: int, offset: int, n: int) -> torch.Tensor:
-        key = (slot, offset, n)
-        view = self._views.get(key)
-        if view is None:
-            if len(self._views) >= self._MAX_VIEWS:
-                self._views.clear()
-            view = self._views[key] = self._regions[slot][offset : offset + n]
-        return view
 
     def write(self, source: Any, runs: Sequence[Run]) -> None:
-        if isinstance(source, np.ndarray):
-            source = torch.from_numpy(source)
-        # the copies wait for the work queued so far on this thread's current stream of the source's device
-        self._after.note_device(source.get_device() if source.is_cuda else self._index)
-        whole = source.numel()
-        for src, slot, dst, n in runs:
-            self._targets.append(self._target(slot, dst, n))
-            self._sources.append(source if src == 0 and n == whole else source[src : src + n])
-        self._held.append(source)
+        self._copies.add(source, runs)
+
+    def prepare(self, parts: Sequence[tuple[Any, Sequence[Run]]]) -> Any:
+        return self._copies.prepare(parts)
+
+    def write_prepared(self, prepared: Any) -> None:
+        self._copies.add_prepared(prepared)
 
     def flush(self) -> None:
-        if self._targets:
+        # the copies wait for the work queued so far on this thread's current stream of each source's device
+        for device in self._copies.devices():
+            self._after.note_device(device)
+        batches = self._copies.take()
+        if batches:
             for stream in self._after.streams():
                 self._stream.wait_stream(stream)
             with torch.cuda.stream(self._stream):
-                torch._foreach_copy_(self._targets, self._sources, non_blocking=True)
+                BatchedCopies.copy(batches)
         event = torch.cuda.Event()  # type: ignore[no-untyped-call, unused-ignore]
         event.record(self._stream)
         event.synchronize()
-        self._targets, self._sources, self._held = [], [], []
-        self._after.clear()
+        self._after.clear()  # the sources of the copies (held by the batches until here) may be reused from now on
 
     def close(self) -> None:
         self.flush()
         self._regions = []  # the mappings stay cached: a reconnecting writer reuses them
-        self._views.clear()
+        self._copies.clear_views()
 
 
 class CudaIpcTransport(Transport):

@@ -40,6 +40,29 @@ _agents: dict[str, Any] = {}
 Write = tuple[tuple[int, int, str], int, tuple[Run, ...]]  # (registration key, device id, runs) of one write
 
 
+class _PreparedWrites(tuple):  # type: ignore[type-arg]
+    """A prepared version's writes of one local memory type: found by identity (hashing 20,000 writes a version
+    would cost what preparing saves), so that its transfer handle is found at once, version after version."""
+
+    __slots__ = ()
+    __hash__ = object.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+
+class _Prepared:
+    """A version's writes made once (``Link.prepare``): per local memory type, its registrations, the CUDA devices
+    of its sources, and the sources themselves (registered memory stays alive while the version may be replayed)."""
+
+    def __init__(self, writes: list[Write], sources: list[Any], devices: set[int]) -> None:
+        self.by_type = {mem_type: _PreparedWrites(w for w in writes if w[0][2] == mem_type)
+                        for mem_type in sorted({key[2] for key, _, _ in writes})}
+        self.keys = frozenset(key for key, _, _ in writes)
+        self.devices = tuple(sorted(devices))
+        self.sources = sources
+
+
 def _agent(role: str) -> Any:
     """One NIXL agent per process and role: creating one costs about half a second."""
     if role not in _agents:
@@ -147,6 +170,8 @@ class NixlLink(Link):
         self._used: set[tuple[int, int, str]] = set()  # registrations the writes since the last flush used
         self._handles: dict[tuple[Write, ...], Any] = {}  # prepared transfers, by the writes they post
         self._writes: list[Write] = []  # gathered since the last flush
+        self._prepared: list[_Prepared] = []  # prepared versions handed over since the last flush
+        self._last_prepared: list[_Prepared] = []  # what the last flush posted of them: the same again uses the same memory
         self._after = CurrentStreams()  # the streams that produced device sources: synchronized before posting
         self._posted: list[Any] = []
         self._held: list[Any] = []  # device sources of posted writes: alive until flush
@@ -175,6 +200,28 @@ class NixlLink(Link):
         devid = _desc(source)[2]
         self._writes.append((key, devid, tuple(runs)))
 
+    def prepare(self, parts: Sequence[tuple[Any, Sequence[Run]]]) -> Any:
+        """The version's writes, registered and grouped once; replayed as they are (one lookup a version). Device
+        sources bound for a reader's host memory go through pinned copies each version: written one by one."""
+        if self._remote_type == "DRAM" and any(isinstance(s, torch.Tensor) and s.is_cuda for s, _ in parts):
+            return super().prepare(parts)
+        writes, devices = [], set()
+        for source, runs in parts:
+            if not runs:
+                continue
+            if isinstance(source, torch.Tensor) and source.is_cuda:
+                devices.add(source.get_device())
+            writes.append((self._register(source), _desc(source)[2], tuple(runs)))
+        return _Prepared(writes, [source for source, _ in parts], devices)
+
+    def write_prepared(self, prepared: Any) -> None:
+        if not isinstance(prepared, _Prepared):
+            super().write_prepared(prepared)
+            return
+        for device in prepared.devices:  # the work that produced the sources, before the NIC reads
+            self._after.note_device(device)
+        self._prepared.append(prepared)
+
     def _through_host(self, source: torch.Tensor) -> torch.Tensor:
         """A device source bound for a reader's host memory, copied into a pinned host buffer first (one per source
         address, reused every version), on the stream that produced it: UCX's own path from device memory into
@@ -192,11 +239,14 @@ class NixlLink(Link):
     def _post(self) -> None:
         """The writes gathered since the last flush, as one prepared transfer per local memory type (a transfer has
         one; VRAM and DRAM sources go as two), each built once per set of writes."""
-        if not self._writes:
+        if not self._writes and not self._prepared:
             return
         for stream in self._after.streams():  # once per stream, not per tensor: the sources are complete before the NIC reads
             stream.synchronize()
         self._after.clear()
+        for prepared in self._prepared:
+            for mem_type, prepared_writes in prepared.by_type.items():
+                self._post_writes(prepared_writes, mem_type)
         writes, self._writes = self._writes, []
         for mem_type in sorted({key[2] for key, _, _ in writes}):
             self._post_writes(tuple(w for w in writes if w[0][2] == mem_type), mem_type)
@@ -247,10 +297,16 @@ class NixlLink(Link):
                     raise TransportError(f"a NIXL write to {self._peer} did not finish in time")
         self._posted.clear()
         self._held.clear()
-        stale = set(self._registered) - self._used  # sources the last version did not write from: gone or moved
+        posted, self._prepared = self._prepared, []
+        if not self._used and len(posted) == len(self._last_prepared) and all(
+                p is q for p, q in zip(posted, self._last_prepared)):
+            return  # the same prepared version again, nothing else: the same registrations, none stale
+        self._last_prepared = posted
+        used = self._used.union(*(p.keys for p in posted))
+        stale = set(self._registered) - used  # sources the last version did not write from: gone or moved
         if stale:
-            for prepared in [k for k in self._handles if any(w[0] in stale for w in k)]:
-                self._release(self._handles.pop(prepared))
+            for writes in [k for k in self._handles if any(w[0] in stale for w in k)]:
+                self._release(self._handles.pop(writes))
             for key in stale:
                 self._agent.deregister_memory(self._registered.pop(key))
         self._used = set()

@@ -106,3 +106,70 @@ def test_a_transforming_plugin_sees_every_put_of_every_version() -> None:
             writer.multi_put(state)
             writer.complete(version)
             assert lands(reader, {n: t * 2 for n, t in state.items()}), version
+
+
+@pytest.mark.parametrize("landing", ["direct", "in_place"])
+def test_a_device_links_prepared_version_is_one_batch_of_views_made_once(landing: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``cuda_ipc`` does on a GPU (``rlsync.BatchedCopies``), run here by the memory transport into torch regions:
+    after the first version of each slot, a version is one batch of 300 copies prepared before, no view made again
+    (no loose write), into the reader's slots or, in place, into the engine's own tensors; every version exact."""
+    from rlsync import BatchedCopies
+    from rlsync.testing import MemoryTransport
+
+    prepared: list[int] = []
+    loose: list[int] = []
+    batches: list[list[int]] = []
+    real_prepare, real_add, real_copy = BatchedCopies.prepare, BatchedCopies.add, BatchedCopies.copy
+    monkeypatch.setattr(BatchedCopies, "prepare", lambda self, parts: prepared.append(len(parts)) or real_prepare(self, parts))
+    monkeypatch.setattr(BatchedCopies, "add", lambda self, source, runs: loose.append(len(runs)) or real_add(self, source, runs))
+    monkeypatch.setattr(BatchedCopies, "copy", staticmethod(
+        lambda taken: batches.append([len(b.targets) for b in taken]) or real_copy(taken)))
+    state = model()
+    layout = from_state_dict(state)
+    engine = {n: torch.zeros_like(t) for n, t in state.items()}
+    targets = {n: t.view(torch.uint8) for n, t in engine.items()} if landing == "in_place" else None
+    options = SyncOptions(transport=MemoryTransport, transport_options={"device": "cpu"}, timeout=30)
+    with WeightsReader(layout, layout, 0, options=options, landing=landing, targets=targets) as reader, \
+            WeightsWriter(layout, layout, 0, [reader.address], options=options) as writer:
+        for version in range(1, 7):
+            with torch.no_grad():
+                for t in state.values():
+                    t.mul_(1.5).add_(version)
+            writer.multi_put(state)
+            writer.complete(version)
+            assert reader.version == version
+            assert lands(reader, state) if landing == "direct" else all(torch.equal(engine[n], t) for n, t in state.items())
+    assert len(prepared) <= 2 and set(prepared) == {300} and loose == []  # made once per slot, then handed over
+    assert batches == [[300]] * 6  # one batched copy a version
+
+
+def test_nixl_posts_a_prepared_version_as_the_transfer_it_made_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NIXL (host memory here, UCX's shared memory): a prepared version is registered and grouped once, and each
+    later version posts the transfer prepared for it (found by identity, not by hashing every write), exactly."""
+    from rlsync.core import transports
+
+    if not transports().get("nixl").available():
+        pytest.skip("nixl is not installed")
+    from rlsync.plugins._transport_nixl import NixlLink
+
+    loose: list[int] = []
+    posted: list[tuple[str, int]] = []
+    real_write, real_post = NixlLink.write, NixlLink._post_writes
+    monkeypatch.setattr(NixlLink, "write", lambda self, source, runs: loose.append(1) or real_write(self, source, runs))
+    monkeypatch.setattr(NixlLink, "_post_writes", lambda self, writes, mem_type: posted.append(
+        (type(writes).__name__, len(writes))) or real_post(self, writes, mem_type))
+    state = model(200)
+    layout = from_state_dict(state)
+    options = SyncOptions(transport="nixl", timeout=60)
+    with WeightsReader(layout, layout, 0, options=options) as reader, \
+            WeightsWriter(layout, layout, 0, [reader.address], options=options) as writer:
+        for version in range(1, 6):
+            with torch.no_grad():
+                for t in state.values():
+                    t.mul_(1.5).add_(version)
+            writer.multi_put(state)
+            writer.complete(version)
+            assert reader.version == version and lands(reader, state), version
+        handles = len(writer._links[0]._handles)
+    assert loose == [] and posted == [("_PreparedWrites", 200)] * 5  # one prepared transfer a version, never loose
+    assert handles <= 2  # one per slot, made once

@@ -56,6 +56,7 @@ def _link_with(agent: Any) -> Any:
     link._agent, link._peer = agent, "rlsync-reader-1"
     link._registered, link._used, link._handles, link._posted, link._held = {}, set(), {}, [], []
     link._writes, link._after, link._host, link._host_used, link._remote_type = [], CurrentStreams(), {}, set(), "DRAM"
+    link._prepared, link._last_prepared = [], []
     return link
 
 

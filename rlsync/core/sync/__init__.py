@@ -16,6 +16,7 @@ from rlsync.core.sync._checksum import Checksums, same_bytes, version_label
 from rlsync.core.sync._control import host_port, is_loopback, keyed, resolve_secret, shift_port, split_address
 from rlsync.core.sync._delta import INBOX_SHARE, ChangeLog
 from rlsync.core.sync._device_order import CurrentStreams, synchronize_devices
+from rlsync.core.sync._batched_copies import BatchedCopies, PreparedCopies
 from rlsync.core.sync._handoff import Finish, LandedVersions
 from rlsync.core.sync._host_staging import HostStaging
 from rlsync.core.sync._regions import region_offsets
@@ -29,4 +30,4 @@ from rlsync.core.sync._relay import NodeRelay
 from rlsync.core.sync._delta import apply as apply_delta
 from rlsync.core.sync._delta import encode as encode_delta
 
-__all__ = ["Canary", "ChangeLog", "Checksums", "CurrentStreams", "DEFAULT_TIMEOUT", "Finish", "HostStaging", "INBOX_SHARE", "LandedVersions", "Landing", "LandingMode", "Link", "NodeRelay", "RankBoxes", "Region", "Run", "SLACK", "StagedReceiver", "SyncOptions", "Transport", "WIRES", "WeightsReader", "WeightsWriter", "WireCodec", "apply_delta", "canary_tokens", "causal_lm_logprobs", "encode_delta", "engine_layout", "host_port", "is_loopback", "keyed", "reader_layout", "region_offsets", "resolve_secret", "resolve_transport", "same_bytes", "shift_port", "split_address", "synchronize_devices", "tensor_metas", "version_label", "whole_tensor_view"]
+__all__ = ["BatchedCopies", "Canary", "ChangeLog", "Checksums", "CurrentStreams", "DEFAULT_TIMEOUT", "Finish", "HostStaging", "INBOX_SHARE", "LandedVersions", "Landing", "LandingMode", "Link", "NodeRelay", "PreparedCopies", "RankBoxes", "Region", "Run", "SLACK", "StagedReceiver", "SyncOptions", "Transport", "WIRES", "WeightsReader", "WeightsWriter", "WireCodec", "apply_delta", "canary_tokens", "causal_lm_logprobs", "encode_delta", "engine_layout", "host_port", "is_loopback", "keyed", "reader_layout", "region_offsets", "resolve_secret", "resolve_transport", "same_bytes", "shift_port", "split_address", "synchronize_devices", "tensor_metas", "version_label", "whole_tensor_view"]

@@ -163,8 +163,10 @@ class VersionPosting(WriterState):
             checksums = Checksums(self._algorithms[dst_rank]) if self._checksum else None
             wait_ready(self._ready)  # this thread's stream after the trainer's, on which the device sources were made
             into = placed if placed is not None else self._slotted(dst_rank, slot)  # each group's runs, as written
-            if delta is None and checksums is None and placed is None and not self._staging.staged:
-                link.write_prepared(self._prepared_for(dst_rank, slot, link, into))  # what the loop below writes
+            if delta is None and checksums is None and not self._staging.staged:
+                # what the loop below writes, prepared at the first version (in place too: its runs are placed once
+                # per connection, and a new connection is a new link)
+                link.write_prepared(self._prepared_for(dst_rank, slot, link, into))
                 if progress is not None:
                     progress(self._part_bytes[dst_rank])
             else:

@@ -25,6 +25,9 @@ from rlsync.core.sync._transport import Link, Run, Transport
 from rlsync.core.sync._wire import WireCodec
 
 
+_DATA_PTR = torch.Tensor.data_ptr  # called from C by map: no Python frame per tensor
+
+
 class Binding:
     """The tensors a ``multi_put`` bound, each read in place: another ``multi_put`` of the same tensor objects, at the
     same addresses, in the same order, binds nothing new (checked in a few C-speed passes, not per tensor in Python).
@@ -38,13 +41,13 @@ class Binding:
         values = list(tensors.values())
         if not all(isinstance(t, torch.Tensor) for t in values):
             return None
-        return cls(tuple(tensors), values, [t.data_ptr() for t in values])
+        return cls(tuple(tensors), values, list(map(_DATA_PTR, values)))
 
     def holds(self, tensors: Mapping[str, Any]) -> bool:
         if len(tensors) != len(self.names) or tuple(tensors) != self.names:
             return False
         values = list(tensors.values())
-        return all(map(operator.is_, values, self.values)) and [t.data_ptr() for t in values] == self.addresses
+        return all(map(operator.is_, values, self.values)) and list(map(_DATA_PTR, values)) == self.addresses
 
 
 class WriterState:

@@ -29,7 +29,7 @@ class HostStaging:
         self._buffers: dict[str, torch.Tensor] = {}
         # (CUDA event recorded after an asynchronous copy, its source): the source is held until the copy is done,
         # so the caching allocator cannot hand its memory to another tensor while the copy still reads it
-        self._pending: dict[str, tuple[Any, torch.Tensor]] = {}
+        self._pending: dict[str, tuple[Any, Any]] = {}
 
     def needs_staging(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` cannot be read in place by a host transport."""
@@ -49,6 +49,26 @@ class HostStaging:
             event.record(torch.cuda.current_stream(tensor.device))
             self._pending[name] = (event, tensor)
         return buffer
+
+    def stage_all(self, tensors: dict[str, torch.Tensor]) -> None:
+        """``stage`` of every one of ``tensors`` (of one device), as one batched copy and one event: a whole version
+        saved at a cost that does not grow with its tensor count in Python (an in-place reader saves the engine's
+        last version after each commit). Buffers are allocated the first time, one by one."""
+        if not tensors:
+            return
+        if len(self._buffers) < len(tensors):  # the first version (or new names): allocate what is missing
+            for name, tensor in tensors.items():
+                if name not in self._buffers:
+                    self._buffers[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=_pinned())
+        buffers = [self._buffers[name] for name in tensors]
+        sources = [t.detach() for t in tensors.values()]
+        on_cuda = sources[0].device.type == "cuda"
+        with torch.no_grad():  # a buffer of another shape is an error here, as it would be in stage
+            torch._foreach_copy_(buffers, sources, non_blocking=on_cuda and buffers[0].is_pinned())
+        if on_cuda:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call, unused-ignore]
+            event.record(torch.cuda.current_stream(sources[0].device))
+            self._pending["\0all"] = (event, sources)  # the sources are held until the copy is done
 
     @property
     def staged(self) -> bool:

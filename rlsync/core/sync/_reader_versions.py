@@ -11,6 +11,8 @@ import logging
 import time
 from collections.abc import Mapping
 
+import torch
+
 from rlsync.core.sync._checksum import Checksums, digest, for_memory
 from rlsync.core.sync._control import Ack, Begin, Done, Go, Refuse
 from rlsync.core.sync._delta import INBOX_SHARE
@@ -216,8 +218,7 @@ class VersionLanding(ReaderState):
         self._channel.send(Go(msg.version), identity)
 
     def _save(self) -> None:
-        for name in self._order:
-            self._mirror.stage(name, self._targets[name])
+        self._mirror.stage_all({name: self._targets[name] for name in self._order})  # one batched copy a version
 
     def _undo(self, reason: str, version: int | None = None) -> None:
         """Put the engine's last version back into its tensors and resume it: the version landing now is void."""
@@ -225,8 +226,8 @@ class VersionLanding(ReaderState):
         _log.warning("in-place reader rank %d: %s; version %d restored", self.rank, reason, self._version)
         self._mirror.wait()
         saved = self._mirror.buffers
-        for name in self._order:
-            self._targets[name].copy_(saved[name])
+        with torch.no_grad():  # one batched copy back, however many tensors
+            torch._foreach_copy_([self._targets[name] for name in self._order], [saved[name] for name in self._order])
         synchronize_devices(self._targets.values())  # restored before the engine's next forward, on whatever stream it runs
         self._done = {}
         self.discarded.append(-1 if version is None else version)

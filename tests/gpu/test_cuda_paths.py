@@ -211,3 +211,17 @@ def test_a_cuda_trainers_delta_over_tcp_is_found_on_the_gpu_and_lands_bit_exact(
     finally:
         writer.close()
         reader.close()
+
+
+def test_prepared_versions_of_many_tensors_land_exactly_through_the_device_transports() -> None:
+    """#56: after its first versions a writer hands ``cuda_ipc`` and NIXL the version it prepared (one batch of
+    views, one transfer found by identity), into the reader's slots, its device staging and the engine's own
+    tensors; 3,000 tensors, four versions a path, each path's engine compared with the trainer at the end."""
+    from rlsync.bench._device import device_config, measure
+
+    nbytes = 64 * 2**20
+    report = measure("cuda", nbytes, device_transports(), repeats=2, config=device_config(nbytes, tensors=3000))
+    assert report["tensors"] == 3000 and report["failed"] == [], report["failed"]
+    rows = {r["name"]: r for r in report["results"]}
+    assert {"cuda_ipc/direct", "cuda_ipc/in_place"} <= set(rows), sorted(rows)
+    assert all(r["exact"] for r in rows.values()), {n: r["exact"] for n, r in rows.items()}

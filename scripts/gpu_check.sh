@@ -15,21 +15,8 @@
 # RLSYNC_GPU_CORE=1 also runs the device-agnostic tests/core and tests/wire there with the time that is left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-started=$SECONDS
 budget=${RLSYNC_GPU_CHECK_SECONDS:-540}
-left() { echo $(( budget - (SECONDS - started) )); }
-results=${OUT:-$PWD}
-work=$(mktemp -d)
-python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: this check needs a GPU')" || exit 2
-
-# -- 1. what such a machine lacks, from .whl/ (exactly these: two versions of one would stop pip) ----------------
-site=${RLSYNC_GPU_SITE:-/tmp/rlsync-gpu-site}
-wheels=(.whl/pyzmq-*.whl .whl/msgspec-*.whl .whl/backports_zstd-*.whl .whl/nixl_cu13-*.whl .whl/nixl-*-py3-none-any.whl)
-for w in "${wheels[@]}"; do
-  [ -f "$w" ] || { echo "missing wheel $w: download the wheels docs/gpu.md lists into .whl/ first"; exit 2; }
-done
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${wheels[@]}" || exit 2
-export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
+source scripts/gpu_setup.sh  # the clock, $results, $work, the CUDA check, the wheels of .whl/ on PYTHONPATH
 export RLSYNC_NIXL_TIMEOUT=${RLSYNC_NIXL_TIMEOUT:-30}  # a NIXL write that hangs fails in 30 s, not 120
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true

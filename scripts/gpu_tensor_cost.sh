@@ -12,20 +12,9 @@
 # Ends within RLSYNC_COST_SECONDS (540: one 10-minute device call with room); each bench bounded, each path 60 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-started=$SECONDS
 budget=${RLSYNC_COST_SECONDS:-540}
-left() { echo $(( budget - (SECONDS - started) )); }
-results=${OUT:-$PWD}
-work=$(mktemp -d)
-python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: this check needs a GPU')" || exit 2
-
-site=${RLSYNC_GPU_SITE:-/tmp/rlsync-gpu-site}
-wheels=(.whl/pyzmq-*.whl .whl/msgspec-*.whl .whl/backports_zstd-*.whl .whl/nixl_cu13-*.whl .whl/nixl-*-py3-none-any.whl)
-for w in "${wheels[@]}"; do
-  [ -f "$w" ] || { echo "missing wheel $w: download the wheels docs/gpu.md lists into .whl/ first"; exit 2; }
-done
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${wheels[@]}" || exit 2
-export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}" RLSYNC_NIXL_TIMEOUT=${RLSYNC_NIXL_TIMEOUT:-30} PYTHONUNBUFFERED=1
+source scripts/gpu_setup.sh  # the clock, $results, $work, the CUDA check, the wheels of .whl/ on PYTHONPATH
+export RLSYNC_NIXL_TIMEOUT=${RLSYNC_NIXL_TIMEOUT:-30} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 
 size=${RLSYNC_COST_SIZE:-2GiB}

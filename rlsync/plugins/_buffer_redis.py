@@ -341,6 +341,17 @@ class RedisEpisodes:
         except ConfigError as exc:
             raise ConfigError(f"{setting}: {exc}") from None
 
+    def run_name(self, *, fresh: bool) -> str:
+        """The name one run's episodes go under: this log's name (a trainer's output folder, as the adapters name it)
+        and a generation. A fresh run (not resumed from a checkpoint) starts the next generation, so that it never
+        replays what an earlier run in the same folder recorded; a resumed run goes on in the newest one (a name no
+        run started this way yet: the name alone, as earlier versions of rlsync recorded it). Open the run's log
+        with the name returned."""
+        key = f"{self._name}:generation"
+        command: Callable[[], Any] = (lambda: self._redis.incr(key)) if fresh else (lambda: self._redis.get(key))
+        generation = int(_retrying(self._errors, self.retry_seconds, command, self._url) or 0)
+        return self._name if generation == 0 else f"{self._name}#{generation}"
+
     def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
         return _retrying(self._errors, self.retry_seconds, lambda: self._scripts[script](keys=keys, args=args), self._url)
 

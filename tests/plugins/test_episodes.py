@@ -214,3 +214,25 @@ def test_a_frameworks_episodes_option_is_named_in_every_error_about_its_url() ->
     assert "hunter2" not in str(typo.value) + str(kept.value)
     log = RedisEpisodes.from_option("redis://127.0.0.1:9/0?kept_seconds=60", name="run", option="--episodes={url}")
     assert log.kept_seconds == 60
+
+
+@pytest.mark.redis
+def test_a_fresh_run_under_a_used_name_starts_a_generation_of_its_own_and_a_resumed_one_goes_on(tmp_path: Path) -> None:
+    """A trainer started over in the same output folder must not replay what the run before recorded there; a run
+    resumed from its checkpoint must find what it recorded itself."""
+    pytest.importorskip("redis")
+    from rlsync.plugins import RedisEpisodes
+
+    with RedisServer.running(tmp_path) as server:
+        log = RedisEpisodes(server.url, name="rlsync-episodes:/runs/a")
+        assert log.run_name(fresh=False) == "rlsync-episodes:/runs/a"  # recorded before generations: found as it was
+        first = log.run_name(fresh=True)
+        assert first == "rlsync-episodes:/runs/a#1" and log.run_name(fresh=False) == first
+        recorded = RedisEpisodes(server.url, name=first)
+        recorded.add("step-1/prompt-0", b"p")
+        second = log.run_name(fresh=True)  # started over
+        assert second == "rlsync-episodes:/runs/a#2" and log.run_name(fresh=False) == second
+        again = RedisEpisodes(server.url, name=second)
+        assert again.add("step-1/prompt-0", b"p")  # new to this run: generated, not replayed from the first
+        assert not recorded.add("step-1/prompt-0", b"p")  # the first run's record is still there, under its own name
+        assert RedisEpisodes(server.url, name="rlsync-episodes:/runs/b").run_name(fresh=True).endswith("/b#1")

@@ -40,12 +40,15 @@ import logging
 import os
 import socket
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from rlsync import ConfigError, Episode, EpisodeLog, Turn
 from rlsync.patches.openrlhf import options
+
+if TYPE_CHECKING:
+    from rlsync.plugins import RedisEpisodes
 
 _log = logging.getLogger("rlsync")
 
@@ -76,7 +79,7 @@ def episodes_name(ckpt_path: str) -> str:
     return f"rlsync-episodes:openrlhf:{os.path.abspath(ckpt_path)}"
 
 
-def open_log(url: str, name: str) -> EpisodeLog:
+def open_log(url: str, name: str) -> RedisEpisodes:
     """The Redis episode log at ``url`` (checked by the launcher at the door: the extra, the URL, ``?kept_seconds``)."""
     from rlsync.plugins import RedisEpisodes
 

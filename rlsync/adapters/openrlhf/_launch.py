@@ -85,14 +85,27 @@ def ckpt_path(theirs: Sequence[str]) -> str:
     return str(p.parse_known_args(list(theirs))[0].path)
 
 
+def resumes(theirs: Sequence[str]) -> bool:
+    """Whether OpenRLHF will resume from its checkpoint: ``--ckpt.load_enable`` and ``<--ckpt.path>/_actor`` there
+    (what ``BasePPOTrainer.init_checkpoint_states`` and ``PolicyModelActor`` check)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--ckpt.load_enable", dest="load", action="store_true")
+    return bool(p.parse_known_args(list(theirs))[0].load) and os.path.exists(os.path.join(ckpt_path(theirs), "_actor"))
+
+
 def episodes_options(url: str | None, theirs: Sequence[str]) -> dict[str, object]:
-    """``--episodes``: the URL, checked here (the redis extra, the URL's form, ``?kept_seconds``), and the log's name."""
+    """``--episodes``: the URL, checked here (the redis extra, the URL's form, ``?kept_seconds``, a Redis that
+    answers), and the run's log name: the checkpoint folder's, in a generation of its own for a run that does not
+    resume from it (it replays nothing an earlier run there recorded)."""
     if url is None:
         return {"episodes": None}
     from rlsync.adapters.openrlhf._episodes import episodes_name, open_log
 
-    name = episodes_name(ckpt_path(theirs))
-    open_log(url, name).close()  # connects lazily: nothing is sent yet
+    log = open_log(url, episodes_name(ckpt_path(theirs)))
+    try:
+        name = log.run_name(fresh=not resumes(theirs))
+    finally:
+        log.close()
     return {"episodes": url, "episodes_name": name}
 
 

@@ -25,9 +25,12 @@ import logging
 import os
 import socket
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlsync import Episode, EpisodeLog
+
+if TYPE_CHECKING:
+    from rlsync.plugins import RedisEpisodes
 
 _log = logging.getLogger("rlsync")
 #: the episode of the rollout running in this asyncio task (TRL runs each in a task of its own)
@@ -41,7 +44,7 @@ def tool_call_key() -> str | None:
     return _TOOL_CALL_KEY.get()
 
 
-def log_for(url: str, name: str) -> EpisodeLog:
+def log_for(url: str, name: str) -> RedisEpisodes:
     from rlsync.plugins import RedisEpisodes
 
     return RedisEpisodes.from_option(url, name=name, option="RlsyncWeightTransfer(episodes={url})")

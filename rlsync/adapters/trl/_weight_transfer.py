@@ -81,8 +81,14 @@ class RlsyncWeightTransfer:
         if self._episodes_url is not None and worker is not None:
             if getattr(worker, "_process", None) is not None:
                 raise ConfigError("the rollout worker started before the first sync: rlsync cannot record its episodes")
-            # named after the run's output_dir: a run resumed from its checkpoints finds its episodes
-            worker._loop_kwargs["rlsync_episodes"] = (self._episodes_url, f"rlsync-episodes:{trainer.args.output_dir}")
+            # named after the run's output_dir: a run resumed from its checkpoints finds its episodes, a run started
+            # over there (global step 0 at the first sync) gets a generation of its own and replays none of the last's
+            log = _episodes.log_for(self._episodes_url, f"rlsync-episodes:{trainer.args.output_dir}")
+            try:
+                run = log.run_name(fresh=trainer.state.global_step == 0)
+            finally:
+                log.close()
+            worker._loop_kwargs["rlsync_episodes"] = (self._episodes_url, run)
         if self._adapter_only and worker is not None:
             if getattr(worker, "_process", None) is not None:
                 raise ConfigError("the rollout worker started before the first sync: rlsync cannot point it at the "

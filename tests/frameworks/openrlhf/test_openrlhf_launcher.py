@@ -449,9 +449,18 @@ def test_the_episodes_option_is_checked_at_the_door_and_names_the_runs_episodes_
     from rlsync import ConfigError
     from rlsync.adapters.openrlhf._launch import episodes_options, main
 
-    url = "redis://127.0.0.1:6379/0?kept_seconds=7200"
-    opts = episodes_options(url, ["--pretrain", "m", "--ckpt.path", str(tmp_path / "ckpt"), "--ckpt.load_enable"])
-    assert opts == {"episodes": url, "episodes_name": f"rlsync-episodes:openrlhf:{tmp_path / 'ckpt'}"}
+    from _support.redis_server import RedisServer
+
+    ckpt = tmp_path / "ckpt"
+    theirs = ["--pretrain", "m", "--ckpt.path", str(ckpt), "--ckpt.load_enable"]
+    with RedisServer.running(tmp_path) as redis:
+        url = redis.url + "?kept_seconds=7200"
+        first = episodes_options(url, theirs)  # no checkpoint there yet: a fresh run
+        assert first == {"episodes": url, "episodes_name": f"rlsync-episodes:openrlhf:{ckpt}#1"}
+        (ckpt / "_actor").mkdir(parents=True)  # OpenRLHF saved its checkpoint: the next run resumes from it
+        assert episodes_options(url, theirs) == first  # and finds what the first recorded
+        again = episodes_options(url, theirs[:-1])  # without --ckpt.load_enable OpenRLHF starts over: so do episodes
+        assert again["episodes_name"] == f"rlsync-episodes:openrlhf:{ckpt}#2"
     assert episodes_options(None, []) == {"episodes": None}
     with pytest.raises(ConfigError, match=r"--episodes='http://h:6379/0'.*redis://HOST:6379/0"):
         episodes_options("http://h:6379/0", [])

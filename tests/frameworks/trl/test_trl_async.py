@@ -28,12 +28,20 @@ def _trainer(model_dir: Path, server: Any, tmp_path: Path, weight_transfer: Any,
                             peft_config=peft_config)
 
 
-def test_async_trainer_sync_weight_lands_in_the_server(model_dir: Path, server: Any, tmp_path: Path) -> None:
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Any:
+    from _support.redis_server import RedisServer
+
+    with RedisServer.running(tmp_path) as redis:
+        yield redis.url
+
+
+def test_async_trainer_sync_weight_lands_in_the_server(model_dir: Path, server: Any, tmp_path: Path, redis_url: str) -> None:
     from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
 
     from rlsync.adapters.trl import RlsyncWeightTransfer
 
-    episodes = "redis://127.0.0.1:6379/5"  # where the worker would record its episodes (it is not started here)
+    episodes = redis_url  # where the worker would record its episodes (it is not started here)
     trainer = _trainer(model_dir, server, tmp_path, RlsyncWeightTransfer(server.url, episodes=episodes))
     before = server.greedy(PROMPTS)
     trainer.weight_transfer.init_weight_transfer()
@@ -45,8 +53,9 @@ def test_async_trainer_sync_weight_lands_in_the_server(model_dir: Path, server: 
                 p.add_(torch.randn(p.shape, generator=generator) * 0.2)
         trainer._sync_weight()
         assert trainer.model_version == version
-        # the option reaches the worker's loop (TRL starts it after the first sync), named after the run's output_dir
-        assert trainer.rollout_worker._loop_kwargs["rlsync_episodes"] == (episodes, f"rlsync-episodes:{tmp_path / 'run'}")
+        # the option reaches the worker's loop (TRL starts it after the first sync), named after the run's output_dir,
+        # in the first generation there (a fresh run: global step 0 at the first sync)
+        assert trainer.rollout_worker._loop_kwargs["rlsync_episodes"] == (episodes, f"rlsync-episodes:{tmp_path / 'run'}#1")
         assert server.call_json("/weight_info")["weight_version"] == str(trainer.model_version)
         got = server.greedy(PROMPTS)
         named = dict(_iter_vllm_named_params(trainer.accelerator.unwrap_model(trainer.model)))
@@ -60,11 +69,13 @@ def test_async_trainer_sync_weight_lands_in_the_server(model_dir: Path, server: 
     trainer.weight_transfer.destroy()
     # a resumed run: TRL restores model_version from its checkpoint (rollout_state.json), and a new transfer syncs into
     # the server that kept running: the server's labels (every sampled token's version) go on as TRL counts, not from 1
-    trainer.model_version = 7
-    trainer.weight_transfer = RlsyncWeightTransfer(server.url)
+    trainer.model_version, trainer.state.global_step = 7, 3
+    trainer.weight_transfer = RlsyncWeightTransfer(server.url, episodes=episodes)
     trainer.weight_transfer.init_weight_transfer()
     trainer._sync_weight()
     assert trainer.model_version == 8 and trainer.weight_transfer.last_stats.version == 8
+    # and its episodes are the first run's (resumed: global step 3 at the first sync), to replay what it recorded
+    assert trainer.rollout_worker._loop_kwargs["rlsync_episodes"] == (episodes, f"rlsync-episodes:{tmp_path / 'run'}#1")
     assert server.call_json("/weight_info")["weight_version"] == "8"
     assert server.greedy(PROMPTS) == seen[-1]  # the same weights under a new version
     trainer.weight_transfer.destroy()

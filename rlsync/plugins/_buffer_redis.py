@@ -326,6 +326,7 @@ class RedisEpisodes:
                          (("add", _EP_ADD), ("claim", _EP_CLAIM), ("claim-id", _EP_CLAIM_ID), ("record", _EP_RECORD),
                           ("finish", _EP_FINISH))}
         self.retry_seconds = retry_seconds
+        self._setting: str | None = None  # the framework option that gave the URL (from_option), for its errors
 
     @classmethod
     def from_option(cls, url: str, *, name: str, option: str) -> RedisEpisodes:
@@ -335,11 +336,13 @@ class RedisEpisodes:
         the value goes (shown without its credentials). Nothing is sent yet (redis-py connects at its first command)."""
         setting = option.format(url=repr(_shown(url)))
         try:
-            return cls(url, name=name)
+            log = cls(url, name=name)
         except ValueError as exc:  # redis-py's word for a URL it cannot read
             raise ConfigError(f"{setting}: {exc}; for example redis://HOST:6379/0") from None
         except ConfigError as exc:
             raise ConfigError(f"{setting}: {exc}") from None
+        log._setting = setting
+        return log
 
     def run_name(self, *, fresh: bool) -> str:
         """The name one run's episodes go under: this log's name (a trainer's output folder, as the adapters name it)
@@ -349,7 +352,13 @@ class RedisEpisodes:
         with the name returned."""
         key = f"{self._name}:generation"
         command: Callable[[], Any] = (lambda: self._redis.incr(key)) if fresh else (lambda: self._redis.get(key))
-        generation = int(_retrying(self._errors, self.retry_seconds, command, self._url) or 0)
+        try:
+            generation = int(_retrying(self._errors, self.retry_seconds, command, self._url) or 0)
+        except RolloutBufferError as exc:
+            if self._setting is None:
+                raise
+            raise ConfigError(f"{self._setting}: no Redis answered at {_shown(self._url)} for {self.retry_seconds:g} s: "
+                              f"start redis-server there, or point the option at one that runs") from exc
         return self._name if generation == 0 else f"{self._name}#{generation}"
 
     def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:

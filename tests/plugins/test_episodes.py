@@ -236,3 +236,21 @@ def test_a_fresh_run_under_a_used_name_starts_a_generation_of_its_own_and_a_resu
         assert again.add("step-1/prompt-0", b"p")  # new to this run: generated, not replayed from the first
         assert not recorded.add("step-1/prompt-0", b"p")  # the first run's record is still there, under its own name
         assert RedisEpisodes(server.url, name="rlsync-episodes:/runs/b").run_name(fresh=True).endswith("/b#1")
+
+
+def test_a_run_name_asked_where_no_redis_answers_names_the_option() -> None:
+    """At a framework's door (OpenRLHF's launcher, TRL's first sync): a Redis that does not answer is the option's
+    error, not the buffer's (whose fix says url=)."""
+    import socket
+
+    pytest.importorskip("redis")
+    from rlsync.plugins import RedisEpisodes
+
+    with socket.socket() as probe:  # a port where nothing listens
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = RedisEpisodes.from_option(f"redis://:hunter2@127.0.0.1:{port}/0", name="run", option="--episodes={url}")
+    log.retry_seconds = 0.2
+    with pytest.raises(ConfigError, match=r"^--episodes='redis://<credentials>@127.0.0.1:\d+/0': no Redis answered") as dead:
+        log.run_name(fresh=True)
+    assert "hunter2" not in str(dead.value) and "url=" not in str(dead.value)

@@ -27,6 +27,15 @@ def lands(reader: WeightsReader, state: dict[str, torch.Tensor]) -> bool:
     return all(np.array_equal(np.asarray(live[n]), t.contiguous().view(torch.uint8).numpy()) for n, t in state.items())
 
 
+def step_and_send(writer: WeightsWriter, state: dict[str, torch.Tensor], version: int) -> None:
+    """An optimizer step (every tensor changed in place), then the version sent: what a trainer does each step."""
+    with torch.no_grad():
+        for t in state.values():
+            t.mul_(1.5).add_(version)
+    writer.multi_put(state)
+    writer.complete(version)
+
+
 @pytest.fixture
 def prepares(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How many parts each ``ShmLink.prepare`` call was given (the versions it prepared)."""
@@ -48,11 +57,7 @@ def test_the_same_tensors_changed_in_place_are_prepared_once_per_slot_and_land_e
     with WeightsReader(layout, layout, 0, options=options) as reader, \
             WeightsWriter(layout, layout, 0, [reader.address], options=options) as writer:
         for version in range(1, 7):
-            with torch.no_grad():
-                for t in state.values():
-                    t.mul_(1.5).add_(version)  # an optimizer step: in place
-            writer.multi_put(state)
-            writer.complete(version)
+            step_and_send(writer, state, version)
             assert reader.version == version and lands(reader, state), version
     assert prepares == [300, 300]  # one per slot of the direct landing, then replayed
 
@@ -132,11 +137,7 @@ def test_a_device_links_prepared_version_is_one_batch_of_views_made_once(landing
     with WeightsReader(layout, layout, 0, options=options, landing=landing, targets=targets) as reader, \
             WeightsWriter(layout, layout, 0, [reader.address], options=options) as writer:
         for version in range(1, 7):
-            with torch.no_grad():
-                for t in state.values():
-                    t.mul_(1.5).add_(version)
-            writer.multi_put(state)
-            writer.complete(version)
+            step_and_send(writer, state, version)
             assert reader.version == version
             assert lands(reader, state) if landing == "direct" else all(torch.equal(engine[n], t) for n, t in state.items())
     assert len(prepared) <= 2 and set(prepared) == {300} and loose == []  # made once per slot, then handed over
@@ -164,11 +165,7 @@ def test_nixl_posts_a_prepared_version_as_the_transfer_it_made_once(monkeypatch:
     with WeightsReader(layout, layout, 0, options=options) as reader, \
             WeightsWriter(layout, layout, 0, [reader.address], options=options) as writer:
         for version in range(1, 6):
-            with torch.no_grad():
-                for t in state.values():
-                    t.mul_(1.5).add_(version)
-            writer.multi_put(state)
-            writer.complete(version)
+            step_and_send(writer, state, version)
             assert reader.version == version and lands(reader, state), version
         handles = len(writer._links[0]._handles)
     assert loose == [] and posted == [("_PreparedWrites", 200)] * 5  # one prepared transfer a version, never loose

@@ -406,8 +406,9 @@ def plain(value: Any) -> Any:
         if not all(isinstance(k, str) for k in value):
             raise TypeError("a dict with keys other than str")
         return {k: plain(v) for k, v in value.items()}
-    if isinstance(value, torch.Tensor):
-        return {_TENSOR: [str(value.dtype).removeprefix("torch."), list(value.shape), value.detach().cpu().reshape(-1).tolist()]}
+    if isinstance(value, torch.Tensor):  # its bytes as they are: exact for every dtype, no Python per element
+        data = value.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes()
+        return {_TENSOR: [str(value.dtype).removeprefix("torch."), list(value.shape), data]}
     if isinstance(value, np.generic):
         return value.item()
     if type(value).__name__ == "SamplingParams" and isinstance(value, msgspec.Struct):
@@ -423,8 +424,9 @@ def restored(value: Any) -> Any:
         if len(value) == 1 and _TENSOR in value:
             import torch
 
-            dtype, shape, values = value[_TENSOR]
-            return torch.tensor(values, dtype=getattr(torch, dtype)).reshape(shape)
+            name, shape, data = value[_TENSOR]
+            dtype = getattr(torch, name)
+            return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape) if data else torch.empty(shape, dtype=dtype)
         if len(value) == 1 and _PARAMS in value:
             from vllm import SamplingParams
 

@@ -61,7 +61,7 @@ class HostStaging:
                 if name not in self._buffers:
                     self._buffers[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=_pinned())
         buffers = [self._buffers[name] for name in tensors]
-        sources = [t.detach() for t in tensors.values()]
+        sources = list(tensors.values())  # what a version saves is bytes (no autograd): copied as they are
         on_cuda = sources[0].device.type == "cuda"
         with torch.no_grad():  # a buffer of another shape is an error here, as it would be in stage
             torch._foreach_copy_(buffers, sources, non_blocking=on_cuda and buffers[0].is_pinned())

@@ -228,6 +228,7 @@ def test_an_agent_steps_result_and_its_instances_state_come_back_on_a_replay_and
             self.turns, self.seen, self.lock = 0, ["start"], threading.Lock()
 
     answer = {"rewards": torch.tensor(1.5), "scores": torch.tensor([[1, 2]], dtype=torch.int32),
+              "bf16": torch.tensor([0.1, -2.5e30], dtype=torch.bfloat16), "none": torch.zeros(0, 3),
               "environment_feedback": " w3 <end>", "done": False, "extra_logs": {"calls": np.float32(2.0), "pair": (1, "a")},
               "sampling_params": SamplingParams(temperature=0.3, max_tokens=5, stop_token_ids=[9])}
     log, runs = MemoryEpisodes(lambda samples: None), []
@@ -258,6 +259,8 @@ def test_an_agent_steps_result_and_its_instances_state_come_back_on_a_replay_and
     assert (again.turns, again.seen, again.lock is not first.lock) == (1, ["start", "w3"], True)  # state back, lock left
     assert torch.equal(replayed["rewards"], answer["rewards"]) and replayed["rewards"].dtype == torch.float32
     assert torch.equal(replayed["scores"], answer["scores"]) and replayed["scores"].dtype == torch.int32
+    assert torch.equal(replayed["bf16"], answer["bf16"]) and replayed["bf16"].dtype == torch.bfloat16
+    assert replayed["none"].shape == (0, 3)
     assert replayed["sampling_params"] == answer["sampling_params"]
     assert replayed["extra_logs"] == {"calls": 2.0, "pair": [1, "a"]}  # tuples come back as lists
     assert {k: replayed[k] for k in ("environment_feedback", "done")} == {"environment_feedback": " w3 <end>", "done": False}

@@ -59,7 +59,8 @@ class ReaderService(ReaderState):
             try:
                 self._handle(identity, msg, session)
             except Exception as exc:  # noqa: BLE001 - no message stops the service thread: this one is refused
-                _log.exception("reader rank %d: handling a %s failed", self.rank, type(msg).__name__)
+                if self._may_log():  # a traceback per message would be a log of the peer's choosing: one per period
+                    _log.exception("reader rank %d: handling a %s failed", self.rank, type(msg).__name__)
                 self._reject(identity, f"reader rank {self.rank} could not handle a {type(msg).__name__}: {exc!r}")
         if self._paused_at is not None:  # closed in the middle of an in-place version: the engine gets its last one back
             self._undo("the reader closed")
@@ -89,19 +90,32 @@ class ReaderService(ReaderState):
         most), answered (the peer may be a misconfigured writer that needs the reason: in its session, or unsigned
         and rate-limited to a peer without one), and the reader goes on. Nothing else changes: an engine's wait
         reads none of it, so a stranger that can reach the port cannot stop a rollout."""
-        self.rejected += 1
-        self.last_rejection = reason
-        self._unlogged += 1
-        now = time.monotonic()
-        if now - self._logged_at >= REJECTIONS_LOGGED_EVERY:
-            _log.warning("reader rank %d rejected %d control message(s) since the last line (all are counted in "
-                         "WeightsReader.rejected), the last: %s", self.rank, self._unlogged, reason)
-            self._logged_at, self._unlogged = now, 0
+        reason = bounded(reason)
+        self._count_rejection(reason, "rejected %d control message(s)")
         if identity is not None:
             try:
                 self._channel.send(Refuse(reason), identity)
             except Exception:  # noqa: BLE001 - a peer that cannot be answered is left alone
                 pass
+
+    def _count_rejection(self, reason: str, what: str) -> None:
+        """One more rejection, counted (``rejected``, ``last_rejection``) and logged one line per
+        ``REJECTIONS_LOGGED_EVERY`` seconds at most, whoever sends them and however many."""
+        self.rejected += 1
+        self.last_rejection = reason
+        self._unlogged += 1
+        if self._may_log():
+            _log.warning("reader rank %d " + what + " since the last line (all are counted in WeightsReader.rejected), "
+                         "the last: %s", self.rank, self._unlogged, reason)
+            self._unlogged = 0
+
+    def _may_log(self) -> bool:
+        """Whether a line about a peer's message may be logged now (one per ``REJECTIONS_LOGGED_EVERY`` seconds)."""
+        now = time.monotonic()
+        if now - self._logged_at < REJECTIONS_LOGGED_EVERY:
+            return False
+        self._logged_at = now
+        return True
 
     def _in_session(self, identity: bytes, msg: Begin | Done, session: Session | None) -> bool:
         """Whether ``msg`` comes in the session this reader welcomed for its writer rank; a new session of a rank
@@ -208,7 +222,8 @@ class ReaderService(ReaderState):
     def _refuse_writer(self, identity: bytes | None, reason: str) -> None:
         """Refuse a writer at connect: it hears why, and so does the engine (``refusal``, ``on_refused``) at once
         instead of waiting out its timeout for a version that will not come."""
-        _log.warning("reader rank %d refused a writer: %s", self.rank, reason)
+        reason = bounded(reason)
+        self._count_rejection(reason, "refused %d writer(s)")
         self.refusal = reason
         if identity is not None:
             self._channel.send(Refuse(reason), identity)
@@ -221,6 +236,14 @@ def _keep_newest(table: dict[K, V], key: K, value: V) -> None:
     table[key] = value
     while len(table) > MAX_SESSIONS:
         table.pop(next(iter(table)))
+
+
+MAX_REASON = 400  # characters of a refusal's reason kept: names in it are the peer's, of any length
+
+
+def bounded(text: str, limit: int = MAX_REASON) -> str:
+    """``text``, cut to ``limit`` characters (saying how long it was): what a peer chose goes into logs and answers."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _first_difference(theirs: Mapping[str, str], ours: Mapping[str, str]) -> str:

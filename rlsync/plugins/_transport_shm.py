@@ -15,14 +15,16 @@ import fcntl
 import math
 import mmap
 import os
+import re
 import secrets
+import stat
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
-from rlsync import ConfigError, Landing, Link, PeerLostError, Run, Transport
+from rlsync import ConfigError, Landing, Link, PeerLostError, Run, Transport, TransportError
 
 SHM_DIR = "/dev/shm"
 
@@ -141,22 +143,50 @@ class ShmLanding(Landing):
         self._locks.clear()
 
 
+_LANDING_FILE = re.compile(r"rlsync-\d+-[0-9a-f]{8}-\d")  # what ShmLanding names its files
+
+
+def open_landing_file(path: Any, nbytes: int) -> int:
+    """A descriptor of the landing file ``path`` for writing, once it is verified as one: a file ShmLanding named, in
+    /dev/shm, not a link, this user's, ``nbytes`` long. A reader names the file; a writer must not write its weights
+    into whatever it names (a model's config.json, say)."""
+    if not isinstance(path, str) or os.path.dirname(path) != SHM_DIR or not _LANDING_FILE.fullmatch(os.path.basename(path)):
+        raise TransportError(f"the reader named {str(path)[:200]!r} as its shared memory: not an rlsync landing file "
+                             f"({SHM_DIR}/rlsync-PID-TAG-SLOT): refused")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError as exc:
+        raise PeerLostError(f"the reader's shared memory {path} is gone: the reader exited") from exc
+    except OSError as exc:
+        raise TransportError(f"the reader's shared memory {path} cannot be opened as a landing file: {exc}") from exc
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_size != nbytes:
+        os.close(fd)
+        raise TransportError(f"the reader's shared memory {path} is not a landing file of this user of {nbytes} bytes "
+                             f"(its owner {info.st_uid}, {info.st_size} bytes): refused")
+    return fd
+
+
 class ShmLink(Link):
-    def __init__(self, description: dict[str, Any]) -> None:
+    def __init__(self, description: dict[str, Any], options: Mapping[str, Any] | None = None) -> None:
         if description.get("host") != os.uname().nodename:
             raise PeerLostError(
                 f"the shm transport needs reader and writer on one host; the reader is on {description.get('host')!r}. "
                 f"Use transport='nixl' or 'tcp' across hosts."
             )
+        nbytes = max(int(description["nbytes"]), 1)
+        planned = (options or {}).get("region_bytes")
+        if planned is not None and nbytes != max(int(planned), 1):
+            raise TransportError(f"the reader describes a landing of {nbytes} bytes; the plan gives it {planned}: refused")
+        paths = description["paths"]
+        if not isinstance(paths, list) or not 1 <= len(paths) <= 2:
+            raise TransportError(f"the reader describes {str(paths)[:200]}: one or two landing files expected")
         self._maps = []
         self._regions = []
-        for path in description["paths"]:
+        for path in paths:
+            fd = open_landing_file(path, nbytes)
             try:
-                fd = os.open(path, os.O_RDWR)
-            except FileNotFoundError as exc:
-                raise PeerLostError(f"the reader's shared memory {path} is gone: the reader exited") from exc
-            try:
-                mapping, region = _map(fd, max(int(description["nbytes"]), 1))
+                mapping, region = _map(fd, nbytes)
             finally:
                 os.close(fd)
             self._maps.append(mapping)
@@ -193,4 +223,4 @@ class ShmTransport(Transport):
 
     @classmethod
     def open(cls, description: dict[str, Any], options: Mapping[str, Any] | None = None) -> Link:
-        return ShmLink(description)
+        return ShmLink(description, options)

@@ -49,3 +49,45 @@ def test_a_refused_hello_with_a_huge_name_costs_a_bounded_log_and_is_counted(cap
         assert logged < 8192, logged  # at most a line per period, each with the reason cut short
         assert reader.rejected >= 20
         honest_version(reader, 2, 2.0)
+
+
+def test_a_writer_opens_no_file_a_reader_names_and_sizes_nothing_by_its_word(tmp_path: pytest.TempPathFactory) -> None:
+    """Item 12: a reader (a key holder, or a buggy engine) steers its writer. Before: a Welcome naming ``paths`` made
+    the trainer open and overwrite that file with its weights; a claimed ``inbox_capacity`` of 2^40 made it allocate
+    1 TiB for its delta staging."""
+    from rlsync import RlsyncError, TransportError
+
+    victim = tmp_path / "config.json"  # type: ignore[operator]
+    with WeightsReader(LAYOUT, LAYOUT, 0) as reader:
+        honest = reader._landing.describe()  # type: ignore[union-attr]
+        config = '{"model_type": "qwen2"}'.ljust(honest["nbytes"])  # as long as the landing: mapped whole before
+        victim.write_text(config)
+        for claim in ({**honest, "paths": [str(victim)] * len(honest["paths"])},  # a file of the reader's choosing
+                      {**honest, "paths": ["/dev/shm/../" + str(victim)]},
+                      {**honest, "nbytes": honest["nbytes"] * 4}):  # a size other than the plan's
+            reader._landing.describe = lambda claim=claim: claim  # type: ignore[union-attr,method-assign]
+            with pytest.raises(TransportError, match="refused"):
+                honest_version(reader, 1, 1.0)
+        assert victim.read_text() == config
+        reader._landing.describe = lambda: honest  # type: ignore[union-attr,method-assign]
+        honest_version(reader, 1, 1.0)
+
+    delta = SyncOptions(timeout=20, wire="delta")
+    with WeightsReader(LAYOUT, LAYOUT, 0, options=delta) as reader:
+        opened = reader._open_inbox
+
+        honest_parts: dict[int, tuple[int, int]] = {}
+
+        def claims_a_tebibyte() -> object:
+            inbox = opened()
+            honest_parts.update(reader._inbox_parts)
+            reader._inbox_parts[0] = (0, 1 << 40)
+            return inbox
+
+        reader._open_inbox = claims_a_tebibyte  # type: ignore[method-assign]
+        with pytest.raises(RlsyncError, match="inbox part of 1099511627776 bytes"):
+            honest_version(reader, 1, 1.0, delta)
+        reader._open_inbox = opened  # type: ignore[method-assign]
+        reader._inbox_parts.update(honest_parts)
+        honest_version(reader, 1, 1.0, delta)
+        honest_version(reader, 2, 2.0, delta)

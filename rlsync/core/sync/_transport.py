@@ -166,7 +166,11 @@ class Transport(ABC):
     @classmethod
     @abstractmethod
     def open(cls, description: dict[str, Any], options: Mapping[str, Any] | None = None) -> Link:
-        """Writer side: reach a reader's landing from its ``describe()`` output. Must override."""
+        """Writer side: reach a reader's landing from its ``describe()`` output. Must override.
+
+        The description is the reader's word, and a reader may be buggy or hostile: a link opens nothing it cannot
+        verify as a landing (a file rlsync made, of this user, of the size the plan says) and sizes nothing by it.
+        ``options["region_bytes"]``: the bytes of one landing slot as the writer's plan has it (None: unknown)."""
 
 
 def resolve_transport(transport: str | type[Transport], pm: pluggy.PluginManager | None = None) -> type[Transport]:

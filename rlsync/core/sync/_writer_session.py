@@ -10,8 +10,12 @@ import bisect
 
 from rlsync.core.sync._control import Begin, Go, Hello, Refuse, Welcome, open_channel
 from rlsync.core._errors import ConfigError, TransferTimeoutError, TransportError, VersionError, WeightMismatchError
-from rlsync.core.sync._regions import region_offsets
+from rlsync.core.sync._delta import INBOX_SHARE
+from rlsync.core.sync._regions import ALIGN, region_offsets
 from rlsync.core.sync._writer_state import WriterState
+
+
+MAX_SLOTS = 2  # a direct landing's two; staged and in place have one
 
 
 class WriterSession(WriterState):
@@ -41,8 +45,13 @@ class WriterSession(WriterState):
         if msg.transport != self._transport.name:
             channel.close()
             raise TransportError(f"reader rank {dst_rank} uses transport {msg.transport!r}, this writer {self._transport.name!r}")
-        # the data plane proves a key derived from the same one at connect (the tcp landing's challenge)
-        options = {**self._options, "secret": channel.data_key}
+        _, region_bytes = region_offsets(self.dst, dst_rank)
+        if not 0 <= msg.next_slot < MAX_SLOTS:
+            channel.close()
+            raise TransportError(f"reader rank {dst_rank} named landing slot {msg.next_slot}: a reader has {MAX_SLOTS} at most")
+        # the data plane proves a key derived from the same one at connect (the tcp landing's challenge); a link takes
+        # nothing of the reader's for a size: the plan says how many bytes its landing holds (region_bytes)
+        options = {**self._options, "secret": channel.data_key, "region_bytes": region_bytes}
         self._links[dst_rank] = self._transport.open(msg.description, options)
         self._channels[dst_rank] = channel
         self._slots[dst_rank] = msg.next_slot
@@ -56,7 +65,15 @@ class WriterSession(WriterState):
             self._in_place.pop(dst_rank, None)
         self._held[dst_rank] = {}  # what its slots hold is unknown until a version of ours goes live there
         if self._changes is not None and msg.inbox is not None:
-            self._inboxes[dst_rank] = (self._transport.open(msg.inbox, options), msg.inbox_offset, msg.inbox_capacity)
+            # the part the plan gives this writer at most (the reader's own sizing: INBOX_SHARE of its bytes, aligned),
+            # whatever the reader claims: the writer allocates a staging buffer of that size
+            most = -(-int(self._part_bytes[dst_rank] * INBOX_SHARE) // ALIGN) * ALIGN
+            if not 0 <= msg.inbox_offset or not 0 <= msg.inbox_capacity <= most:
+                self._drop(dst_rank)
+                raise TransportError(f"reader rank {dst_rank} gave this writer an inbox part of {msg.inbox_capacity} bytes at "
+                                     f"{msg.inbox_offset}; the plan gives it {most} at most: refused")
+            inbox_options = {**options, "region_bytes": None}  # its size is every writer's parts': the link checks the file's
+            self._inboxes[dst_rank] = (self._transport.open(msg.inbox, inbox_options), msg.inbox_offset, msg.inbox_capacity)
 
     def _drop(self, dst_rank: int) -> None:
         self._prepared = {key: value for key, value in self._prepared.items() if key[0] != dst_rank}

@@ -6,11 +6,15 @@ which rlsync's vLLM plugin applies in every vLLM process. The tests do what user
 reports AMX (the engines then run vLLM's AVX-512 attention kernel, which is also what CPUs without AMX run), and
 keep vLLM's own choice everywhere else. ``tests/adapters/vllm/test_vllm_cpu_attention.py`` checks the doctor
 without it.
+
+Every process of a test run holds one rlsync user key (``RLSYNC_KEY_FILE``, what signs a trainer's requests to a vLLM
+server's routes), in a directory of the run's own: the tests neither read nor leave a key in the user's home.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 
 
 def _reports_amx() -> bool:
@@ -25,3 +29,6 @@ def _reports_amx() -> bool:
 
 if _reports_amx():
     os.environ.setdefault("RLSYNC_VLLM_CPU_ATTENTION", "vec")
+
+
+os.environ.setdefault("RLSYNC_KEY_FILE", os.path.join(tempfile.mkdtemp(prefix="rlsync-test-key-"), "key"))

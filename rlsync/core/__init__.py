@@ -20,7 +20,7 @@ from rlsync.core.layouts import (
 )
 from rlsync.core.sync import Canary, canary_tokens, causal_lm_logprobs
 from rlsync.core.sync import Checksums, same_bytes, version_label
-from rlsync.core.sync import host_port, is_loopback, keyed, resolve_secret, shift_port, split_address
+from rlsync.core.sync import host_port, is_loopback, keyed, rank_address, resolve_secret, shift_port, split_address, with_key
 from rlsync.core.sync import INBOX_SHARE, ChangeLog
 from rlsync.core.rollouts import Claim, Episode, EpisodeLog, MemoryEpisodes, Turn
 from rlsync.core.sync import apply_delta, encode_delta
@@ -77,6 +77,7 @@ from rlsync.core.sync import LandingMode, WeightsReader
 from rlsync.core.sync import region_offsets
 from rlsync.core.hooks import Registry
 from rlsync.core.sync import NodeRelay
+from rlsync.core.sync import KEY_FILE_ENV, key_file, user_key
 from rlsync.core.rollouts import PolicyVersionClock, Sample, decode_sample, encode_sample
 from rlsync.core.rollouts import head_logprobs, kept_sizes, logits_logprobs, masked_entropy, masked_logprobs, sampling_mask
 from rlsync.core.sync import SLACK, RankBoxes, StagedReceiver, engine_layout, tensor_metas, whole_tensor_view
@@ -87,6 +88,7 @@ from rlsync.core.sync import WireCodec
 from rlsync.core.sync import WeightsWriter
 
 __all__ = [
+    "KEY_FILE_ENV", "key_file", "user_key",
     "BUILTIN_PLUGINS", "DEFAULT_TIMEOUT", "ENTRY_POINT_GROUP", "PRESETS", "SLACK", "WIRES",
     "INBOX_SHARE", "Batch", "BatchedCopies", "Box", "BufferSpec", "Canary", "CanaryError", "ChangeLog", "Claim", "CurrentStreams", "Episode", "PreparedCopies", "EpisodeLog", "LeaseLostError", "MemoryEpisodes", "Turn", "Checksums", "HostStaging", "ConfigError", "Decision", "Finish", "Gate", "Landing", "LandedVersions",
     "LandingMode", "Layout", "LayoutError", "Link", "MaxStaleness", "MemoryStorage", "ModelSpec", "NodeRelay", "Param",
@@ -98,7 +100,7 @@ __all__ = [
     "allocate", "apply_delta", "buffer_backends", "build_plan", "canary_tokens", "causal_lm_logprobs", "chunk_bounds", "contiguous_strides", "copy_transfers",
     "data_parallel", "decode_sample", "default_plugin_manager", "dtype_name", "dtype_size", "encode_delta", "encode_sample",
     "engine_layout", "synchronize_devices", "engine_tp", "flat_partitions", "flat_range_boxes", "freshest_per_group", "from_state_dict", "fsdp", "gather_shards",
-    "hookimpl", "hookspec", "importance_weights", "host_port", "is_loopback", "keyed", "shift_port", "split_address", "head_logprobs", "kept_sizes", "load_model_spec", "logits_logprobs", "make_buffer", "make_layout", "masked_entropy",
+    "hookimpl", "hookspec", "importance_weights", "host_port", "is_loopback", "keyed", "shift_port", "split_address", "with_key", "rank_address", "head_logprobs", "kept_sizes", "load_model_spec", "logits_logprobs", "make_buffer", "make_layout", "masked_entropy",
     "make_plugin_manager", "masked_logprobs", "megatron", "model_spec", "own_buffer_shard", "raw_dtype", "reader_layout", "sampling_mask",
     "region_offsets", "replicated", "resolve_secret", "resolve_transport", "same_bytes", "scatter", "tensor_metas", "tied_aliases", "transports", "version_label",
     "whole_tensor_view", "wire_codecs", "zero3",

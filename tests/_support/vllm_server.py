@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 
+pids: dict[str, int] = {}  # base URL -> the server's process id, while it runs
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -47,8 +50,10 @@ def running(model: Path, log: Path, extra: Sequence[str] = (), *, python: str = 
                     if server.poll() is not None or time.monotonic() > deadline:
                         raise AssertionError(f"vLLM server did not start:\n{log.read_text()[-4000:]}") from None
                     time.sleep(1)
+            pids[base] = server.pid
             yield base
         finally:
+            pids.pop(base, None)
             server.terminate()
             try:
                 server.wait(timeout=30)

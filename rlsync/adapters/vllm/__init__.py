@@ -3,7 +3,7 @@
 ``engine_layout`` is the destination layout a trainer writes to, and ``apply_next_version(llm)`` the
 driver's call per version; ``apply_next_lora(llm)`` the same for LoRA adapter versions (adapter-only
 sync, ``rlsync_lora_start``; ``lora_request(v)`` names version v in a request). ``VllmServer`` is the trainer's side of a stock vLLM server started with
-``--weight-transfer-config '{"backend": "rlsync"}'`` (its HTTP routes, no vLLM import). A driver that reaches its
+``--weight-transfer-config '{"backend": "rlsync"}'`` (its HTTP routes, no vLLM import; ``RouteCredential`` signs a request to them by hand). A driver that reaches its
 engine another way (an engine actor) checks the canary with ``canary_sampling_params`` and ``prompt_logprobs_of``. ``record_routes(llm)`` / ``take_routes(llm, outputs)``: the
 experts each MoE layer routed every token to, for routing replay in the trainer (a driver that calls the workers'
 ``rlsync_take_routes`` itself stores them with ``compact_routes``). ``label_version(label)``: the version in a weight
@@ -16,10 +16,11 @@ from rlsync.adapters.vllm._driver import (apply_next_version, canary_sampling_pa
 from rlsync.adapters.vllm._extension import RlsyncWorkerExtension
 from rlsync.adapters.vllm._lora import LORA_ID_BASE, apply_next_lora, lora_request
 from rlsync.adapters.vllm._plugin import CPU_ATTENTION_ENV, hold_cpu_attention
+from rlsync.adapters.vllm._route_auth import RouteCredential
 from rlsync.adapters.vllm._routes import compact_routes, record_routes, take_routes
 from rlsync.adapters.vllm._server import PublishStats, VllmServer, reserve_ports
 from rlsync.layouts import engine_layout
 
-__all__ = ["CPU_ATTENTION_ENV", "LORA_ID_BASE", "PublishStats", "RlsyncWorkerExtension", "VllmServer", "apply_next_lora", "apply_next_version",
+__all__ = ["CPU_ATTENTION_ENV", "LORA_ID_BASE", "PublishStats", "RouteCredential", "RlsyncWorkerExtension", "VllmServer", "apply_next_lora", "apply_next_version",
            "canary_sampling_params", "compact_routes", "engine_layout", "hold_cpu_attention", "label_version", "lora_request", "prompt_logprobs_of", "record_routes", "reserve_ports",
            "take_routes", "token_versions"]

@@ -125,11 +125,12 @@ class LoraReceiver:
         self._staged.close()
 
 
-def adapter_receiver(tensors: Sequence[Sequence[Any]], rank: int, world: int, options: SyncOptions | None) -> StagedReceiver:
+def adapter_receiver(tensors: Sequence[Sequence[Any]], rank: int, world: int, options: SyncOptions | None, *,
+                     live_version: int = -1) -> StagedReceiver:
     """Worker ``rank``'s receiver of adapter versions: every worker takes the whole adapter (vLLM's LoRA layers slice
-    it for their tensor-parallel rank)."""
+    it for their tensor-parallel rank). ``live_version``: the version served when it starts (writers go on after it)."""
     whole = {str(name): [[0] * len(shape), list(shape)] for name, _, shape in tensors}
-    return StagedReceiver(tensors, boxes=[whole] * world, rank=rank, options=options)
+    return StagedReceiver(tensors, boxes=[whole] * world, rank=rank, options=options, live_version=live_version)
 
 
 def refuse_unsupported(peft_config: Mapping[str, Any]) -> None:

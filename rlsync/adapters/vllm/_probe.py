@@ -73,6 +73,31 @@ def fingerprint(model: Any, metas: Sequence[TensorMeta], rank_info: Sequence[int
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
+def check_declared_sizes(model: Any, tensors: Sequence[Sequence[Any]], world: int) -> None:
+    """Refuse a tensor list that no engine of this model could read, before the probe allocates for it (16 bytes per
+    declared element): a tensor larger than ``world`` times the engine's largest parameter, or a list larger than
+    ``world`` times all of them (a checkpoint tensor lands in one parameter, or in parts across the workers)."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    sizes = [math.prod(t.shape) for _, module in model.named_modules()
+             for t in get_layerwise_info(module).restore_metadata[0].values()]
+    largest, held = max(sizes, default=0), sum(sizes)
+    total = 0
+    for entry in tensors:
+        if not isinstance(entry, (list, tuple)) or len(entry) != 3 or not isinstance(entry[2], (list, tuple)):
+            raise ConfigError(f"tensor list entry {str(entry)[:80]!r}: expected [name, dtype, shape]")
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in entry[2]):
+            raise ConfigError(f"tensor {str(entry[0])[:80]!r}: its shape must be whole numbers of at least 0")
+        numel = math.prod(entry[2])
+        if numel > world * largest:
+            raise ConfigError(f"tensor {str(entry[0])[:80]!r} of {numel} elements is larger than any parameter of this "
+                              f"engine could take ({world} worker(s) x {largest} elements): refused before the probe")
+        total += numel
+    if total > world * (held + largest):
+        raise ConfigError(f"the tensor list declares {total} elements, more than this engine's {world} worker(s) hold "
+                          f"({held} elements each): refused before the probe")
+
+
 def probe_worker(worker: Any, tensors: Sequence[Sequence[Any]]) -> dict[str, list[list[int]]]:
     """``{checkpoint tensor name: [offsets, sizes]}`` of the part ``worker``'s loader reads (the body of the
     worker extension's ``rlsync_probe``)."""

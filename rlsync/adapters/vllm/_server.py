@@ -31,10 +31,10 @@ from rlsync import (
     WeightsWriter,
     version_label,
 )
-from rlsync.adapters.vllm._driver import label_version
 from rlsync.adapters.vllm._lora import refuse_unsupported
+from rlsync.adapters.vllm._route_auth import RouteCredential
 from rlsync.adapters.vllm._server_calls import ServerCalls
-from rlsync.core import keyed, shift_port
+from rlsync.core import shift_port, with_key
 from rlsync.adapters.vllm._lora_versions import path_of
 from rlsync.layouts import from_state_dict, tied_aliases
 
@@ -105,6 +105,7 @@ class VllmServer(ServerCalls):
         self._names: list[str] = []
         self._dtype: Any = None
         self._workers = 0
+        self._credential: RouteCredential | None = None  # signs the current init's requests
         self.version = 0  # the last version this object made live
 
     # --- weights ------------------------------------------------------------------------------------------
@@ -130,7 +131,7 @@ class VllmServer(ServerCalls):
         state = {name: _cast(t, dtype) for name, t in named_tensors}
         for alias in tied_aliases(state):
             del state[alias]
-        writer = self._writer_for(state, lora=None)
+        writer = self._writer_for(state, lora=None, version=version)
         version = self._next(writer, version)
         writer.multi_put(state)  # checks names, dtypes and sizes before the server waits for anything
         deviation, label = self._go_live(writer, version, canary, adapter=None)
@@ -152,7 +153,7 @@ class VllmServer(ServerCalls):
         started = time.perf_counter()
         dtype = self._server_dtype()
         state = {n: _cast(t, dtype) for n, t in tensors.items()}
-        writer = self._writer_for(state, lora={"config": dict(peft_config), "name": name, "keep": keep})
+        writer = self._writer_for(state, lora={"config": dict(peft_config), "name": name, "keep": keep}, version=version)
         version = self._next(writer, version)
         writer.multi_put(state)
         adapter = f"{name}@{version}"
@@ -169,9 +170,9 @@ class VllmServer(ServerCalls):
             self._dtype = getattr(torch, str(self.config()["model_config"]["dtype"]).removeprefix("torch."))
         return self._dtype
 
-    def _writer_for(self, state: dict[str, Any], lora: dict[str, Any] | None) -> WeightsWriter:
+    def _writer_for(self, state: dict[str, Any], lora: dict[str, Any] | None, version: int | None) -> WeightsWriter:
         if self._writer is None:
-            self._open(state, lora)
+            self._open(state, lora, version)
         elif (lora is None) != (self._lora is None):
             raise ConfigError("this VllmServer already sends " + ("full weights" if self._lora is None else "adapters") +
                               ": one route per connection (close() it, or use another VllmServer)")
@@ -184,15 +185,31 @@ class VllmServer(ServerCalls):
 
     def _next(self, writer: WeightsWriter, version: int | None) -> int:
         # version 0 is the checkpoint the server started from: a fresh server's first published version is 1; a server
-        # that serves version N (another client made it live) goes on at N + 1 (self.version is read at _open)
+        # that serves version N (another client made it live) goes on at N + 1 (its readers say N, not vLLM's label)
         return max(writer.next_version, self.version + 1) if version is None else version
+
+    def _update(self, info: dict[str, Any], timeout: float | None = None) -> Any:
+        """``/update_weights`` with ``info``, signed for the current init."""
+        assert self._credential is not None
+        return self.call("/update_weights", {"update_info": self._credential.update(info)}, timeout=timeout)
+
+    def _start(self) -> None:
+        """``/start_weight_update``. vLLM's own route, open to every HTTP client of a dev-mode server: one that left an
+        update session open (it changes nothing of rlsync's) is closed first, once."""
+        try:
+            self.call("/start_weight_update", {})
+        except PeerLostError as exc:
+            if "already active" not in str(exc):
+                raise
+            self.call("/finish_weight_update", {})
+            self.call("/start_weight_update", {})
 
     def _go_live(self, writer: WeightsWriter, version: int, canary: Canary | None, *,
                  adapter: str | None) -> tuple[float | None, str]:
         """The version's bytes (put already) go live: sent while the engine waits for them, loaded, its canary
         checked (``adapter``: registered under that name first, and checked with it), bound to its digests under
         verify, then made what the server serves. Any failure leaves the server on the previous version."""
-        self.call("/start_weight_update", {})
+        self._start()
         failure: list[BaseException] = []
 
         if canary is not None and self.paused:
@@ -208,8 +225,7 @@ class VllmServer(ServerCalls):
         sender = threading.Thread(target=send, name="rlsync-vllm-server-publish", daemon=True)
         sender.start()
         try:
-            self.call("/update_weights", {"update_info": {"version": version, "timeout": self.options.timeout}},
-                      timeout=self.options.timeout + 60)
+            self._update({"version": version, "timeout": self.options.timeout}, timeout=self.options.timeout + 60)
         except Exception:
             sender.join(timeout=5)
             if failure:
@@ -227,7 +243,7 @@ class VllmServer(ServerCalls):
         except Exception as exc:
             if adapter is not None:
                 self._unload_quietly(adapter)
-            self.call("/update_weights", {"update_info": {"version": version, "refused": str(exc)}})
+            self._update({"version": version, "refused": str(exc)})
             self.call("/finish_weight_update", {})
             if adapter is None:
                 self.call("/reset_prefix_cache")
@@ -237,7 +253,7 @@ class VllmServer(ServerCalls):
         if writer.last_digests:  # verify: each worker checks its landed version is the bytes this writer sent
             digests = [writer.last_digests[r] for r in range(self._workers)]
             try:
-                self.call("/update_weights", {"update_info": {"version": version, "digests": digests}})
+                self._update({"version": version, "digests": digests})
             except Exception:
                 if adapter is not None:
                     self._unload_quietly(adapter)
@@ -247,14 +263,16 @@ class VllmServer(ServerCalls):
             label = version_label(version, digests)
         if adapter is not None:
             label = f"{adapter.rsplit('@', 1)[0]}@{label}"
+        self._update({"version": version, "commit": True})  # live now: the writer's complete returns
         self.call("/finish_weight_update", {"weight_version": label})
         sender.join(self.options.timeout)
         if failure:
             raise failure[0]
         reported = self.weight_version()
-        if reported != label:
-            raise VersionError(f"the vLLM server at {self.url} reports weight version {reported!r} after version {version} "
-                               f"went live as {label!r} (version+digest of the bytes sent)")
+        if reported != label:  # vLLM's label, which any HTTP client of a dev-mode server may set: said, not trusted
+            warnings.warn(f"the vLLM server at {self.url} reports weight version {reported!r} after version {version} went "
+                          f"live as {label!r}: something else set its label (/update_weight_version answers any HTTP "
+                          f"client of a dev-mode server; keep its port on loopback)", RlsyncWarning, stacklevel=3)
         writer.next_version = version + 1
         self.version = version
         return deviation, label
@@ -273,32 +291,29 @@ class VllmServer(ServerCalls):
         except (PeerLostError, ConfigError):
             pass  # never registered: nothing to unload
 
-    def _open(self, state: dict[str, Any], lora: dict[str, Any] | None) -> None:
+    def _open(self, state: dict[str, Any], lora: dict[str, Any] | None, version: int | None) -> None:
+        """A signed init (``_route_auth``): the readers' key derives from it and crosses no wire; ``version`` given, the
+        engine's readers go on from the one before it (a trainer resumed from its checkpoint), else from the version
+        the engine serves, which the readers report (vLLM's label is any HTTP client's to set)."""
         tensors = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in state.items()]
         workers = int(self.call("/get_world_size", method="GET")["world_size"])
         host, plain = self.options.host, self.options.to_mapping()  # plain: the transport by name, for JSON
         base = reserve_ports(host, workers)
-        address = keyed(f"tcp://{host}:{base}", self.options.secret)  # only this trainer may talk to these readers
+        credential = RouteCredential(self.options.secret.encode() if self.options.secret else None)
+        address = f"tcp://{host}:{base}"
         info: dict[str, Any] = {"address": address, "tensors": tensors, "transport": plain["transport"],
-                                "verify": plain["verify"]}
+                                "verify": plain["verify"], "live_version": None if version is None else version - 1}
         if lora is not None:
             info.update(lora=lora["config"], lora_name=lora["name"], keep=lora["keep"])
-        self.call("/init_weight_transfer_engine", {"init_info": info})
-        readers = [shift_port(address, r) for r in range(workers)]
+        self.call("/init_weight_transfer_engine", {"init_info": credential.init(info)})
+        self._credential = credential
+        readers = [shift_port(with_key(address, credential.reader_secret), r) for r in range(workers)]
         self._workers = workers
-        self._writer = WeightsWriter(from_state_dict(state), None, 0, readers, options=self.options)
-        self.version = max(self.version, self._live_version())
+        self._writer = WeightsWriter(from_state_dict(state), None, 0, readers, options=self.options.replace(secret=None))
+        self.version = max(self.version, self._writer.next_version - 1)
         self._names = list(state)
         self._lora = lora
         self._adapters = []
-
-    def _live_version(self) -> int:
-        """The version the server serves now, by its label: a new receiver starts counting again, the server does not
-        (a trainer resumed against a server that kept running must not label new weights with old versions)."""
-        try:
-            return label_version(self.weight_version())
-        except VersionError:  # a label someone else set ("step-10"): not one of rlsync's versions, count from 1
-            return 0
 
     def close(self) -> None:
         """Release the server's receiving side (a later trainer can connect again) and this writer."""
@@ -307,8 +322,10 @@ class VllmServer(ServerCalls):
         writer, self._writer = self._writer, None
         writer.close()
         self._dtype = None
-        try:
-            self.call("/shutdown_weight_transfer_engine", {}, timeout=60)
+        try:  # signed, inside an update session (vLLM's /shutdown_weight_transfer_engine carries nothing to sign)
+            self._start()
+            self._update({"version": self.version, "release": True}, timeout=60)
+            self.call("/finish_weight_update", {}, timeout=60)
         except (PeerLostError, ConfigError):
             pass  # the server is gone or older: nothing of ours is left to release there
 

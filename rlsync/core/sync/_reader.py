@@ -64,7 +64,9 @@ class WeightsReader(ReaderService, VersionLanding):
 
     ``options`` (``SyncOptions``): the transport, where to listen (``host``, ``port``), the ``secret``,
     and ``verify`` (refuse a version whose CRC-32s differ from the writers'). ``plugins``: the plugin
-    manager whose hooks fire (default: the process's, ``rlsync.plugin_manager()``).
+    manager whose hooks fire (default: the process's, ``rlsync.plugin_manager()``). ``live_version``: the version the
+    engine serves as this reader starts (-1: none), for a reader that replaces another in the same engine (writers go
+    on after it; ``landing`` staged or in place, whose engine holds that version itself).
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class WeightsReader(ReaderService, VersionLanding):
         plugins: pluggy.PluginManager | None = None,
         targets: Mapping[str, Region] | None = None,
         pause: Callable[[bool], None] | None = None,
+        live_version: int = -1,
     ) -> None:
         if landing not in ("direct", "staged", "in_place"):
             raise ConfigError(f"landing={landing!r}: 'direct', 'staged' or 'in_place'")
@@ -94,6 +97,10 @@ class WeightsReader(ReaderService, VersionLanding):
         options = options or SyncOptions()
         ReaderState.__init__(self, rank, options, landing, replicas, plugins or default_plugin_manager(), on_version,
                              on_refused, targets, pause)
+        if live_version != -1:
+            if landing == "direct":
+                raise ConfigError("live_version: a direct landing serves its own slots, which hold no version yet")
+            self._version = whole_number("live_version", live_version, -1)
         self._transport = resolve_transport(options.transport, self._plugins)
         self._bound = bound_for(dst)  # the longest control message it takes (from its layout: set before it listens)
         self._channel, self.address = bind_router(options.host, options.port, options.secret, self._bound)
@@ -143,6 +150,7 @@ class WeightsReader(ReaderService, VersionLanding):
         """Build this rank's plan from the writers' layout ``src``."""
         assert self.dst is not None
         self.plan = build_plan(src, self.dst, dst_ranks=[self.rank])
+        self._spans = {}  # the writers' own byte ranges come from the plan: found again
         self._expected = {t.src_rank for t in self.plan.transfers}
         self._pair_runs = runs_by_pair(self.plan.transfers, self._offsets)
         self._tensors_of = {(t.src_rank, t.src_buffer): t.tensor for t in self.plan.transfers}

@@ -85,11 +85,13 @@ class StagedReceiver:
     ``boxes``: per engine rank, the part of each tensor that rank's loader reads (default: all of it).
     ``options``: ``SyncOptions`` (transport, host, port, secret, ``verify``; ``timeout`` is how long a
     landed version may wait for the engine to load it before the writers hear that it failed).
-    Called on: the engine's worker process, one receiver per worker rank; ``next`` from the engine's own thread.
+    ``live_version``: the version the engine serves as this receiver starts (one that replaces another in the same
+    engine: the writers go on after it). Called on: the engine's worker process, one receiver per worker rank; ``next``
+    from the engine's own thread.
     """
 
     def __init__(self, tensors: Sequence[Sequence[Any]], *, boxes: RankBoxes | None = None, rank: int = 0,
-                 options: SyncOptions | None = None) -> None:
+                 options: SyncOptions | None = None, live_version: int = -1) -> None:
         options = options or SyncOptions()
         layout = engine_layout(tensors, boxes)
         self.boxes = {s.tensor: s.box for s in layout.shards if s.rank == rank}
@@ -99,7 +101,8 @@ class StagedReceiver:
         # the writers' layout comes with their hello: one trainer process or many, whole tensors or shards;
         # with verify, a version whose CRCs differ is refused and the engine waiting for it hears why at once
         self.reader = WeightsReader(None, layout, rank, options=options, landing="staged",
-                                    on_version=self._landed.on_version, on_refused=self._landed.on_refused)
+                                    on_version=self._landed.on_version, on_refused=self._landed.on_refused,
+                                    live_version=live_version)
         self._landed.refusal = lambda: self.reader.refusal  # a refused writer fails the engine's wait at once
 
     @property

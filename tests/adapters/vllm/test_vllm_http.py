@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.filterwarnings("ig
 from _support import vllm_engines as common  # noqa: E402
 from _support import vllm_server  # noqa: E402
 
-from rlsync.core import keyed  # noqa: E402
+from rlsync.adapters.vllm import RouteCredential  # noqa: E402
+from rlsync.core import with_key  # noqa: E402
 
 
 # Two architectures: the routes are the same for all; what differs by architecture (the engine's loader: fused qkv,
@@ -28,15 +29,19 @@ def test_http_server_updates_through_its_weight_transfer_routes(arch: str, tmp_p
     seeds = list(range(301, 321))
     model = common.save(arch, 100, tmp_path / "v0")
     with vllm_server.running(model, tmp_path / "server.log") as base:
-        address = keyed(f"tcp://127.0.0.1:{common.free_port()}")  # as the docs say: the address with a fresh key
+        # as the docs say: every request signed (the server's routes answer any HTTP client), the readers' key derived
+        credential = RouteCredential()
+        address = f"tcp://127.0.0.1:{common.free_port()}"
         tensors = common.trainer.tensors(common.trainer.build(arch, 100))
-        vllm_server.post(base, "/init_weight_transfer_engine", {"init_info": {"address": address, "tensors": tensors}})
-        child = subprocess.Popen([sys.executable, str(common.TRAINER), "--arch", arch, "--address", address,
-                                  "--seeds", *map(str, seeds)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        vllm_server.post(base, "/init_weight_transfer_engine", {"init_info": credential.init({"address": address, "tensors": tensors})})
+        child = subprocess.Popen([sys.executable, str(common.TRAINER), "--arch", arch, "--address",
+                                  with_key(address, credential.reader_secret), "--seeds", *map(str, seeds)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         got = {}
         for version in range(1, len(seeds) + 1):
             vllm_server.post(base, "/start_weight_update", {})
-            vllm_server.post(base, "/update_weights", {"update_info": {"version": version, "timeout": 120.0}})
+            vllm_server.post(base, "/update_weights", {"update_info": credential.update({"version": version, "timeout": 120.0})})
+            vllm_server.post(base, "/update_weights", {"update_info": credential.update({"version": version, "commit": True})})
             vllm_server.post(base, "/finish_weight_update", {"weight_version": str(version)})
             vllm_server.post(base, "/reset_prefix_cache", {})
             got[version] = vllm_server.greedy(base, str(model), common.PROMPTS, common.NEW_TOKENS)

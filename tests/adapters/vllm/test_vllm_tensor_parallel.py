@@ -74,15 +74,16 @@ class Extension:
 
 class Native(Extension):
     """vLLM's own weight-transfer API with the rlsync backend: the workers learn their parts during
-    init_weight_transfer_engine and write them to ``boxes_file`` for the trainer."""
+    init_weight_transfer_engine, and the trainer reads them from the readers' layout (``reader_layout``)."""
 
     def probe(self):  # type: ignore[no-untyped-def]
         self.port = free_port()
         self.address = keyed(f"tcp://127.0.0.1:{self.port}")  # with the run's key
-        boxes_file = Path(os.environ["TMPDIR"]) / "boxes-from-vllm.json"
-        self.llm.init_weight_transfer_engine({"init_info": {"address": self.address,
-                                                            "tensors": self.tensors, "boxes_file": str(boxes_file)}})
-        return json.loads(boxes_file.read_text())
+        self.llm.init_weight_transfer_engine({"init_info": {"address": self.address, "tensors": self.tensors}})
+        names = {str(t[0]) for t in self.tensors}
+        layout = reader_layout(self.address)
+        return [{s.tensor: [list(s.box.offsets), list(s.box.sizes)] for s in layout.shards
+                 if s.rank == r and s.tensor in names} for r in range(layout.world_size)]
 
     def start(self, boxes):  # type: ignore[no-untyped-def]
         return [shift_port(self.address, r) for r in range(len(boxes))]

@@ -256,15 +256,24 @@ class VllmServerAdapter(RecordingServerAdapter):
             self.server = getattr(self, "server", None) or VllmServer(self.base)
             self.server.publish_lora(state, kwargs["peft_config"], name="policy", keep=1)
             return
-        if self.writer is None:
+        if self.writer is None:  # the server's routes answer anyone: rlsync's engine takes signed requests only
+            from rlsync.adapters.vllm import RouteCredential
+            from rlsync.core import split_address, with_key
+
+            self.credential = RouteCredential()
             tensors = [[n, str(t.dtype), list(t.shape)] for n, t in state.items()]
-            _post(self.base, "/init_weight_transfer_engine", {"init_info": {"address": self.address, "tensors": tensors}})
-            self.writer = WeightsWriter(from_state_dict(state), None, 0, [self.address], options=SyncOptions(timeout=300))
+            address = split_address(self.address)[0]
+            _post(self.base, "/init_weight_transfer_engine",
+                  {"init_info": self.credential.init({"address": address, "tensors": tensors})})
+            self.writer = WeightsWriter(from_state_dict(state), None, 0, [with_key(address, self.credential.reader_secret)],
+                                        options=SyncOptions(timeout=300))
         self.version += 1
         self.writer.multi_put(state)
         _post(self.base, "/start_weight_update", {})
         sending = asyncio.get_running_loop().run_in_executor(None, self.writer.complete, self.version)
-        await asyncio.to_thread(_post, self.base, "/update_weights", {"update_info": {"version": self.version}})
+        await asyncio.to_thread(_post, self.base, "/update_weights",
+                                {"update_info": self.credential.update({"version": self.version})})
+        _post(self.base, "/update_weights", {"update_info": self.credential.update({"version": self.version, "commit": True})})
         _post(self.base, "/finish_weight_update", {"weight_version": str(kwargs.get("global_steps"))})
         await sending  # the engine confirms to the writer once the version is finished (served)
         _post(self.base, "/reset_prefix_cache", {})

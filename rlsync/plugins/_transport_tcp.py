@@ -1,8 +1,9 @@
 """``tcp``: a portable fallback. The reader runs a thread that receives each run straight into
 its region (``recv_into``, no intermediate copy); the writer streams runs with a small fixed
-header. Loopback by default; another address requires the shared secret. Every connection proves the
-data-plane key (derived from the reader's key or the secret: ``options["secret"]``) by an HMAC challenge
-before any byte is accepted.
+header. Loopback by default; another address requires the shared secret. Every connection answers a challenge
+before any byte is accepted: with the token its reader's session gave the writer (``options["token"]``), which binds
+the connection to what that writer may write (``Landing.admit``: its own part of the slot being written), or, on a
+landing that admitted no token (the transport used without a reader), the data-plane key (``options["secret"]``).
 
 What a stranger costs: one thread accepts and challenges every connection; one that has not answered within
 ``CHALLENGE_SECONDS`` is dropped, and past ``MAX_UNPROVEN`` waiting (or an eighth of the process's file descriptors)
@@ -22,7 +23,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -42,12 +43,26 @@ def proof(secret: bytes, nonce: bytes) -> bytes:
     return hmac.new(secret, _LABEL + nonce, hashlib.sha256).digest()
 
 
+def token_id(token: bytes) -> bytes:
+    """What a connection names its token by (the token itself never crosses)."""
+    return hashlib.sha256(b"rlsync tcp token " + token).digest()[:16]
+
+
+_NO_TOKEN = bytes(16)
+_ANSWER = 16 + 32  # the token's id (zeros: none), then the proof
+Writable = Callable[[int, int, int], bool]
+
+
 def _recv_exact(conn: socket.socket, view: memoryview) -> None:
     while view:
         got = conn.recv_into(view)
         if not got:
             raise ConnectionError("peer closed the connection")
         view = view[got:]
+
+
+def _anywhere(slot: int, offset: int, nbytes: int) -> bool:
+    return True
 
 
 class TcpLanding(Landing):
@@ -62,6 +77,10 @@ class TcpLanding(Landing):
         self._server = socket.create_server((host, int(self.options.get("port", 0))))
         self._address = (host, self._server.getsockname()[1])
         self._closed = False
+        self._tokens: dict[bytes, tuple[bytes, Writable]] = {}  # token id -> (token, what its writer may write)
+        self._tokens_only = False  # set by the first admit: a reader's landing takes token holders alone
+        #: writes refused because they fell outside what their connection's writer may write (connection dropped)
+        self.refused_writes = 0
         #: connections dropped unanswered because ``MAX_UNPROVEN`` newer ones were waiting, and accepts that failed
         #: for want of file descriptors or memory (the landing went on)
         self.turned_away = 0
@@ -77,6 +96,13 @@ class TcpLanding(Landing):
 
     def describe(self) -> dict[str, Any]:
         return {"host": self._address[0], "port": self._address[1]}
+
+    def admit(self, token: bytes, writable: Writable) -> None:
+        self._tokens[token_id(token)] = (token, writable)
+        self._tokens_only = True
+
+    def revoke(self, token: bytes) -> None:
+        self._tokens.pop(token_id(token), None)
 
     def _serve(self) -> None:
         """Accept connections and challenge them, all in this one thread (a stranger's idle connection costs a
@@ -111,8 +137,8 @@ class TcpLanding(Landing):
                                  self._address[1], exc)
                 time.sleep(0.05)
             return
-        if not self._secret:
-            threading.Thread(target=self._receive, args=(conn,), daemon=True).start()
+        if not self._secret and not self._tokens_only:
+            threading.Thread(target=self._receive, args=(conn, _anywhere), daemon=True).start()
             return
         if len(unproven) >= self._max_unproven:  # the oldest goes: an honest writer answers within a round trip
             self.turned_away += 1
@@ -131,21 +157,34 @@ class TcpLanding(Landing):
                   conn: socket.socket) -> None:
         nonce, _, answer = unproven[conn]
         try:
-            got = conn.recv(32 - len(answer))
+            got = conn.recv(_ANSWER - len(answer))
         except BlockingIOError:
             return
         except OSError:
             got = b""
         answer += got
-        if got and len(answer) < 32:
+        if got and len(answer) < _ANSWER:
             return
         selector.unregister(conn)
         del unproven[conn]
-        if not got or not hmac.compare_digest(bytes(answer), proof(self._secret, nonce)):  # type: ignore[arg-type]
+        writable = self._proven(bytes(answer), nonce) if got else None
+        if writable is None:
             conn.close()
             return
         conn.setblocking(True)
-        threading.Thread(target=self._receive, args=(conn,), daemon=True).start()
+        threading.Thread(target=self._receive, args=(conn, writable), daemon=True).start()
+
+    def _proven(self, answer: bytes, nonce: bytes) -> Writable | None:
+        """What the connection that answered ``answer`` may write (None: it proved nothing)."""
+        named, signed = answer[:16], answer[16:]
+        if named == _NO_TOKEN:
+            if self._tokens_only or not hmac.compare_digest(signed, proof(self._secret, nonce)):  # type: ignore[arg-type]
+                return None
+            return _anywhere
+        found = self._tokens.get(named)
+        if found is None or not hmac.compare_digest(signed, proof(found[0], nonce)):
+            return None
+        return found[1]
 
     @staticmethod
     def _drop(selector: selectors.BaseSelector, unproven: dict[socket.socket, tuple[bytes, float, bytearray]],
@@ -157,7 +196,7 @@ class TcpLanding(Landing):
             pass
         conn.close()
 
-    def _receive(self, conn: socket.socket) -> None:
+    def _receive(self, conn: socket.socket, writable: Writable) -> None:
         header = bytearray(_HEADER.size)
         with conn:
             try:
@@ -170,6 +209,12 @@ class TcpLanding(Landing):
                         continue
                     if slot >= self.slots or offset + nbytes > self.nbytes:
                         return  # out of bounds: drop the connection, the writer sees it fail
+                    if not writable(slot, offset, nbytes):  # another rank's part, or the live slot: dropped unread
+                        self.refused_writes += 1
+                        _log.warning("tcp landing on port %d: a writer wrote %d bytes at %d of slot %d, outside its own "
+                                     "part of the slot being written: connection dropped", self._address[1], nbytes,
+                                     offset, slot)
+                        return
                     _recv_exact(conn, memoryview(self._regions[slot])[offset : offset + nbytes])
             except (ConnectionError, OSError):
                 return
@@ -190,11 +235,15 @@ class TcpLink(Link):
             raise PeerLostError(f"cannot reach the reader's tcp landing at {host}:{port}: {exc}") from exc
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         secret = resolve_secret(host, (options or {}).get("secret"))
-        if secret:
+        token = (options or {}).get("token") or None
+        if secret or token:
             nonce = bytearray(16)
             try:
                 _recv_exact(self._sock, memoryview(nonce))
-                self._sock.sendall(proof(secret, bytes(nonce)))
+                if token:  # the reader's session gave this writer a token: it names it and proves it
+                    self._sock.sendall(token_id(token) + proof(token, bytes(nonce)))
+                else:
+                    self._sock.sendall(_NO_TOKEN + proof(secret, bytes(nonce)))  # type: ignore[arg-type]
             except OSError as exc:
                 raise PeerLostError(f"the reader's tcp landing at {host}:{port} closed the connection at its challenge: {exc}") from exc
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import msgspec
 import pytest
@@ -91,3 +92,138 @@ def test_a_writer_opens_no_file_a_reader_names_and_sizes_nothing_by_its_word(tmp
         reader._inbox_parts.update(honest_parts)
         honest_version(reader, 1, 1.0, delta)
         honest_version(reader, 2, 2.0, delta)
+
+
+def _two_ranks() -> tuple[object, dict[int, dict[str, torch.Tensor]]]:
+    """The source layout of two FSDP ranks (``Shard(0)``) and each rank's part of ``STATE * scale``."""
+    from rlsync.layouts import fsdp
+
+    src = fsdp(LAYOUT.tensors, 2)
+    return src, {rank: {name: t.chunk(2)[rank].contiguous() for name, t in STATE.items()} for rank in (0, 1)}
+
+
+def _complete_all(writers: list[WeightsWriter], version: int, scale: float) -> None:
+    import threading
+
+    errors: list[BaseException] = []
+
+    def send(writer: WeightsWriter) -> None:
+        try:
+            writer.multi_put({n: t * scale for n, t in _two_ranks()[1][writer.rank].items()})
+            writer.complete(version)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=send, args=(w,)) for w in writers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+
+
+def _serves_whole(reader: WeightsReader, version: int, scale: float) -> None:
+    assert reader.version == version
+    for name, tensor in STATE.items():
+        assert bytes(reader.buffers()[name]) == (tensor * scale).numpy().tobytes(), name
+
+
+def test_a_ranks_tcp_link_writes_only_its_own_part_of_the_slot_being_written() -> None:
+    """Item 8: writer rank 1 (a key holder that proved itself on the tcp landing) writes into rank 0's part of the
+    slot being written after rank 0 finished, and into the live slot. Before: a mix went live with verify off (rank
+    0's part held rank 1's bytes), and the live version's bytes changed with no version at all."""
+    import threading
+
+    import numpy as np
+
+    from rlsync import RlsyncError
+
+    tcp = SyncOptions(transport="tcp", timeout=8)
+    src, _ = _two_ranks()
+    with WeightsReader(None, LAYOUT, 0, options=tcp) as reader:
+        writers = [WeightsWriter(src, None, r, [reader.address], options=tcp) for r in (0, 1)]  # type: ignore[arg-type]
+        _complete_all(writers, 1, 1.0)
+        _serves_whole(reader, 1, 1.0)
+        garbage = np.full(4096, 0xAB, dtype=np.uint8)
+        # version 2: rank 0 sends its part; then rank 1 writes over it before it sends its own
+        writers[1].multi_put({n: t * 2.0 for n, t in _two_ranks()[1][1].items()})
+        first: list[BaseException] = []
+        rank0 = threading.Thread(target=lambda: _catch(first, lambda: _complete_all(writers[:1], 2, 2.0)))
+        rank0.start()
+        deadline = time.monotonic() + 10
+        while 0 not in reader._done and time.monotonic() < deadline:
+            time.sleep(0.01)
+        theirs = writers[0]._runs[0][0][1][0]  # (src, dst, n) of rank 0's first run, which it has written
+        link, slot = writers[1]._links[0], writers[1]._slots[0]
+        try:
+            link.write(garbage, [(0, slot, theirs[1], theirs[2])])
+            link.flush()
+            writers[1].complete(2)
+        except RlsyncError:
+            pass  # dropped at the write: rank 1's version cannot go on over this connection
+        rank0.join(30)
+        if reader.version == 2:  # never a mix: version 2 is the trainer's bytes, or it is not live
+            _serves_whole(reader, 2, 2.0)
+        else:
+            _serves_whole(reader, 1, 1.0)
+        for writer in writers:
+            writer.close()
+
+        # rank 1 again, from a new session: its own part, but of the live slot
+        writers = [WeightsWriter(src, None, r, [reader.address], options=tcp) for r in (0, 1)]  # type: ignore[arg-type]
+        served = reader.version, 2.0 if reader.version == 2 else 1.0
+        writers[1]._connect(0)
+        link, slot = writers[1]._links[0], writers[1]._slots[0]
+        own = writers[1]._runs[0][0][1][0]
+        with pytest.raises(RlsyncError):  # the connection is dropped at the write
+            link.write(garbage, [(0, 1 - slot, own[1], own[2])])  # a direct landing: the other slot serves
+            link.flush()
+        _serves_whole(reader, *served)  # the live version's bytes did not move
+        for writer in writers:
+            writer.close()
+        writers = [WeightsWriter(src, None, r, [reader.address], options=tcp) for r in (0, 1)]  # type: ignore[arg-type]
+        _complete_all(writers, 3, 3.0)  # the next honest version lands exactly
+        _serves_whole(reader, 3, 3.0)
+        for writer in writers:
+            writer.close()
+
+
+def _catch(errors: list[BaseException], call: object) -> None:
+    try:
+        call()  # type: ignore[operator]
+    except BaseException as exc:  # noqa: BLE001 - the caller looks
+        errors.append(exc)
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_one_ranks_own_credential_cannot_speak_for_another(verify: bool) -> None:
+    """Item 9: each writer rank holds its own credential (``rank_address``, derived from the reader's key: a rank
+    cannot compute another's). A writer with rank 1's credential that says it is rank 0 is refused, and the real
+    rank 0 goes on. Before (one key for all): it finished rank 0's part of a version with its own bytes (under
+    verify too), and the real rank 0 was refused after."""
+    from rlsync import RlsyncError
+    from rlsync.core import rank_address
+
+    options = SyncOptions(timeout=6, verify=verify)
+    src, _ = _two_ranks()
+    with WeightsReader(None, LAYOUT, 0, options=options) as reader:
+        own = [rank_address(reader.address, r) for r in (0, 1)]
+        assert all("#" in a and reader.address.split("#")[1] not in a for a in own)  # the reader's key is in neither
+        writers = [WeightsWriter(src, None, r, [own[r]], options=options) for r in (0, 1)]  # type: ignore[arg-type]
+        _complete_all(writers, 1, 1.0)
+        _serves_whole(reader, 1, 1.0)
+        with pytest.raises(Exception, match="writer rank 1's address"):  # the honest mistake, named at once
+            WeightsWriter(src, None, 0, [own[1]], options=options)  # type: ignore[arg-type]
+        impostor = WeightsWriter(src, None, 1, [own[1]], options=options)  # type: ignore[arg-type]
+        impostor.rank = 0  # a compromised rank-1 process, speaking as rank 0
+        impostor.multi_put({n: t * 9.0 for n, t in _two_ranks()[1][0].items()})
+        rejected = reader.rejected
+        with pytest.raises(RlsyncError):
+            impostor.complete(2)
+        assert reader.rejected > rejected and reader.version == 1
+        impostor.close()
+        _complete_all(writers, 2, 2.0)  # the real ranks' next version lands, exactly
+        _serves_whole(reader, 2, 2.0)
+        for writer in writers:
+            writer.close()

@@ -59,7 +59,7 @@ from rlsync import (
     WeightsWriter,
 )
 from rlsync.adapters.verl._relays import host_id, place, relay_mode
-from rlsync.core import HostStaging, host_port, keyed, split_address
+from rlsync.core import HostStaging, host_port, keyed, rank_address, split_address
 from rlsync.layouts import fsdp
 
 
@@ -150,8 +150,11 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
                        metadata: list[dict[str, Any]]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
         addresses = [m["address"] for m in metadata[actor_world_size:]]
         placed = place([m.get("host") for m in metadata[:actor_world_size]], metadata[actor_world_size:])
+        # each actor rank gets its own credential for every reader (derived here, in verl's driver): a rank cannot
+        # speak for another; with a shared secret (addresses without a key) every rank holds the same one
+        own = [[rank_address(a, r) if split_address(a)[1] else a for a in placed.entries] for r in range(actor_world_size)]
         actor: dict[str, list[Any]] = {"role": ["actor"] * actor_world_size, "rank": list(range(actor_world_size)),
-                 "world_size": [actor_world_size] * actor_world_size, "readers": [placed.entries] * actor_world_size}
+                 "world_size": [actor_world_size] * actor_world_size, "readers": own}
         rollout: dict[str, list[Any]] = {"role": ["rollout"] * rollout_world_size, "rank": list(range(rollout_world_size)),
                    "world_size": [rollout_world_size] * rollout_world_size, "readers": [addresses] * rollout_world_size,
                    "reader": placed.reader, "behind_relay": placed.behind, "relay": placed.relay}

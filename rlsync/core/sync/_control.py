@@ -60,14 +60,16 @@ from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from rlsync.core.sync._canary import Canary
-from rlsync.core._errors import ConfigError, TransferTimeoutError, TransportError
+from rlsync.core._errors import ConfigError, TransferTimeoutError, TransportError, redact
 from rlsync.core.layouts import Layout
 
 
 class Knock(msgspec.Struct, tag=True):
-    """Writer -> reader, first and outside any session: a fresh nonce. Answered with ``Challenge``."""
+    """Writer -> reader, first and outside any session: a fresh nonce. Answered with ``Challenge``. ``rank``: the
+    writer rank whose own credential signs it (``rank_address``); its session speaks for that rank alone."""
 
     nonce: bytes
+    rank: int | None = None
 
 
 class Challenge(msgspec.Struct, tag=True):
@@ -132,6 +134,9 @@ class Welcome(msgspec.Struct, tag=True):
     #: the landing is the engine's own tensors, one region per buffer of this rank (in layout order): the writer
     #: asks with ``Begin`` before each version (the engine pauses) and writes ``(src, buffer index, offset, n)``
     in_place: bool = False
+    #: what this session's data-plane connections prove (``Landing.admit``): a two-sided landing then takes their
+    #: writes only in this writer rank's own part of the slot being written
+    data_token: bytes = b""
 
 
 class Refuse(msgspec.Struct, tag=True):
@@ -246,6 +251,41 @@ def with_key(address: str, key: str | None = None) -> str:
     return f"{split_address(address)[0]}#{key or new_key()}"
 
 
+_RANK = "w"  # a rank credential in an address: #w<rank>-<rank key, hex>-<the reader's CURVE public key, hex>
+
+
+def rank_key(key: bytes, rank: int) -> bytes:
+    """Writer rank ``rank``'s own key, derived from the reader's (or the shared secret): another rank cannot compute
+    it from its own, and the reader can compute every rank's."""
+    return derive(key, b"writer rank %d" % rank).hex().encode()
+
+
+def rank_address(address: str, rank: int, secret: str | None = None) -> str:
+    """The address writer rank ``rank`` is handed instead of ``address``: it carries that rank's own key (and the
+    reader's public CURVE key, which it cannot derive), so its holder can speak for that rank alone. ``address``
+    carries the reader's key, or ``secret`` (else ``RLSYNC_SECRET``) is the run's shared secret. An adapter that hands
+    the trainer's ranks their readers' addresses hands each rank its own."""
+    base, key = split_address(address)
+    if key is not None and key.startswith(_RANK):
+        raise ConfigError("rank_address: this address already carries one rank's credential; give the reader's own")
+    master = key.encode() if key is not None else resolve_secret(host_port(base)[0], secret)
+    if master is None:
+        raise ConfigError(f"rank_address: {redact(address)} carries no key and no shared secret is set")
+    public = zmq.curve_public(curve_keys(master)[0])
+    return f"{base}#{_RANK}{rank}-{rank_key(master, rank).decode()}-{z85.decode(public).hex()}"
+
+
+def rank_credential(key: str | None) -> tuple[int, bytes, bytes] | None:
+    """``(rank, rank key, reader's CURVE public key)`` of an address key made by ``rank_address``; None for a
+    reader's own key (or none)."""
+    if key is None or not key.startswith(_RANK):
+        return None
+    rank, own, public = key[1:].split("-") if key.count("-") == 2 else ("", "", "")
+    if not rank.isdigit() or len(own) != 64 or len(public) != 64:
+        raise ConfigError("the address carries a malformed rank credential: give it as rank_address made it")
+    return int(rank), own.encode(), z85.encode(bytes.fromhex(public))
+
+
 def keyed(address: str, secret: str | None = None) -> str:
     """What an adapter hands both sides when it picks a reader's address itself: ``address`` with a fresh key, unless
     a shared secret is configured (``secret`` or ``RLSYNC_SECRET``: then the address travels without one)."""
@@ -326,6 +366,8 @@ class Session:
     peer: bytes | None = None
     received: int = 0
     sent: int = 0
+    #: the writer rank whose own credential opened it (``rank_address``); None: the reader's key, good for any rank
+    rank: int | None = None
 
 
 def derive(key: bytes, label: bytes) -> bytes:
@@ -355,10 +397,15 @@ class Channel:
     from which the control and data-plane keys derive). A writer's channel opens its session with ``knock``; a
     reader's answers each ``Knock`` with ``answer_knock``."""
 
-    def __init__(self, socket: zmq.Socket[bytes], key: bytes, monitor: zmq.Socket[bytes] | None = None) -> None:
+    def __init__(self, socket: zmq.Socket[bytes], key: bytes, monitor: zmq.Socket[bytes] | None = None, *,
+                 rank: int | None = None) -> None:
         self.socket = socket
         self._monitor = monitor  # the socket's handshake events (a reader's: failed ones; a writer's: until its Knock)
+        self._key = key
+        #: a writer's: the rank whose own credential it holds (its Knock says so), None with the reader's key
+        self.rank = rank
         self.control_key = derive(key, b"control")
+        self._rank_keys: OrderedDict[int, bytes] = OrderedDict()  # a reader's: writer ranks' control keys, derived
         #: what the data plane's connect challenge proves (hex: transports take it as their "secret")
         self.data_key = derive(key, b"data plane").hex()
         self.sessions: OrderedDict[int, Session] = OrderedDict()
@@ -395,8 +442,8 @@ class Channel:
         (a reader's answer to a stranger), unsigned and rate-limited (``send_unsigned``)."""
         payload = self._encode(message)
         session = self.sessions.get(self._of_peer.get(identity, 0))
-        if isinstance(message, Knock):
-            envelope, key = _ENVELOPE.pack(0, 0), self.control_key
+        if isinstance(message, Knock):  # outside a session; the counter names the rank whose own key signs it
+            envelope, key = _ENVELOPE.pack(0, 0 if self.rank is None else self.rank + 1), self.control_key
         elif session is None:
             self.send_unsigned(message, identity)
             return
@@ -419,16 +466,26 @@ class Channel:
         self.socket.send_multipart(([identity] if identity is not None else []) + [_ENVELOPE.pack(0, 0), payload, b""])
         return True
 
-    def answer_knock(self, identity: bytes, knock: Knock, needs_src: bool, max_bytes: int) -> Session:
+    def answer_knock(self, identity: bytes, knock: Knock, needs_src: bool, max_bytes: int, rank: int | None = None) -> Session:
         """A reader's answer to a writer's ``Knock``: a new session, its id and the reader's nonce in a ``Challenge``
-        signed under a key bound to the writer's nonce."""
+        signed under a key bound to the writer's nonce (and, for a rank's own credential, to that rank's key)."""
         nonce = new_nonce()
-        session = Session(new_session_id(), b"", peer=identity)
-        session.key = session_key(self.control_key, session.id, knock.nonce, nonce)
+        control = self.control_key if rank is None else self.rank_control_key(rank)
+        session = Session(new_session_id(), b"", peer=identity, rank=rank)
+        session.key = session_key(control, session.id, knock.nonce, nonce)
         envelope, payload = _ENVELOPE.pack(0, 0), _encoder.encode(Challenge(session.id, nonce, needs_src, max_bytes))
-        self.socket.send_multipart([identity, envelope, payload, self._mac(challenge_key(self.control_key, knock.nonce), envelope, payload)])
+        self.socket.send_multipart([identity, envelope, payload, self._mac(challenge_key(control, knock.nonce), envelope, payload)])
         self.open_session(session)
         return session
+
+    def rank_control_key(self, rank: int) -> bytes:
+        """A reader's: the control key of writer rank ``rank``'s own credential (``rank_address``), derived once."""
+        found = self._rank_keys.get(rank)
+        if found is None:
+            found = self._rank_keys[rank] = derive(rank_key(self._key, rank), b"control")
+            while len(self._rank_keys) > MAX_SESSIONS:
+                self._rank_keys.popitem(last=False)
+        return found
 
     def failed_handshakes(self) -> int:
         """How many peers failed ZeroMQ's CURVE handshake since the last call (peers without the key)."""
@@ -459,7 +516,7 @@ class Channel:
         timeout). Every message after it goes in the session. A reader that drops the writer at ZeroMQ's CURVE
         handshake (its key differs) is a ``TransportError`` at once, not a timeout."""
         self._knock = new_nonce()
-        self.send(Knock(self._knock))
+        self.send(Knock(self._knock, self.rank))
         deadline = time.monotonic() + timeout_ms / 1000
         while not self.socket.poll(min(50, max(0, int((deadline - time.monotonic()) * 1000)))):
             if self._handshake_failed():
@@ -498,8 +555,8 @@ class Channel:
                 raise BadFrame("a control message of an unknown session, or of another peer's (replayed from an earlier "
                                "run, or forged)", identity)
             key = session.key
-        elif router:
-            key = self.control_key
+        elif router:  # a Knock: signed with the reader's key, or (counter = rank + 1) with that writer rank's own
+            key = self.control_key if not counter else self.rank_control_key(counter - 1)
         elif self._knock is not None and mac:
             key = challenge_key(self.control_key, self._knock)
         else:
@@ -517,6 +574,8 @@ class Channel:
             raise BadFrame(f"a malformed control message ({type(exc).__name__}: {exc})", identity, authenticated=True) from exc
         if session is None and not isinstance(message, Knock if router else Challenge):
             raise BadFrame(f"a {type(message).__name__} outside a session (a writer Knocks first)", identity, authenticated=True)
+        if isinstance(message, Knock) and message.rank != (counter - 1 if counter else None):
+            raise BadFrame("a Knock whose rank is not the one its signature is for", identity, authenticated=True)
         if session is not None and isinstance(message, (Knock, Challenge)):
             raise BadFrame(f"a {type(message).__name__} inside a session", identity, authenticated=True)
         return identity, message, session
@@ -537,14 +596,15 @@ def curve_keys(key: bytes) -> tuple[bytes, bytes, bytes, bytes]:
     return server, zmq.curve_public(server), client, zmq.curve_public(client)
 
 
-def _socket(kind: int, max_bytes: int, key: bytes) -> zmq.Socket[bytes]:
+def _socket(kind: int, max_bytes: int, key: bytes, server_public: bytes | None = None) -> zmq.Socket[bytes]:
+    """``server_public``: the reader's public key where ``key`` is one rank's (which cannot derive it)."""
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(kind)
-    server_secret, server_public, client_secret, client_public = curve_keys(key)
+    server_secret, server_public_of_key, client_secret, client_public = curve_keys(key)
     if kind == zmq.ROUTER:
         sock.curve_secretkey = server_secret
         sock.curve_server = True
     else:
-        sock.curve_serverkey = server_public
+        sock.curve_serverkey = server_public or server_public_of_key
         sock.curve_publickey = client_public
         sock.curve_secretkey = client_secret
     sock.setsockopt(zmq.LINGER, 0)
@@ -594,13 +654,14 @@ def connect_dealer(address: str, secret: str | None = None) -> Channel:
         raise ConfigError(f"the reader address {address!r} carries no key and no secret was given: pass the address "
                           f"exactly as the reader gives it (WeightsReader.address, with its #KEY), or give every "
                           f"process the same SyncOptions(secret=...) or RLSYNC_SECRET")
-    if key is not None:
+    own = rank_credential(key)
+    if key is not None and own is None:
         check_secret(key, "the key of the reader address")
-    secret_key: bytes = key.encode() if key is not None else shared  # type: ignore[assignment]
-    sock = _socket(zmq.DEALER, max_control_bytes(), secret_key)
+    secret_key: bytes = (own[1] if own else key.encode()) if key is not None else shared  # type: ignore[assignment]
+    sock = _socket(zmq.DEALER, max_control_bytes(), secret_key, server_public=own[2] if own else None)
     monitor = sock.get_monitor_socket(_FAILED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
     sock.connect(base)
-    return Channel(sock, secret_key, monitor)
+    return Channel(sock, secret_key, monitor, rank=own[0] if own else None)
 
 
 def open_channel(address: str, secret: str | None, timeout: float) -> tuple[Channel, Challenge]:

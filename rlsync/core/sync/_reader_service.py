@@ -6,8 +6,12 @@ honest writer sends (counted and logged, never read by a waiting engine)."""
 
 from __future__ import annotations
 
+import bisect
 import logging
+import secrets
 import time
+from collections.abc import Iterable
+from functools import partial
 from collections.abc import Mapping
 from typing import TypeVar
 
@@ -157,10 +161,15 @@ class ReaderService(ReaderState):
             self._reject(identity, "a Knock without a fresh nonce (replayed, or from an older rlsync): refused")
             return
         _keep_newest(self._nonces, knock.nonce, None)
-        session = self._channel.answer_knock(identity, knock, needs_src=self.plan is None, max_bytes=self._bound)
+        session = self._channel.answer_knock(identity, knock, needs_src=self.plan is None, max_bytes=self._bound,
+                                             rank=knock.rank)
         _keep_newest(self._fresh, session.id, None)
 
     def _hello(self, identity: bytes, msg: Hello, session: Session) -> None:
+        if session.rank is not None and msg.writer_rank != session.rank:  # one rank's credential speaks for it alone
+            self._reject(identity, f"a Hello for writer rank {msg.writer_rank} in a session of writer rank "
+                                   f"{session.rank}'s own credential: refused")
+            return
         self._replicate(msg.src)
         if self.dst is not None and msg.dst_fingerprint != self._dst_fingerprint:
             self._refuse_writer(identity, f"the writer was built for another destination layout than reader rank {self.rank} "
@@ -193,14 +202,49 @@ class ReaderService(ReaderState):
         in_place = self.landing_mode == "in_place"
         welcome = Welcome(self.rank, self._transport.name, self._landing.describe(), self._version, self._target_slot,
                           checksum=for_memory(self._landing.memory), in_place=in_place)
+        welcome.data_token = self._grant(msg.writer_rank)
         if msg.delta and not in_place:  # in place, the engine's tensors are the only copy: versions come whole
             inbox = self._open_inbox()
             welcome.inbox = inbox.describe()
             welcome.inbox_offset, welcome.inbox_capacity = self._inbox_parts.get(msg.writer_rank, (0, 0))
+            inbox.admit(welcome.data_token, partial(self._writes_own_inbox_part, msg.writer_rank))
         self._channel.send(welcome, identity)  # in the writer's fresh session: bound to its nonce
         # the session counts for its writer rank only once it speaks again (its first Begin or Done)
         _keep_newest(self._welcomed, session.id, (msg.writer_rank, msg.session))
         self._hellos.setdefault(msg.writer_rank, set()).add(msg.session)
+
+    def _grant(self, writer_rank: int) -> bytes:
+        """A fresh data-plane token for a welcomed session of ``writer_rank``: its connections write that rank's own
+        part of the slot being written and nothing else (a two-sided landing checks every write; ``Landing.admit``).
+        A rank's two newest sessions keep theirs (one reconnecting while the other finishes); older ones are revoked."""
+        assert self._landing is not None
+        token = secrets.token_bytes(32)
+        self._landing.admit(token, partial(self._writes_own_part, writer_rank))
+        tokens = self._tokens.setdefault(writer_rank, [])
+        tokens.append(token)
+        while len(tokens) > 2:
+            old = tokens.pop(0)
+            for landing in (self._landing, self._inbox):
+                if landing is not None:
+                    landing.revoke(old)
+        return token
+
+    def _writes_own_part(self, writer_rank: int, slot: int, offset: int, nbytes: int) -> bool:
+        """Whether ``nbytes`` at ``offset`` of ``slot`` lie in ``writer_rank``'s own runs of the slot being written
+        (the plan's, merged where they touch). Called on the landing's threads for every write."""
+        if slot != self._target_slot:
+            return False
+        spans = self._spans.get(writer_rank)
+        if spans is None:
+            spans = self._spans[writer_rank] = merged_spans(
+                (d, d + n) for _, runs in self._pair_runs.get((writer_rank, self.rank), []) for _, d, n in runs)
+        starts, ends = spans
+        at = bisect.bisect_right(starts, offset) - 1
+        return at >= 0 and offset + nbytes <= ends[at]
+
+    def _writes_own_inbox_part(self, writer_rank: int, slot: int, offset: int, nbytes: int) -> bool:
+        start, capacity = self._inbox_parts.get(writer_rank, (0, 0))
+        return slot == 0 and start <= offset and offset + nbytes <= start + capacity
 
     def _activate(self, writer_rank: int, writer_session: str) -> None:
         """A new control session of ``writer_rank`` spoke: a writer that reconnected starts its version over; one
@@ -229,6 +273,19 @@ class ReaderService(ReaderState):
             self._channel.send(Refuse(reason), identity)
         if self._on_refused is not None:
             self._on_refused(None, reason)
+
+
+def merged_spans(spans: Iterable[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """``(starts, ends)`` of the byte ranges ``spans``, sorted, those that touch or overlap merged into one."""
+    starts: list[int] = []
+    ends: list[int] = []
+    for start, end in sorted(spans):
+        if ends and start <= ends[-1]:
+            ends[-1] = max(ends[-1], end)
+        else:
+            starts.append(start)
+            ends.append(end)
+    return starts, ends
 
 
 def _keep_newest(table: dict[K, V], key: K, value: V) -> None:

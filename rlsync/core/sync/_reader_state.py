@@ -89,6 +89,8 @@ class ReaderState:
         self._nonces: dict[bytes, None] = {}  # writer nonces of the Knocks answered (newest MAX_SESSIONS): no replay
         self._fresh: dict[int, None] = {}  # sessions a Knock opened that have not spoken: a Hello or AskLayout may
         self._epoch = 0  # counts writer restarts
+        self._tokens: dict[int, list[bytes]] = {}  # writer rank -> its sessions' data-plane tokens, newest last
+        self._spans: dict[int, tuple[list[int], list[int]]] = {}  # writer rank -> its own runs' byte ranges (the plan's)
 
     def _init_versions(self) -> None:
         #: the trainer's canary of the version being handed to ``on_version`` (None outside it, or none sent)

@@ -37,7 +37,7 @@ flags. ``rlsync.testing.check_transport`` checks a transport against this contra
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Union
 
 import numpy as np
@@ -91,6 +91,18 @@ class Landing(ABC):
         cannot (host transports land in memory they allocate themselves)."""
         raise TransportError(f"transport {cls.name!r} cannot land in memory it did not allocate (landing='in_place'): "
                              f"use 'cuda_ipc' or 'nixl' (or 'memory' in one process)")
+
+    def admit(self, token: bytes, writable: Callable[[int, int, int], bool]) -> None:
+        """The writer that proves ``token`` (the reader hands it one in its session's ``Welcome``; its link gets it as
+        ``options["token"]``) may write ``nbytes`` at ``offset`` of slot ``slot`` only where ``writable(slot, offset,
+        nbytes)``: its own part of the slot being written, never another rank's or the live slot. A two-sided landing
+        (``one_sided = False``: its own code receives every byte) checks every write and, once it admitted a token,
+        takes only connections that prove one. May override; a one-sided landing cannot check (its writers write
+        memory directly) and takes the default, which does nothing: there ``verify`` catches a rank's bytes outside
+        its part (the other rank's checksums fail)."""
+
+    def revoke(self, token: bytes) -> None:
+        """``token`` no longer opens a connection (its session is gone). May override."""
 
     @property
     @abstractmethod

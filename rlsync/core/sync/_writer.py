@@ -30,6 +30,7 @@ from rlsync.core._errors import (
     whole_number,
 )
 from rlsync.core.layouts import Layout, dtype_size
+from rlsync.core.sync._control import rank_credential, split_address
 from rlsync.core.sync._layout_exchange import ask_layout
 from rlsync.core.sync._options import SyncOptions
 from rlsync.core.layouts import build_plan
@@ -91,6 +92,11 @@ class WeightsWriter(WriterSession, VersionPosting):
             src = self._codec.layout
         self.rank = rank
         self._readers = dict(enumerate(readers)) if not isinstance(readers, Mapping) else dict(readers)
+        for address in self._readers.values():  # a rank's own credential speaks for that rank alone
+            own = rank_credential(split_address(address)[1])
+            if own is not None and own[0] != rank:
+                raise ConfigError(f"writer rank {rank} was given writer rank {own[0]}'s address (rank_address): give each "
+                                  f"rank the address made for it")
         self.next_version = 1  # with dst=None: the first reader's live version + 1
         if dst is None:
             if not self._readers:

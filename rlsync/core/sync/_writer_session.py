@@ -51,7 +51,7 @@ class WriterSession(WriterState):
             raise TransportError(f"reader rank {dst_rank} named landing slot {msg.next_slot}: a reader has {MAX_SLOTS} at most")
         # the data plane proves a key derived from the same one at connect (the tcp landing's challenge); a link takes
         # nothing of the reader's for a size: the plan says how many bytes its landing holds (region_bytes)
-        options = {**self._options, "secret": channel.data_key, "region_bytes": region_bytes}
+        options = {**self._options, "secret": channel.data_key, "region_bytes": region_bytes, "token": msg.data_token}
         self._links[dst_rank] = self._transport.open(msg.description, options)
         self._channels[dst_rank] = channel
         self._slots[dst_rank] = msg.next_slot

@@ -11,14 +11,17 @@ puts those samples back in the queue: at least once. A live client renews the le
 at every ``take``. ``append`` adds a sample only if its id was never seen; a ``take`` retried after a
 lost reply (Redis killed and restarted) returns what the first attempt leased (it is keyed by its
 request id); ``ack`` is idempotent. All three are Lua scripts, atomic in Redis. Samples are msgpack
-(never pickle).
+(never pickle), and signed by the run (``_redis_trust``): one it did not sign is refused before it is decoded,
+counted (``foreign``) and removed, and the honest ones behind it are taken.
 
 Episodes (``RedisEpisodes``, the ``rlsync.EpisodeLog`` of processes on any host): each a hash (prompt, epoch,
 done) and a list of recorded steps; claimable ones in a sorted set scored by the order they were added (new)
 or by their lease's deadline in Redis time (claimed); a claim by id takes the episode whose lease is free or ran
 out. ``finish`` marks the episode done and adds its sample to the samples of the ``RedisStorage`` of the same
 ``name``, in one script: exactly once; finished without a sample, its hash and steps expire after ``kept_seconds``
-(until then a claim by id replays them).
+(until then a claim by id replays them). Prompts and steps are signed too: a claim refuses an episode whose prompt this
+run did not sign (removed, and the next one claimed) and replays the steps only up to the first it did not sign
+(the rest are cut, and the generator records from there).
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar, cast
 
+import msgspec
+
 from rlsync import Claim, ConfigError, LeaseLostError, RolloutBufferError, Sample, decode_sample, encode_sample
+from rlsync.plugins._redis_trust import EntrySigner
 
 _log = logging.getLogger("rlsync")
 T = TypeVar("T")
@@ -171,6 +177,37 @@ return 1
 """
 
 
+# KEYS: the episode's hash, its steps, claimable set. ARGV: id, the prompt found. A foreign episode goes, if unchanged
+_EP_DROP_FOREIGN = """
+if redis.call('HGET', KEYS[1], 'prompt') ~= ARGV[2] then return 0 end
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('ZREM', KEYS[3], ARGV[1])
+return 1
+"""
+
+# KEYS: the episode's hash, its steps. ARGV: epoch, steps kept. The steps after the first foreign one go
+_EP_TRIM = """
+if tonumber(redis.call('HGET', KEYS[1], 'epoch')) ~= tonumber(ARGV[1]) then return 0 end
+if tonumber(ARGV[2]) == 0 then redis.call('DEL', KEYS[2]) else redis.call('LTRIM', KEYS[2], 0, tonumber(ARGV[2]) - 1) end
+return 1
+"""
+
+_STATE = msgspec.msgpack.Decoder(dict[str, int])  # the buffer's counters
+
+
+_FOREIGN_CLAIMS = 64  # foreign episodes one claim removes before it gives up for now
+
+
+def _count(value: Any, signer: EntrySigner, key: str) -> int:
+    """A counter read from Redis (the Lua scripts' INCR and DECR keep them, unsigned): one that is not a whole number
+    of at least 0 is someone else's, refused as 0."""
+    text = (value.decode(errors="replace") if isinstance(value, bytes) else str(value)) if value is not None else "0"
+    if not text.isdigit():
+        signer.refused(f"{key}: {text[:40]!r} is not a count")
+        return 0
+    return int(text)
+
+
 def _shown(url: str) -> str:
     """A Redis URL as errors and logs show it: without its password."""
     return re.sub(r"//[^/@]*@", "//<credentials>@", url)
@@ -211,11 +248,14 @@ class RedisStorage:
 
     ``retry_seconds``: how long a call keeps retrying while Redis is unreachable (a restart).
     ``lease_seconds``: how long samples taken by a client that stops renewing (it died) stay with it.
+    ``key``: what the run's entries are signed with (default: ``rlsync.core.user_key()``; every process of the run
+    must hold the same). ``foreign``: entries refused because this run did not sign them.
     """
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", *, name: str = "rlsync", retry_seconds: float = 30.0,
-                 lease_seconds: float = 600.0, client: Any = None) -> None:
+                 lease_seconds: float = 600.0, client: Any = None, key: bytes | None = None) -> None:
         redis = _redis_module()
+        self._signer = EntrySigner(name, key)
         self._redis = client if client is not None else redis.Redis.from_url(url, socket_timeout=10)
         self._url = url
         self._errors = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
@@ -237,7 +277,8 @@ class RedisStorage:
         args: list[str | int] = []
         for s in samples:
             args += [s.sample_id, s.oldest_version]
-        payloads: dict[Any, Any] = {s.sample_id: encode_sample(s) for s in samples}  # redis-py's own key types
+        payloads: dict[Any, Any] = {s.sample_id: self._signer.sign(encode_sample(s), "sample", s.sample_id)
+                                    for s in samples}  # redis-py's own key types
         k = self._keys
 
         def append() -> None:
@@ -263,9 +304,25 @@ class RedisStorage:
                                                           args=args)) if i]
         # read after the script (they are leased to this client: nobody acknowledges them meanwhile)
         payloads = self._retry(lambda: self._redis.hmget(k["payload"], ids)) if ids else []
-        samples = [decode_sample(cast(bytes, p)) for p in payloads if p is not None]
+        samples, foreign = [], []
+        for sid, entry in zip(ids, payloads):
+            if entry is None:
+                continue
+            name = sid.decode() if isinstance(sid, bytes) else str(sid)
+            payload = self._signer.open(cast(bytes, entry), "sample", name)
+            if payload is None:  # not this run's: removed, never decoded; the honest samples behind it come next
+                foreign.append(name)
+            else:
+                samples.append(decode_sample(payload))
+        if foreign:
+            self._retry(lambda: self._ack(keys=[k["queue"], k["leased"], k["payload"], k["order"]], args=foreign))
         self._held.update(s.sample_id for s in samples)
         return samples
+
+    @property
+    def foreign(self) -> int:
+        """Entries refused (and removed) because this run did not sign them."""
+        return self._signer.foreign
 
     def ack(self, sample_ids: Sequence[str]) -> None:
         k = self._keys
@@ -277,11 +334,16 @@ class RedisStorage:
         return int(self._retry(lambda: self._redis.zcard(self._keys["queue"])))
 
     def load_state(self) -> dict[str, Any]:
-        raw = self._retry(lambda: self._redis.hgetall(self._keys["state"]))
-        return {(k.decode() if isinstance(k, bytes) else str(k)): int(v) for k, v in raw.items()}
+        """The counters ``save_state`` kept, if this run signed them (else none: a fresh buffer's)."""
+        entry = self._retry(lambda: self._redis.get(self._keys["state"] + ":signed"))
+        if entry is None:
+            return {}
+        payload = self._signer.open(bytes(entry), "state")
+        return {} if payload is None else dict(_STATE.decode(payload))
 
     def save_state(self, state: dict[str, Any]) -> None:
-        self._retry(lambda: self._redis.hset(self._keys["state"], mapping={k: int(v) for k, v in state.items()}))
+        payload = msgspec.msgpack.encode({str(k): int(v) for k, v in state.items()})
+        self._retry(lambda: self._redis.set(self._keys["state"] + ":signed", self._signer.sign(payload, "state")))
 
     def close(self) -> None:
         self._redis.close()
@@ -311,20 +373,22 @@ class RedisEpisodes:
     death and Redis's (with ``appendonly yes``); finished ones go to the ``RedisStorage`` of the same ``name``."""
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", *, name: str = "rlsync", retry_seconds: float = 30.0,
-                 client: Any = None, kept_seconds: float = 24 * 3600.0) -> None:
+                 client: Any = None, kept_seconds: float = 24 * 3600.0, key: bytes | None = None) -> None:
         redis = _redis_module()
+        self._signer = EntrySigner(name, key)  # the samples' too: a finished episode's goes to RedisStorage(name)
         url, kept_seconds = _kept_seconds_of(url, kept_seconds)
         self.kept_seconds = kept_seconds  # an episode finished without a sample keeps its steps this long (a replay)
         self._redis = client if client is not None else redis.Redis.from_url(url, socket_timeout=10)
         self._url = url
         self._errors = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+        self._redis_errors = redis
         self._name = name
         self._prefix = f"{name}:ep:"
         self._keys = {k: f"{name}:{k}" for k in ("ids", "queue", "payload", "order", "seq", "ep-claimable", "ep-unfinished",
                                                  "ep-seq")}
         self._scripts = {n: self._redis.register_script(code) for n, code in
                          (("add", _EP_ADD), ("claim", _EP_CLAIM), ("claim-id", _EP_CLAIM_ID), ("record", _EP_RECORD),
-                          ("finish", _EP_FINISH))}
+                          ("finish", _EP_FINISH), ("drop-foreign", _EP_DROP_FOREIGN), ("trim", _EP_TRIM))}
         self.retry_seconds = retry_seconds
         self._setting: str | None = None  # the framework option that gave the URL (from_option), for its errors
 
@@ -353,7 +417,12 @@ class RedisEpisodes:
         key = f"{self._name}:generation"
         command: Callable[[], Any] = (lambda: self._redis.incr(key)) if fresh else (lambda: self._redis.get(key))
         try:
-            generation = int(_retrying(self._errors, self.retry_seconds, command, self._url) or 0)
+            try:
+                generation = _count(_retrying(self._errors, self.retry_seconds, command, self._url), self._signer, key)
+            except self._redis_errors.ResponseError:  # INCR of a value that is not a count: someone else's
+                self._signer.refused(f"{key}: not a count")
+                generation = 1
+                _retrying(self._errors, self.retry_seconds, lambda: self._redis.set(key, generation), self._url)
         except RolloutBufferError as exc:
             if self._setting is None:
                 raise
@@ -367,24 +436,46 @@ class RedisEpisodes:
     def add(self, episode_id: str, prompt: bytes) -> bool:
         k = self._keys
         return bool(self._run("add", [self._prefix + episode_id, k["ep-claimable"], k["ep-unfinished"], k["ep-seq"]],
-                              [episode_id, bytes(prompt)]))
+                              [episode_id, self._signer.sign(bytes(prompt), "prompt", episode_id)]))
 
     def claim(self, owner: str, lease_seconds: float, episode_id: str | None = None) -> Claim | None:
+        """A claim whose prompt and steps this run signed: a foreign episode is removed (the next is claimed; by id,
+        None: add it again), and the steps end before the first foreign one (those after it are cut)."""
         lease = int(lease_seconds * 1000)
-        if episode_id is None:
-            got = self._run("claim", [self._keys["ep-claimable"]], [self._prefix, lease, owner, _NEW_BELOW])
-        else:
-            key = self._prefix + episode_id
-            got = self._run("claim-id", [key, key + ":steps", self._keys["ep-claimable"]], [episode_id, lease, owner, _NEW_BELOW])
-        if not got:
-            return None
-        found, epoch, prompt, steps, *done = got
-        return Claim(found.decode(), int(epoch), bytes(prompt), [bytes(s) for s in steps], done=bool(done and done[0]))
+        for _ in range(_FOREIGN_CLAIMS):
+            if episode_id is None:
+                got = self._run("claim", [self._keys["ep-claimable"]], [self._prefix, lease, owner, _NEW_BELOW])
+            else:
+                key = self._prefix + episode_id
+                got = self._run("claim-id", [key, key + ":steps", self._keys["ep-claimable"]],
+                                [episode_id, lease, owner, _NEW_BELOW])
+            if not got:
+                return None
+            found, epoch, prompt, steps, *done = got
+            found = found.decode()
+            key = self._prefix + found
+            opened = self._signer.open(bytes(prompt), "prompt", found)
+            if opened is None:  # an episode this run never added
+                self._run("drop-foreign", [key, key + ":steps", self._keys["ep-claimable"]], [found, bytes(prompt)])
+                if episode_id is not None:
+                    return None
+                continue
+            kept = []
+            for index, step in enumerate(steps):
+                payload = self._signer.open(bytes(step), "step", found, str(index))
+                if payload is None:  # a step this run never recorded: it and what follows are cut
+                    if not (done and done[0]):
+                        self._run("trim", [key, key + ":steps"], [epoch, index])
+                    break
+                kept.append(payload)
+            return Claim(found, int(epoch), opened, kept, done=bool(done and done[0]))
+        return None
 
     def record(self, episode_id: str, epoch: int, step: int, entry: bytes, lease_seconds: float) -> None:
         key = self._prefix + episode_id
+        signed = self._signer.sign(bytes(entry), "step", episode_id, str(step)) if step >= 0 else bytes(entry)
         self._answer(episode_id, epoch, self._run("record", [key, key + ":steps", self._keys["ep-claimable"]],
-                                                  [episode_id, epoch, step, entry, int(lease_seconds * 1000)]), step)
+                                                  [episode_id, epoch, step, signed, int(lease_seconds * 1000)]), step)
 
     def finish(self, episode_id: str, epoch: int, sample: Sample | None) -> bool:
         key, k = self._prefix + episode_id, self._keys
@@ -393,7 +484,7 @@ class RedisEpisodes:
             args: list[Any] = [episode_id, epoch, 0, b"", max(1, int(self.kept_seconds))]
         else:
             sample.sample_id = episode_id
-            args = [episode_id, epoch, sample.oldest_version, encode_sample(sample), 0]
+            args = [episode_id, epoch, sample.oldest_version, self._signer.sign(encode_sample(sample), "sample", episode_id), 0]
         answer = self._run("finish", keys, args)
         return self._answer(episode_id, epoch, answer, None)
 
@@ -408,9 +499,14 @@ class RedisEpisodes:
             raise RolloutBufferError(f"no episode {episode_id!r} was added")
         return answer == 1
 
+    @property
+    def foreign(self) -> int:
+        """Entries refused because this run did not sign them (episodes, steps)."""
+        return self._signer.foreign
+
     def unfinished(self) -> int:
-        return int(_retrying(self._errors, self.retry_seconds, lambda: self._redis.get(self._keys["ep-unfinished"]),
-                             self._url) or 0)
+        return _count(_retrying(self._errors, self.retry_seconds, lambda: self._redis.get(self._keys["ep-unfinished"]),
+                                self._url), self._signer, self._keys["ep-unfinished"])
 
     def close(self) -> None:
         self._redis.close()

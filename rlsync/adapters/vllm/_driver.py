@@ -66,10 +66,23 @@ def check_held_canary(llm: Any, canary_rpc: str, settle_rpc: str, *, where: str,
 
 def prompt_logprobs(llm: Any, tokens: Sequence[Sequence[int]], lora_request: Any = None) -> list[list[float]]:
     """log p(``tokens[i][j + 1]`` | ``tokens[i][: j + 1]``) as the engine computes them (vLLM's prompt log-probs, raw),
-    with the adapter of ``lora_request`` if given."""
-    outs = llm.generate([{"prompt_token_ids": list(t)} for t in tokens], canary_sampling_params(), use_tqdm=False,
+    with the adapter of ``lora_request`` if given: then as one-token generations from each prefix, each asking its own
+    token's log-prob by id, because vLLM's prompt log-probs with a LoRA adapter run on the wrong LoRA mapping once a
+    batch holds more than one request and kill the engine core (vLLM issues 16668 and 29955)."""
+    if lora_request is None:
+        outs = llm.generate([{"prompt_token_ids": list(t)} for t in tokens], canary_sampling_params(), use_tqdm=False)
+        return prompt_logprobs_of(outs, tokens)
+    from vllm import SamplingParams
+
+    wanted = [(i, j) for i, row in enumerate(tokens) for j in range(1, len(row))]
+    params = [SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=[int(tokens[i][j])],
+                             detokenize=False) for i, j in wanted]
+    outs = llm.generate([{"prompt_token_ids": list(tokens[i][:j])} for i, j in wanted], params, use_tqdm=False,
                         lora_request=lora_request)
-    return prompt_logprobs_of(outs, tokens)
+    rows = [[0.0] * max(len(row) - 1, 0) for row in tokens]
+    for (i, j), out in zip(wanted, outs):
+        rows[i][j - 1] = float(out.outputs[0].logprobs[0][int(tokens[i][j])].logprob)
+    return rows
 
 
 def canary_sampling_params() -> Any:

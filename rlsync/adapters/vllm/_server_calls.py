@@ -16,6 +16,7 @@ from typing import Any
 
 from rlsync import ConfigError, PeerLostError, RlsyncWarning, SyncOptions
 
+MAX_TOKEN_IDS = 128  # vLLM's MAX_LOGPROB_TOKEN_IDS: the ids one request may ask log-probs of
 SERVER_FLAGS = "VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{\"backend\": \"rlsync\"}'"
 
 
@@ -86,6 +87,8 @@ class ServerCalls:
         (``NAME@VERSION``) if given."""
         if self._model is None:
             self._model = str(self.call("/v1/models", method="GET")["data"][0]["id"])
+        if model is not None and model != self._model:
+            return self._adapter_logprobs(tokens, model)
         # one request for every row (the completions route takes a batch of token-id prompts)
         answer = self.call("/v1/completions", {"model": model or self._model, "prompt": [list(row) for row in tokens],
                                                "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0})
@@ -94,6 +97,26 @@ class ServerCalls:
         for choice, row in zip(choices, tokens):
             positions = choice["prompt_logprobs"][1:]
             rows.append([float(position[str(token)]["logprob"]) for position, token in zip(positions, row[1:])])
+        return rows
+
+    def _adapter_logprobs(self, tokens: Sequence[Sequence[int]], model: str) -> list[list[float]]:
+        """``prompt_logprobs`` with a LoRA adapter, computed without vLLM's prompt log-probs: those run on the wrong
+        LoRA mapping once a batch holds more than one request, and the engine core dies (vLLM issues 16668 and 29955:
+        ``einsum(): subscript b has size 2 ...`` in the LoRA logits path). Each position is a one-token generation
+        from the prefix before it instead, with the log-prob of its own token asked by id (``logprob_token_ids``,
+        vLLM's raw log-probs of the unprocessed logits: the same numbers the prompt's would be)."""
+        rows = [[0.0] * max(len(row) - 1, 0) for row in tokens]
+        wanted = [(i, j) for i, row in enumerate(tokens) for j in range(1, len(row))]
+        targets = sorted({int(tokens[i][j]) for i, j in wanted})
+        for start in range(0, len(targets), MAX_TOKEN_IDS):  # vLLM takes so many ids per request
+            chunk = targets[start : start + MAX_TOKEN_IDS]
+            asked = [(i, j) for i, j in wanted if int(tokens[i][j]) in set(chunk)]
+            answer = self.call("/v1/completions", {
+                "model": model, "prompt": [list(map(int, tokens[i][:j])) for i, j in asked], "max_tokens": 1,
+                "temperature": 0.0, "logprobs": 0, "logprob_token_ids": chunk, "return_tokens_as_token_ids": True})
+            for choice in answer["choices"]:
+                i, j = asked[int(choice["index"])]
+                rows[i][j - 1] = float(choice["logprobs"]["top_logprobs"][0][f"token_id:{int(tokens[i][j])}"])
         return rows
 
     def reset_prefix_cache(self) -> bool:

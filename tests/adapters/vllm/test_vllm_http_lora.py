@@ -44,8 +44,8 @@ def lora_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         yield base, model
 
 
-def _trainer() -> Any:
-    return peft.get_peft_model(common.trainer.build("qwen2", 100),
+def _trainer(arch: str = "qwen2") -> Any:
+    return peft.get_peft_model(common.trainer.build(arch, 100),
                                peft.LoraConfig(r=RANK, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
 
 
@@ -112,4 +112,57 @@ def test_an_adapter_whose_canary_deviates_is_never_served(lora_server: tuple[str
         third = server.publish_lora(tensors, config, canary=Canary.of(trainer))  # the same step, delivered whole
         assert third.adapter == "policy@2" and third.canary_deviation is not None and third.canary_deviation < 0.05
     finally:
+        server.close()
+
+
+@pytest.fixture
+def tied_lora_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """As ``lora_server``, of a tied Qwen3 (the model the canary crashed vLLM's engine with)."""
+    model = common.save("qwen3-tied", 100, tmp_path / "base")
+    lora = ["--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", "2", "--max-cpu-loras", "4"]
+    with vllm_server.running(model, tmp_path / "server.log", lora,
+                             env={**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}) as base:
+        yield base, model
+
+
+def test_the_canary_of_an_adapter_never_crashes_the_engine_it_checks(tied_lora_server: tuple[str, Path]) -> None:
+    """Issue #66, item 15: vLLM computes prompt log-probs with a LoRA adapter on the wrong LoRA mapping when its batch
+    holds more than one request (vLLM issues 16668 and 29955: ``einsum(): subscript b has size 2 ... size 15`` in the
+    LoRA logits path, and the engine core dead for the rest of the run). Before, the adapter's canary asked prompt
+    log-probs for all its rows in one request, and rollouts with the adapter ran beside it: versions published while
+    requests are in flight, repeated, must all be checked and the server must serve on."""
+    import threading
+
+    base, _ = tied_lora_server
+    trainer = _trainer("qwen3-tied")
+    server = VllmServer(base)
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def rollouts() -> None:  # requests with the newest adapter, all the time, as a trainer's rollouts are
+        while not stop.is_set():
+            try:
+                if server.version:
+                    vllm_server.post(base, "/v1/completions", {"model": f"policy@{server.version}", "prompt": [
+                        [5, 17, 42, 99, 3], [200, 1, 77]], "max_tokens": 4, "temperature": 1.0})
+            except urllib.error.HTTPError as exc:  # an adapter unloaded in between: fine; a dead engine is not
+                if exc.code >= 500:
+                    failures.append(exc)
+            except Exception as exc:  # noqa: BLE001 - the engine gone
+                failures.append(exc)
+
+    thread = threading.Thread(target=rollouts, daemon=True)
+    thread.start()
+    try:
+        for seed in range(21, 27):
+            _step(trainer, seed)
+            tensors, config = lora_state(trainer)
+            stats = server.publish_lora(tensors, config, canary=Canary.of(trainer))
+            assert stats.canary_deviation is not None and stats.canary_deviation < 0.05, stats
+        stop.set()
+        thread.join(30)
+        assert not failures, failures[:2]
+        vllm_server.post(base, "/v1/completions", {"model": stats.adapter, "prompt": [1, 2], "max_tokens": 1})  # it serves on
+    finally:
+        stop.set()
         server.close()

@@ -1,8 +1,8 @@
 """rlsync in a TRL GRPO script: the two lines marked "rlsync" are all a TRL user adds (TRL 1.16's GRPOTrainer, vLLM
 in server mode). Start the server first, on the GPUs that generate, then the script:
 
-    VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen2.5-0.5B-Instruct --weight-transfer-config '{"backend": "rlsync"}' \
-        --logprobs-mode processed_logprobs
+    VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen2.5-0.5B-Instruct --host 127.0.0.1 \
+        --weight-transfer-config '{"backend": "rlsync"}' --logprobs-mode processed_logprobs
     python examples/trl_quickstart.py Qwen/Qwen2.5-0.5B-Instruct http://localhost:8000
 
 Install: pip install 'rlsync[trl,vllm]' (before rlsync's first release: pip install -e '.[trl,vllm]' in a clone).

@@ -177,3 +177,41 @@ def test_no_text_file_names_its_machines_in_words_a_user_cannot_place() -> None:
     assert not problems, "\n".join(problems)
     assert unplaceable_words("run on the lent H100;\nthis Workplace sets it, but a silent one is fine") == [
         "line 1: 'lent'", "line 2: 'Workplace'"]
+
+
+SERVER_START = re.compile(r"vllm serve |vllm\.entrypoints\.openai\.api_server")
+
+
+def public_servers(text: str) -> list[str]:
+    """The vLLM server commands of a text that do not bind loopback (a dev-mode server answers its routes to anyone who
+    reaches its port, and vLLM's default host is every interface): each from where it starts to the end of its line,
+    with the lines it continues on (a trailing backslash; in a program's argument list, the next four)."""
+    found = []
+    lines = text.split("\n")
+    for number, line in enumerate(lines):
+        start = SERVER_START.search(line)
+        if start is None:
+            continue
+        command, at = line[start.start():], number
+        extra = 4 if "api_server" in start.group(0) else 0
+        while (command.rstrip().endswith("\\") or extra) and at + 1 < len(lines):
+            at += 1
+            extra = max(extra - 1, 0)
+            command += "\n" + lines[at]
+        if "127.0.0.1" not in command:
+            found.append(command[:120])
+    return found
+
+
+def test_every_documented_vllm_server_command_binds_loopback() -> None:
+    """Issue #66, item 6: the server command the docs, the examples and rlsync's own errors give listens on loopback."""
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+    problems = []
+    for name in filter(None, (n.decode() for n in tracked)):
+        if name.startswith(("README", "docs/", "examples/", "rlsync/")) and name.endswith((".md", ".py")):
+            problems += [f"{name}: {command}" for command in public_servers((ROOT / name).read_text())]
+    assert not problems, "\n".join(problems)
+    assert public_servers("VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{}'") != []
+    assert public_servers("vllm serve MODEL \\\n    --host 127.0.0.1") == []

@@ -3,8 +3,8 @@
 - ``AsyncGRPOTrainer(..., weight_transfer=RlsyncWeightTransfer())`` for ``trl.experimental.async_grpo``;
 - ``trainer.add_callback(RlsyncSyncCallback(trainer))`` for ``GRPOTrainer`` in vLLM server mode.
 
-The vLLM server is a stock one: ``VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config
-'{"backend": "rlsync"}'`` with rlsync installed beside vLLM.
+The vLLM server is a stock one: ``VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --host 127.0.0.1
+--weight-transfer-config '{"backend": "rlsync"}'`` with rlsync installed beside vLLM.
 """
 
 try:

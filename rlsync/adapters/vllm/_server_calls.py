@@ -17,7 +17,7 @@ from typing import Any
 from rlsync import ConfigError, PeerLostError, RlsyncWarning, SyncOptions
 
 MAX_TOKEN_IDS = 128  # vLLM's MAX_LOGPROB_TOKEN_IDS: the ids one request may ask log-probs of
-SERVER_FLAGS = "VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{\"backend\": \"rlsync\"}'"
+SERVER_FLAGS = "VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --host 127.0.0.1 --weight-transfer-config '{\"backend\": \"rlsync\"}'"
 
 
 class ServerCalls:

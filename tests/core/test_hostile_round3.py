@@ -227,3 +227,29 @@ def test_one_ranks_own_credential_cannot_speak_for_another(verify: bool) -> None
         _serves_whole(reader, 2, 2.0)
         for writer in writers:
             writer.close()
+
+
+def test_a_layout_larger_than_any_model_is_refused_before_it_is_planned_for() -> None:
+    """Item 11: a key holder's 12 MiB AskLayout of 200,000 tiny tensors to a replica reader (one that learns its
+    layout from its writers). Before: it cost the reader 511 MB and 16 s of its service thread, and was adopted (the
+    trainer's own layout then refused). Now it is refused after its decode (under a second), nothing adopted."""
+    import resource
+
+    from rlsync.core import TensorMeta, replicated
+
+    huge = replicated([TensorMeta(f"t{i}", "float32", (1,)) for i in range(200_000)], (0,))
+    payload = msgspec.msgpack.encode({"type": "AskLayout", "src": msgspec.to_builtins(huge)})
+    del huge
+    with WeightsReader(None, None, 0, replicas=1) as reader:
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peer = Insider(reader.address)
+        peer.knock()
+        started = time.monotonic()
+        peer.sock.send_multipart(peer.in_session(payload))
+        answer = peer.answer(timeout_ms=60_000)
+        assert answer is not None and answer["type"] == "Refuse" and "RLSYNC_MAX_PEER_TENSORS" in answer["reason"]
+        assert time.monotonic() - started < 8
+        assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - grown) / 1024 < 300  # MiB
+        assert reader.dst is None and reader.plan is None
+        peer.close()
+        honest_version(reader, 1, 1.0)  # the trainer's layout is the one adopted

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import secrets
 import time
 from collections.abc import Iterable
@@ -30,7 +31,7 @@ from rlsync.core.sync._control import (
     Welcome,
 )
 from rlsync.core.sync._reader_state import ReaderState
-from rlsync.core._errors import RlsyncError
+from rlsync.core._errors import ConfigError, RlsyncError
 from rlsync.core.layouts import Layout
 
 from rlsync.core.sync._control import MAX_SESSIONS
@@ -137,6 +138,7 @@ class ReaderService(ReaderState):
     def _replicate(self, src: Layout | None) -> None:
         """A replica reader (``dst=None, replicas=N``) holds a whole copy of the writers' tensors."""
         if self.dst is None and src is not None and self.replicas is not None:
+            check_peer_layout(src)
             self._set_dst(replicated(src.tensors, tuple(range(self.replicas))))  # its room checked first
             self._adopt(src)
 
@@ -178,6 +180,7 @@ class ReaderService(ReaderState):
             return
         if self.plan is None and msg.src is not None:
             try:
+                check_peer_layout(msg.src)
                 self._adopt(msg.src)
             except RlsyncError as exc:
                 self._refuse_writer(identity, f"reader rank {self.rank} cannot receive from the writers' layout: {exc}")
@@ -293,6 +296,22 @@ def _keep_newest(table: dict[K, V], key: K, value: V) -> None:
     table[key] = value
     while len(table) > MAX_SESSIONS:
         table.pop(next(iter(table)))
+
+
+def max_peer_tensors() -> int:
+    """The most tensors a layout a writer declares may hold (``RLSYNC_MAX_PEER_TENSORS``, default 131,072: above the
+    largest MoE checkpoints with one tensor per expert, Kimi-K2's 70,272). Planning for a peer's layout costs the
+    reader's service thread about 55 microseconds and 3 KB per tensor (measured), before anything is checked."""
+    return int(os.environ.get("RLSYNC_MAX_PEER_TENSORS", 1 << 17))
+
+
+def check_peer_layout(src: Layout) -> None:
+    """Refuse a writer's layout larger than ``max_peer_tensors`` (and 64 shards a tensor on average) before a plan is
+    built for it."""
+    most = max_peer_tensors()
+    if len(src.tensors) > most or len(src.shards) > 64 * most:
+        raise ConfigError(f"a writer's layout of {len(src.tensors)} tensors and {len(src.shards)} shards is larger than "
+                          f"this reader plans for ({most} tensors, RLSYNC_MAX_PEER_TENSORS): refused")
 
 
 MAX_REASON = 400  # characters of a refusal's reason kept: names in it are the peer's, of any length

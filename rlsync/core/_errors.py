@@ -127,7 +127,7 @@ class RlsyncWarning(UserWarning):
 # on, keeps its key.
 
 # a key follows '#' right after an address's port (tcp://HOST:PORT#KEY; keys are URL-safe base64 or hex)
-_KEYED = re.compile(r"(tcp://[^\s#'\"]*:\d+)#[A-Za-z0-9_\-]+")
+_KEYED = re.compile(r"(tcp://[^\s#'\"]*:\d+)#[A-Za-z0-9_.\-]+")  # a rank's credential has dots
 HIDDEN = "#<key>"
 
 

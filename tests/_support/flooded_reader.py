@@ -1,12 +1,12 @@
 """An engine's reader (tcp transport) in a process of its own, for the flood tests of ``tests/core/test_hostile_load.py``:
 the attacker is the test process, so what the reader costs is this process's alone (its memory, its time).
 
-    python tests/_support/flooded_reader.py [--nofile N]
+    python tests/_support/flooded_reader.py [--nofile N [--hard]]
 
 Prints one JSON line ``{"address", "landing_port"}``, then answers one JSON line per command read on stdin:
 ``land V SCALE`` (a writer of this process lands version V, the weights times SCALE, and the bytes are checked;
 ``fresh`` after it: a new writer, with new connections), ``stats`` (RSS and its peak since the last ``reset``, the
-messages rejected), ``reset`` (the peak RSS starts again from now), ``quit``.
+messages rejected, its open descriptors, whether it can still open files, its CPU seconds), ``reset`` (the peak RSS starts again from now), ``quit``.
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ import time
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--nofile", type=int, default=0, help="lower RLIMIT_NOFILE to this (0: leave it)")
+parser.add_argument("--hard", action="store_true", help="--nofile is the hard limit too (nothing can raise it)")
 parser.add_argument("--mib", type=int, default=32, help="MiB of weights a version carries")
 args = parser.parse_args()
 if args.nofile:
-    resource.setrlimit(resource.RLIMIT_NOFILE, (args.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    resource.setrlimit(resource.RLIMIT_NOFILE,
+                       (args.nofile, args.nofile if args.hard else resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 
 import torch  # noqa: E402
 
@@ -62,7 +64,20 @@ for line in sys.stdin:
             writer = None
             print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
     elif command == "stats":
+        import os
+
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        try:  # the engine's own files: can it still open some?
+            opened = [open(__file__) for _ in range(8)]
+            for f in opened:
+                f.close()
+            opens = True
+        except OSError:
+            opens = False
         print(json.dumps({"rss": status("VmRSS"), "peak": status("VmHWM"), "rejected": reader.rejected,
+                          "fds": len(os.listdir("/proc/self/fd")), "opens": opens,
+                          "cpu": usage.ru_utime + usage.ru_stime,
+                          "control_turned_away": reader._channel.strangers.turned_away,  # type: ignore[union-attr]
                           "landing": {"turned_away": getattr(reader._landing, "turned_away", None),
                                       "accept_failures": getattr(reader._landing, "accept_failures", None)}}), flush=True)
     elif command == "reset":

@@ -202,7 +202,7 @@ def test_one_ranks_own_credential_cannot_speak_for_another(verify: bool) -> None
     cannot compute another's). A writer with rank 1's credential that says it is rank 0 is refused, and the real
     rank 0 goes on. Before (one key for all): it finished rank 0's part of a version with its own bytes (under
     verify too), and the real rank 0 was refused after."""
-    from rlsync import RlsyncError
+    from rlsync import ConfigError, RlsyncError
     from rlsync.core import rank_address
 
     options = SyncOptions(timeout=6, verify=verify)
@@ -210,6 +210,7 @@ def test_one_ranks_own_credential_cannot_speak_for_another(verify: bool) -> None
     with WeightsReader(None, LAYOUT, 0, options=options) as reader:
         own = [rank_address(reader.address, r) for r in (0, 1)]
         assert all("#" in a and reader.address.split("#")[1] not in a for a in own)  # the reader's key is in neither
+        assert all(str(ConfigError(f"at {a}.")) == f"at {a.split('#')[0]}#<key>" for a in own)  # and neither prints
         writers = [WeightsWriter(src, None, r, [own[r]], options=options) for r in (0, 1)]  # type: ignore[arg-type]
         _complete_all(writers, 1, 1.0)
         _serves_whole(reader, 1, 1.0)

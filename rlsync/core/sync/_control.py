@@ -62,6 +62,7 @@ from zmq.utils.monitor import recv_monitor_message
 from rlsync.core.sync._canary import Canary
 from rlsync.core._errors import ConfigError, TransferTimeoutError, TransportError, redact
 from rlsync.core.layouts import Layout
+from rlsync.core.sync._stranger_budget import StrangerBudget
 
 
 class Knock(msgspec.Struct, tag=True):
@@ -251,7 +252,9 @@ def with_key(address: str, key: str | None = None) -> str:
     return f"{split_address(address)[0]}#{key or new_key()}"
 
 
-_RANK = "w"  # a rank credential in an address: #w<rank>-<rank key, hex>-<the reader's CURVE public key, hex>
+# a rank credential in an address: #w.<rank>.<rank key, hex>.<the reader's CURVE public key, hex> (a reader's own key
+# is URL-safe base64 or hex: never a ".")
+_RANK = "w."
 
 
 def rank_key(key: bytes, rank: int) -> bytes:
@@ -272,7 +275,7 @@ def rank_address(address: str, rank: int, secret: str | None = None) -> str:
     if master is None:
         raise ConfigError(f"rank_address: {redact(address)} carries no key and no shared secret is set")
     public = zmq.curve_public(curve_keys(master)[0])
-    return f"{base}#{_RANK}{rank}-{rank_key(master, rank).decode()}-{z85.decode(public).hex()}"
+    return f"{base}#{_RANK}{rank}.{rank_key(master, rank).decode()}.{z85.decode(public).hex()}"
 
 
 def rank_credential(key: str | None) -> tuple[int, bytes, bytes] | None:
@@ -280,7 +283,7 @@ def rank_credential(key: str | None) -> tuple[int, bytes, bytes] | None:
     reader's own key (or none)."""
     if key is None or not key.startswith(_RANK):
         return None
-    rank, own, public = key[1:].split("-") if key.count("-") == 2 else ("", "", "")
+    rank, own, public = key[len(_RANK):].split(".") if key.count(".") == 3 else ("", "", "")
     if not rank.isdigit() or len(own) != 64 or len(public) != 64:
         raise ConfigError("the address carries a malformed rank credential: give it as rank_address made it")
     return int(rank), own.encode(), z85.encode(bytes.fromhex(public))
@@ -406,6 +409,8 @@ class Channel:
         self.rank = rank
         self.control_key = derive(key, b"control")
         self._rank_keys: OrderedDict[int, bytes] = OrderedDict()  # a reader's: writer ranks' control keys, derived
+        #: a reader's: the connections that have not spoken yet, bounded (set by ``bind_router``)
+        self.strangers: StrangerBudget | None = None
         #: what the data plane's connect challenge proves (hex: transports take it as their "secret")
         self.data_key = derive(key, b"data plane").hex()
         self.sessions: OrderedDict[int, Session] = OrderedDict()
@@ -488,10 +493,20 @@ class Channel:
         return found
 
     def failed_handshakes(self) -> int:
-        """How many peers failed ZeroMQ's CURVE handshake since the last call (peers without the key)."""
+        """How many peers failed ZeroMQ's CURVE handshake since the last call (peers without the key). A reader's
+        channel also keeps its strangers' connections within their budget here (``_stranger_budget``)."""
         failed = 0
         while self._monitor is not None and self._monitor.poll(0):
-            failed += recv_monitor_message(self._monitor)["event"] & _FAILED != 0
+            got = recv_monitor_message(self._monitor)
+            event, fd = got["event"], int(got["value"])
+            failed += event & _FAILED != 0
+            if self.strangers is not None:
+                if event & zmq.EVENT_ACCEPTED:
+                    self.strangers.accepted(fd)
+                elif event & (zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED):
+                    self.strangers.closed(fd)
+        if self.strangers is not None:
+            self.strangers.enforce()
         return failed
 
     def _handshake_failed(self) -> bool:
@@ -540,6 +555,8 @@ class Channel:
             return None
         parts = self.socket.recv_multipart(copy=False)  # lengths are checked before a byte is copied
         router = self.socket.type == zmq.ROUTER
+        if self.strangers is not None and parts:  # it passed the CURVE handshake: the key's holder's connection
+            self.strangers.proven(int(parts[0].get(zmq.SRCFD)))
         identity = parts[0].bytes if router and parts else None
         if len(parts) != (4 if router else 3) or len(parts[-3]) != _ENVELOPE.size or len(parts[-1]) > 64:
             raise BadFrame(f"a control message of {len(parts)} frames (not an rlsync peer?)", identity)
@@ -622,13 +639,15 @@ def bind_router(host: str = "127.0.0.1", port: int = 0, secret: str | None = Non
     shared = resolve_secret(host, secret)
     key = new_key()
     sock = _socket(zmq.ROUTER, max_bytes or max_control_bytes(), shared or key.encode())
-    monitor = sock.get_monitor_socket(_FAILED)
+    monitor = sock.get_monitor_socket(_FAILED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
     if port:
         _bind(sock, f"tcp://{host}:{port}")
     else:
         port = sock.bind_to_random_port(f"tcp://{host}")
     address = f"tcp://{host}:{port}"
-    return (Channel(sock, shared, monitor), address) if shared else (Channel(sock, key.encode(), monitor), f"{address}#{key}")
+    channel = Channel(sock, shared or key.encode(), monitor)
+    channel.strangers = StrangerBudget()  # strangers hold an eighth of the descriptors at most
+    return (channel, address) if shared else (channel, f"{address}#{key}")
 
 
 def _bind(sock: zmq.Socket[bytes], endpoint: str, wait: float = 2.0) -> None:

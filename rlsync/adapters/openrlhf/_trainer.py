@@ -39,6 +39,7 @@ from rlsync.adapters.openrlhf._engine_actor import adapter_sync, kept_versions, 
 from rlsync.adapters.openrlhf._versions import clock
 from rlsync.adapters.openrlhf._worker import APPLY, HANDSHAKE, SETTLE
 from rlsync.adapters.vllm import canary_sampling_params, prompt_logprobs_of
+from rlsync.core import rank_address, split_address
 from rlsync.layouts import flat_partitions
 from rlsync.patches.openrlhf import installed_version, options
 from rlsync.wire import lora_state
@@ -257,8 +258,12 @@ def broadcast_to_vllm(self: Any) -> None:
     opts = _options()
     rank, world = dist.get_rank(), dist.get_world_size()
     if getattr(self, "_rlsync_writers", None) is None:
-        box = [getattr(self, "_rlsync_addresses", None)]
-        dist.broadcast_object_list(box, src=0)
+        # rank 0 hands each rank its own credential for every reader (rank_address): a rank cannot speak for another
+        addresses = getattr(self, "_rlsync_addresses", None)
+        own = [None if addresses is None else [[rank_address(a, r) if split_address(a)[1] else a for a in engine]
+                                               for engine in addresses] for r in range(world)] if rank == 0 else None
+        box: list[Any] = [None]
+        dist.scatter_object_list(box, own, src=0)
         if box[0] is None:
             raise ConfigError("rlsync's weight sync was not initialised on trainer rank 0 (no vLLM engines?)")
         src = flat_partitions([_meta(n, p) for n, p, _ in _params(self)], world)

@@ -115,10 +115,12 @@ class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpda
     def parse_init_info(self, init_dict: dict[str, Any]) -> RlsyncInitInfo:
         """Checked before anything else: the signature (``_route_auth``), then the fields."""
         info, self._init_nonce = self._route_guard().check_init(init_dict)
-        return super().parse_init_info(info)
+        parsed: RlsyncInitInfo = super().parse_init_info(info)
+        return parsed
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> RlsyncUpdateInfo:
-        return super().parse_update_info(self._route_guard().check_update(update_dict))
+        parsed: RlsyncUpdateInfo = super().parse_update_info(self._route_guard().check_update(update_dict))
+        return parsed
 
     def init_transfer_engine(self, init_info: RlsyncInitInfo) -> None:
         from vllm.distributed.parallel_state import get_world_group
@@ -129,19 +131,22 @@ class RlsyncWeightTransferEngine(WeightTransferEngine[RlsyncInitInfo, RlsyncUpda
         nonce, self._init_nonce = getattr(self, "_init_nonce", None), None
         secret = None if nonce is None else reader_secret(self._route_guard().key(), nonce)
         world = get_world_group()
-        self._close_receiver()  # a re-init replaces what the last one opened (its threads, ports, landing memory)
-        self._route_guard().opened(nonce)
         live = self._served if init_info.live_version is None else int(init_info.live_version)
         options = _options(init_info, world.rank, secret)
         check_declared_sizes(self.model, init_info.tensors, world.world_size)  # before the probe allocates for them
         if init_info.lora is not None:
+            self._close_receiver()  # a re-init replaces what the last one opened (threads, ports, landing memory)
+            self._route_guard().opened(nonce)
             self._init_lora(init_info, init_info.lora, world.rank, world.world_size, options, live)
             return
-        tensors, boxes = learn_parts(self.model, init_info.tensors, world.cpu_group)
+        tensors, boxes = learn_parts(self.model, init_info.tensors, world.cpu_group)  # an init it refuses changes nothing
+        commit = EngineCommit(self.model, learn_placements(self.model, init_info.tensors))
+        self._close_receiver()
+        self._route_guard().opened(nonce)
         self._receiver = StagedReceiver(tensors, boxes=boxes, rank=world.rank, options=options, live_version=live)
         self._rank = world.rank
         self._digest: str | None = None
-        self._commit = EngineCommit(self.model, learn_placements(self.model, init_info.tensors))
+        self._commit = commit
 
     def _init_lora(self, init_info: RlsyncInitInfo, peft_config: dict[str, Any], rank: int, world: int,
                    options: SyncOptions, live: int) -> None:

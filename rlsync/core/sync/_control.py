@@ -631,6 +631,19 @@ def _socket(kind: int, max_bytes: int, key: bytes, server_public: bytes | None =
     return sock
 
 
+def _monitor(sock: zmq.Socket[bytes], events: int) -> zmq.Socket[bytes]:
+    """``sock``'s event monitor, unbounded: ZeroMQ's I/O thread sends monitor events blocking, so a monitor queue that
+    filled up (its HWM, 1000 by default, reached between two reads of a busy reader) would stall every socket of the
+    process's context."""
+    endpoint = f"inproc://rlsync-monitor-{secrets.token_hex(8)}"
+    sock.monitor(endpoint, events)
+    monitor: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PAIR)
+    monitor.setsockopt(zmq.RCVHWM, 0)
+    monitor.setsockopt(zmq.LINGER, 0)
+    monitor.connect(endpoint)
+    return monitor
+
+
 def bind_router(host: str = "127.0.0.1", port: int = 0, secret: str | None = None,
                 max_bytes: int | None = None) -> tuple[Channel, str]:
     """A ROUTER channel for a reader, and the address writers connect to: with a secret (``secret`` or
@@ -639,7 +652,7 @@ def bind_router(host: str = "127.0.0.1", port: int = 0, secret: str | None = Non
     shared = resolve_secret(host, secret)
     key = new_key()
     sock = _socket(zmq.ROUTER, max_bytes or max_control_bytes(), shared or key.encode())
-    monitor = sock.get_monitor_socket(_FAILED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+    monitor = _monitor(sock, _FAILED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
     if port:
         _bind(sock, f"tcp://{host}:{port}")
     else:

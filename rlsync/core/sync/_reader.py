@@ -106,10 +106,16 @@ class WeightsReader(ReaderService, VersionLanding):
         self._channel, self.address = bind_router(options.host, options.port, options.secret, self._bound)
         # the data plane proves a key derived from the control plane's at connect (the tcp landing's challenge)
         self._transport_options = {**options.link_options, "secret": self._channel.data_key}
-        if dst is not None:
-            self._set_dst(dst)
-        if src is not None:
-            self._adopt(src)
+        try:
+            if dst is not None:
+                self._set_dst(dst)
+            if src is not None:
+                self._adopt(src)
+        except BaseException:  # a reader refused at its start leaves no socket listening (nor a monitor unread)
+            self._channel.close()
+            if self._landing is not None:
+                self._landing.close()
+            raise
         self._thread = threading.Thread(target=self._serve, name=f"rlsync-reader-{rank}", daemon=True)
         self._thread.start()
 

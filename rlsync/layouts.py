@@ -28,6 +28,7 @@ from rlsync.core import (
     engine_tp,
     flat_partitions,
     flat_range_boxes,
+    from_dtensors,
     from_state_dict,
     fsdp,
     gather_shards,
@@ -43,6 +44,7 @@ from rlsync.core import (
     tensor_metas,
     tied_aliases,
     whole_tensor_view,
+    writer_rank,
     zero3,
 )
 
@@ -68,6 +70,7 @@ __all__ = [
     "engine_tp",
     "flat_partitions",
     "flat_range_boxes",
+    "from_dtensors",
     "from_state_dict",
     "fsdp",
     "gather_shards",
@@ -83,5 +86,6 @@ __all__ = [
     "tensor_metas",
     "tied_aliases",
     "whole_tensor_view",
+    "writer_rank",
     "zero3",
 ]

@@ -12,10 +12,12 @@ from rlsync.core.layouts import (
     flat_partitions,
     flat_range_boxes,
     from_state_dict,
+    from_dtensors,
     fsdp,
     own_buffer_shard,
     replicated,
     tied_aliases,
+    writer_rank,
     zero3,
 )
 from rlsync.core.sync import Canary, canary_tokens, causal_lm_logprobs
@@ -99,9 +101,9 @@ __all__ = [
     "WeightsWriter", "WireCodec",
     "allocate", "apply_delta", "buffer_backends", "build_plan", "canary_tokens", "causal_lm_logprobs", "chunk_bounds", "contiguous_strides", "copy_transfers",
     "data_parallel", "decode_sample", "default_plugin_manager", "dtype_name", "dtype_size", "encode_delta", "encode_sample",
-    "engine_layout", "synchronize_devices", "engine_tp", "flat_partitions", "flat_range_boxes", "freshest_per_group", "from_state_dict", "fsdp", "gather_shards",
+    "engine_layout", "synchronize_devices", "engine_tp", "flat_partitions", "flat_range_boxes", "freshest_per_group", "from_dtensors", "from_state_dict", "fsdp", "gather_shards",
     "hookimpl", "hookspec", "importance_weights", "host_port", "is_loopback", "keyed", "shift_port", "split_address", "with_key", "rank_address", "head_logprobs", "kept_sizes", "load_model_spec", "logits_logprobs", "make_buffer", "make_layout", "masked_entropy",
     "make_plugin_manager", "masked_logprobs", "megatron", "model_spec", "own_buffer_shard", "raw_dtype", "reader_layout", "sampling_mask",
     "region_offsets", "replicated", "resolve_secret", "resolve_transport", "same_bytes", "scatter", "tensor_metas", "tied_aliases", "transports", "version_label",
-    "whole_tensor_view", "wire_codecs", "zero3",
+    "whole_tensor_view", "wire_codecs", "writer_rank", "zero3",
 ]

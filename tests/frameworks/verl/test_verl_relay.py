@@ -58,6 +58,7 @@ def test_three_rollout_workers_on_one_host_take_one_copy_through_the_relay(wire:
     from verl.checkpoint_engine import CheckpointEngineRegistry
 
     import rlsync.adapters.verl  # noqa: F401  (registers the backend, as the entry point does)
+    from rlsync.core import rank_address, split_address
 
     cls = CheckpointEngineRegistry.get("rlsync")
     # tcp to the host, as across machines; the relay forwards over shared memory (its workers' readers take that)
@@ -65,7 +66,12 @@ def test_three_rollout_workers_on_one_host_take_one_copy_through_the_relay(wire:
     rollouts = [cls(bucket_size=1 << 20, timeout=30, relay=True, wire=wire, transport="tcp") for _ in range(3)]
     metadata = [e.prepare() for e in (*actors, *rollouts)]
     actor_kwargs, rollout_kwargs = cls.build_topology(2, 3, metadata)
-    assert actor_kwargs["readers"][0] == [metadata[2]["relay_address"]]  # the trainer sees one reader: the relay
+    # the trainer sees one reader: the relay; each actor rank with its own credential, not the relay's key
+    relay_base, relay_key = split_address(metadata[2]["relay_address"])
+    for rank in (0, 1):
+        [address] = actor_kwargs["readers"][rank]
+        assert split_address(address)[0] == relay_base and address == rank_address(metadata[2]["relay_address"], rank)
+        assert relay_key is not None and relay_key not in address
     for rank, engine in enumerate(actors):
         engine.init_process_group(**{k: v[rank] for k, v in actor_kwargs.items()})
     for rank, engine in enumerate(rollouts):

@@ -34,7 +34,9 @@ restarted trainer is accepted); ``global_steps`` (which may be None) is reported
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 import socket
 import time
 from collections.abc import AsyncGenerator, Iterable, Sequence
@@ -60,7 +62,7 @@ from rlsync import (
 )
 from rlsync.adapters.verl._relays import host_id, place, relay_mode
 from rlsync.core import HostStaging, host_port, keyed, rank_address, split_address
-from rlsync.layouts import fsdp
+from rlsync.layouts import dtype_name, from_placements, fsdp, writer_rank
 
 
 def for_server_adapter(tensor: torch.Tensor, bucket_size: int, device: torch.device | None) -> torch.Tensor:
@@ -98,6 +100,19 @@ def adapter_config_tensor(peft_config: dict[str, Any]) -> torch.Tensor:
     return torch.frombuffer(bytearray(json.dumps(peft_config, default=sorted).encode()), dtype=torch.uint8)
 
 
+_log = logging.getLogger("rlsync")
+_ROUTES = {
+    "shards": "each trainer rank sends its own local shards (verl's get_per_tensor_param_shard), in the rollout's dtype: "
+              "nothing is gathered",
+    "gathered": "each trainer rank gathers every tensor (verl's get_per_tensor_param) and sends its row chunk of it",
+}
+
+
+@functools.cache
+def _say_route_once(route: str) -> None:
+    _log.info("rlsync: verl's weight sync takes the %s route: %s", route, _ROUTES[route])
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -129,6 +144,7 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         self._rank, self._world = 0, 1
         self._writer: WeightsWriter | None = None
         self._chunks: dict[str, torch.Tensor] = {}  # this actor rank's share of every tensor (host memory, reused)
+        self._shard_rank: int | None = None  # the shard route's writer rank (its place in the trainer's mesh)
         self._host = HostStaging()
         self._version = 0
         self._reader: WeightsReader | None = None
@@ -225,28 +241,69 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
             metas.append(TensorMeta(ADAPTER_CONFIG, "uint8", tuple(config.shape)))
             self._keep_my_chunk(metas[-1], config)
         src = fsdp(metas, self._world)
+        self._shard_rank = None
+        mine = {s.buffer for s in src.shards if s.rank == self._rank}
+        return await self._send(src, mine, global_steps, canary, started, route="gathered", peft_config=peft_config)
+
+    async def send_shards(self, shards: Sequence[tuple[str, torch.Tensor, Any]], global_steps: int | None = None,
+                          canary: Canary | None = None) -> dict[str, Any]:
+        """This rank's own local shards (verl's ``get_per_tensor_param_shard()``: ``(name, local flat shard, ShardSpec)``
+        each, in the dtype the rollout serves, drained already: no collective), described by the layout of their
+        placements (``rlsync.layouts.from_placements``), each byte sent once: nothing is gathered."""
+        import torch.distributed as dist
+
+        started = time.perf_counter()
+        entries = {name: (dtype_name(local.dtype), tuple(spec.full_shape), spec.mesh, spec.placements)
+                   for name, local, spec in shards}
+        src = from_placements(entries)
+        me = writer_rank({}, dist.get_rank() if dist.is_initialized() else 0,
+                         mesh=next((spec.mesh for _, _, spec in shards if spec.mesh is not None), None))
+        boxes = {s.tensor: s.box for s in src.shards if s.rank == me}
+        self._shard_rank = me
+        for name, local, _ in shards:
+            if name in boxes:  # staged to reused host buffers (pinned where CUDA runs), in the layout's shape
+                self._chunks[name] = self._host.stage(name, local.detach().reshape(boxes[name].sizes))
+        self._host.wait()
+        return await self._send(src, boxes, global_steps, canary, started, route="shards")
+
+    async def _send(self, src: Any, mine: Any, global_steps: int | None, canary: Canary | None, started: float, *,
+                    route: str, peft_config: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Send this rank's chunks of ``src`` (``mine``: the buffers it holds) as the next version; the step's
+        metrics."""
         if self._writer is None or self._writer.src != src:
             if self._writer is not None:
                 self._writer.close()
-            self._writer = WeightsWriter(src, None, self._rank, self._readers, options=self.options)
+            self._writer = WeightsWriter(src, None, self._rank_in(src), self._readers, options=self.options)
             self._version = self._writer.next_version - 1
         self._version += 1
         writer = self._writer
-        mine = {s.buffer for s in src.shards if s.rank == self._rank}
-        writer.multi_put({name: chunk for name, chunk in self._chunks.items() if name in mine})
+        if mine:
+            writer.multi_put({name: chunk for name, chunk in self._chunks.items() if name in mine})
         sent = time.perf_counter()
         try:
-            await asyncio.to_thread(writer.complete, self._version)
+            if mine:
+                await asyncio.to_thread(writer.complete, self._version)
         except WeightMismatchError as exc:
             raise WeightMismatchError(f"verl step {global_steps}: {exc}") from exc
         seconds = time.perf_counter() - started
         stats = writer.stats
+        planned = writer.bytes_per_version if mine else 0
+        if writer.last_bytes > planned:
+            _log.warning("rlsync: verl step %s: trainer rank %d sent %d bytes, the plan gives it %d", global_steps,
+                         writer.rank, writer.last_bytes, planned)
+        _say_route_once(route)
         return {"rlsync/version": -1 if global_steps is None else global_steps, "rlsync/sync_version": self._version,
-                "rlsync/adapter_only": float(peft_config is not None),
+                "rlsync/adapter_only": float(peft_config is not None), "rlsync/gathered": float(route != "shards"),
                 "rlsync/bytes": stats.bytes_sent, "rlsync/max_bytes_per_sender": stats.max_sender_bytes,
                 "rlsync/senders": stats.senders, "rlsync/seconds": seconds, "rlsync/rank_wire_bytes": writer.last_bytes,
+                "rlsync/rank_plan_bytes": planned,
                 "rlsync/transfer_seconds": time.perf_counter() - sent, "rlsync/gbps": stats.bytes_sent / seconds / 1e9,
                 **({} if canary is None else {CANARY_METRIC: msgspec.structs.asdict(canary)})}
+
+    def _rank_in(self, src: Any) -> int:
+        """This rank's writer rank in ``src``: its actor rank for the gathered route's row chunks; for the shard route,
+        its place in the trainer's device mesh (the same on verl's FSDP mesh)."""
+        return self._shard_rank if self._shard_rank is not None else self._rank
 
     def _keep_my_chunk(self, meta: TensorMeta, tensor: torch.Tensor) -> None:
         """Copy this rank's part of ``tensor`` (its box in ``fsdp([meta], world)``: a row chunk) to host memory."""

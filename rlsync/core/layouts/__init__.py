@@ -9,7 +9,7 @@ imports nothing else of rlsync but the errors (never ``sync``, ``rollouts`` or `
 from __future__ import annotations
 
 from rlsync.core.layouts._layout import Box, BufferSpec, Layout, Shard, TensorMeta, contiguous_strides, dtype_name, dtype_size, make_layout, tensor_fingerprints
-from rlsync.core.layouts._dtensors import from_dtensors, writer_rank
+from rlsync.core.layouts._dtensors import from_dtensors, from_placements, writer_rank
 from rlsync.core.layouts._builders import chunk_bounds, data_parallel, flat_partitions, flat_range_boxes, from_state_dict, fsdp, own_buffer_shard, replicated, tied_aliases, zero3
 from rlsync.core.layouts._presets import PRESETS, ModelSpec, Param, load_model_spec, model_spec
 from rlsync.core.layouts._planner import Plan, PlanStats, build_plan
@@ -17,4 +17,4 @@ from rlsync.core.layouts._transfer import Transfer
 from rlsync.core.layouts._views import allocate, copy_transfers, gather_shards, raw_dtype, scatter
 from rlsync.core.layouts._parallel import engine_tp, megatron
 
-__all__ = ["Box", "BufferSpec", "Layout", "ModelSpec", "PRESETS", "Param", "Plan", "PlanStats", "Shard", "TensorMeta", "Transfer", "allocate", "build_plan", "chunk_bounds", "contiguous_strides", "copy_transfers", "data_parallel", "dtype_name", "dtype_size", "engine_tp", "flat_partitions", "flat_range_boxes", "from_state_dict", "from_dtensors", "fsdp", "gather_shards", "load_model_spec", "make_layout", "megatron", "model_spec", "own_buffer_shard", "raw_dtype", "replicated", "scatter", "tensor_fingerprints", "tied_aliases", "writer_rank", "zero3"]
+__all__ = ["Box", "BufferSpec", "Layout", "ModelSpec", "PRESETS", "Param", "Plan", "PlanStats", "Shard", "TensorMeta", "Transfer", "allocate", "build_plan", "chunk_bounds", "contiguous_strides", "copy_transfers", "data_parallel", "dtype_name", "dtype_size", "engine_tp", "flat_partitions", "flat_range_boxes", "from_state_dict", "from_dtensors", "from_placements", "fsdp", "gather_shards", "load_model_spec", "make_layout", "megatron", "model_spec", "own_buffer_shard", "raw_dtype", "replicated", "scatter", "tensor_fingerprints", "tied_aliases", "writer_rank", "zero3"]

@@ -86,7 +86,7 @@ def peaked_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 class Cluster:
     def __init__(self, model_dir: Path, engine_kwargs: dict[str, Any], vllm: tuple[str, str] | None = None,
-                 lora: str | None = None) -> None:
+                 lora: str | None = None, rollout_dtype: str = "bfloat16") -> None:
         import verl_workers
         from verl.checkpoint_engine import CheckpointEngineManager
         from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
@@ -104,7 +104,7 @@ class Cluster:
             resource_pool=self.pools[0],
             ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(verl_workers.FsdpTrainer),
                                                    checkpoint_engine_config=self.config, model_dir=str(model_dir), lora=lora,
-                                                   fp32=vllm is not None,
+                                                   fp32=vllm is not None, rollout_dtype=rollout_dtype,
                                                    store=str(Path(tempfile.mkdtemp(prefix="rlsync-verl-")) / "store")),
             device_name="cpu")
         self.rollout = RayWorkerGroup(
@@ -119,6 +119,13 @@ class Cluster:
         if vllm is not None:  # replica 0's worker forwards into that vLLM server: its server actor asks it too
             replicas[0]._server_handle = ray.remote(verl_workers.FakeVllmServer).remote(vllm[0], str(model_dir))
         self.manager = CheckpointEngineManager(config=self.config, actor_wg=self.trainer, replicas=replicas)
+        # what crosses: a bf16 rollout takes each trainer rank's own shards in bf16; other dtypes, gathered as they are
+        self.shards = lora is None and rollout_dtype == "bfloat16"
+
+    def expected(self) -> dict[str, torch.Tensor]:
+        """The trainer's tensors as the rollout should hold them (in bf16 where its own shards cross)."""
+        state = self.trainer.full_state()[0]
+        return {n: t.to(torch.bfloat16) if self.shards and t.is_floating_point() else t for n, t in state.items()}
 
     def received(self) -> list[tuple[dict[str, Any], list[Any]]]:
         return self.rollout.received()
@@ -153,7 +160,7 @@ def _sync_bit_exact(cluster: Cluster, step: int, *train: Any) -> tuple[dict[str,
     bit; the step's metrics and the trainer's tensors."""
     cluster.trainer.train_step(step, *train)
     metrics = cluster.manager.update_weights(global_steps=step)
-    expected = cluster.trainer.full_state()[0]
+    expected = cluster.expected()
     for weights, steps in cluster.received():
         assert steps[-1] == step
         for name, tensor in expected.items():
@@ -161,9 +168,29 @@ def _sync_bit_exact(cluster: Cluster, step: int, *train: Any) -> tuple[dict[str,
     return metrics, expected
 
 
+def test_each_trainer_rank_sends_its_own_shard_in_bf16_and_gathers_nothing(model_dir: Path, ray_cluster: None,
+                                                                           clusters: list[Cluster]) -> None:
+    """Issue #67, the trainer's side: through verl's own manager, each FSDP2 rank sends its own local shard (verl's
+    ``get_per_tensor_param_shard``) in the rollout's bf16 (the trainer's model holds an fp32 tensor too), every byte
+    once into each rollout worker, and makes no all-gather (nor any other collective) during the sync."""
+    cluster = Cluster(model_dir, {"verify": True, "timeout": 120})
+    clusters.append(cluster)
+    for step in (1, 2, 3):
+        metrics, expected = _sync_bit_exact(cluster, step)
+        assert all(t.dtype == torch.bfloat16 for t in expected.values() if t.is_floating_point())
+        assert metrics["rlsync/gathered"] == 0
+        assert metrics["rlsync/bytes"] == 2 * sum(t.numel() * t.element_size() for t in expected.values())  # bf16
+        assert metrics["rlsync/rank_wire_bytes"] == metrics["rlsync/rank_plan_bytes"] > 0  # as the plan says
+        assert metrics["rlsync/senders"] == 2
+    assert cluster.trainer.collectives()[0] == [{}] * 3  # rank 0's three syncs: no collective at all
+    assert cluster.trainer.collectives()[1] == [{}] * 3
+
+
 def test_three_syncs_through_verls_manager_land_bit_exact_with_metrics(model_dir: Path, ray_cluster: None,
                                                                       clusters: list[Cluster]) -> None:
-    cluster = Cluster(model_dir, {"verify": True, "timeout": 120})
+    """Today's route (each rank gathers every tensor and sends its row chunk), where a rollout serves another dtype
+    than verl's bf16 shards: mixed dtypes land as the trainer holds them."""
+    cluster = Cluster(model_dir, {"verify": True, "timeout": 120}, rollout_dtype="float32")
     clusters.append(cluster)
     for step in (1, 2, 3):
         cluster.trainer.train_step(step)
@@ -181,8 +208,9 @@ def test_three_syncs_through_verls_manager_land_bit_exact_with_metrics(model_dir
         assert metrics["rlsync/max_bytes_per_sender"] < 0.6 * metrics["rlsync/bytes"]  # about half each
         assert metrics["rlsync/seconds"] > 0 and metrics["rlsync/gbps"] > 0
     metrics = cluster.manager.update_weights(global_steps=None)  # before validation, say: no step number
-    assert metrics["rlsync/version"] == -1
+    assert metrics["rlsync/version"] == -1 and metrics["rlsync/gathered"] == 1
     assert [steps for _, steps in cluster.received()] == [[1, 2, 3, None]] * 2
+    assert all(c.get("full_tensor", 0) > 0 for c in cluster.trainer.collectives()[0])  # this route gathers, counted
 
 
 def test_rollout_workers_of_one_host_take_one_copy_through_a_relay(model_dir: Path, ray_cluster: None,
@@ -215,7 +243,7 @@ def test_a_trainer_rank_killed_mid_sync_leaves_the_rollout_side_on_the_previous_
     clusters.append(cluster)
     cluster.trainer.train_step(1)
     cluster.manager.update_weights(global_steps=1)
-    step1 = cluster.trainer.full_state()[0]
+    step1 = cluster.expected()
     cluster.trainer.train_step(2)
     cluster.trainer.die_in_next_sync(1, 5)
     with pytest.raises(Exception) as failure:

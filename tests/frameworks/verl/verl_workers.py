@@ -12,7 +12,11 @@ Two stand-ins, each for a part of verl that cannot run on a CPU-only machine:
   ``lora="merged"`` the model is a PEFT LoRA and it yields what that engine's ``_merged_lora_per_tensor_param`` yields
   under ``lora.merge=True`` (verl's own ``merged_lora_context`` and ``normalize_peft_param_name``); with
   ``lora="adapter"`` (``merge=False``) what it yields through verl's own ``collect_lora_params``,
-  ``replace_lora_wrapper`` and ``convert_weight_keys``, with the adapter's ``peft_config.to_dict()``.
+  ``replace_lora_wrapper`` and ``convert_weight_keys``, with the adapter's ``peft_config.to_dict()``. Its
+  ``get_per_tensor_param_shard`` follows ``FSDPEngine.get_per_tensor_param_shard`` (the same file): the module's
+  ``state_dict()`` through ``convert_weight_keys``, each parameter's ``ShardSpec.from_param``, floats cast to bf16,
+  ``to_local().reshape(-1)``; no collective. ``collectives`` counts the all-gathers, broadcasts and reductions
+  ``torch.distributed`` made (and every ``DTensor.full_tensor``) during each ``update_weights``.
 - ``RecordingServerAdapter`` is a FAKE of verl's rollout server adapter (``verl/workers/rollout/base.py``
   ``BaseRollout.update_weights``; verl's vLLM adapter needs a GPU engine): it consumes the generator verl's own
   ``CheckpointEngineWorker.update_weights`` hands it and keeps copies of the tensors and ``global_steps``.
@@ -27,6 +31,7 @@ The rollout workers are verl's own ``CheckpointEngineWorker``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 from types import SimpleNamespace
@@ -46,7 +51,7 @@ class FsdpTrainer(Worker):  # type: ignore[misc]
     """FAKE of verl's trainer worker; see the module docstring."""
 
     def __init__(self, checkpoint_engine_config: Any, model_dir: str, store: str, lora: str | None = None,
-                 fp32: bool = False) -> None:
+                 fp32: bool = False, rollout_dtype: str = "bfloat16") -> None:
         super().__init__()
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -83,7 +88,9 @@ class FsdpTrainer(Worker):  # type: ignore[misc]
             backend, bucket_size=checkpoint_engine_config.update_weights_bucket_megabytes << 20,
             is_master=dist.get_rank() == 0, **kwargs)
         # what verl's ActorRolloutRefWorker sets and its update_weights reads
-        self.config = SimpleNamespace(rollout=SimpleNamespace(checkpoint_engine=checkpoint_engine_config))
+        self.config = SimpleNamespace(rollout=SimpleNamespace(checkpoint_engine=checkpoint_engine_config,
+                                                              dtype=rollout_dtype))
+        self.counted: list[dict[str, int]] = []  # per update_weights: the collectives it made
         self.actor = SimpleNamespace(engine=self)
         self.layered_summon, self.base_sync_done = False, True
 
@@ -131,7 +138,36 @@ class FsdpTrainer(Worker):  # type: ignore[misc]
         if torch.distributed.get_rank() == rank:
             self.die_after = after
 
-    update_weights = ActorRolloutRefWorker.update_weights  # verl's own (with rlsync's patch)
+    @functools.wraps(ActorRolloutRefWorker.update_weights)  # verl's own (with rlsync's patch), its collectives counted
+    async def update_weights(self, *args: Any, **kwargs: Any) -> Any:
+        with counting_collectives() as counted:
+            try:
+                return await ActorRolloutRefWorker.update_weights(self, *args, **kwargs)
+            finally:
+                self.counted.append(dict(counted))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def collectives(self) -> list[dict[str, int]]:
+        return self.counted
+
+    def get_per_tensor_param_shard(self, **kwargs: Any) -> Any:
+        """As verl's ``FSDPEngine.get_per_tensor_param_shard`` (see the module docstring; on the CPU, nothing to move to
+        a device)."""
+        from verl.utils.model import convert_weight_keys
+        from verl.workers.engine.spec import ShardSpec
+
+        params = convert_weight_keys(self.model.state_dict(), getattr(self.model, "_fsdp_wrapped_module", self.model))
+
+        def _gen() -> Any:
+            for i, (name, param) in enumerate(params.items()):
+                if self.die_after is not None and i == self.die_after:
+                    os.kill(os.getpid(), signal.SIGKILL)  # a trainer rank dying mid-sync (OOM-killed, say)
+                spec = ShardSpec.from_param(param)
+                p = param.to(torch.bfloat16) if param.is_floating_point() else param
+                local = p.to_local() if hasattr(p, "to_local") else p
+                yield name, local.reshape(-1), spec
+
+        return _gen(), None
 
     @property
     def module(self) -> torch.nn.Module:  # FSDPEngine.module: the FSDP-wrapped transformers model
@@ -194,6 +230,41 @@ class FsdpTrainer(Worker):  # type: ignore[misc]
     @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
     def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.checkpoint_engine, method)(*args, **kwargs)
+
+
+_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "_all_gather_base", "all_gather_object", "broadcast",
+                "broadcast_object_list", "all_reduce", "reduce_scatter_tensor")
+_FUNCTIONAL = ("all_gather_tensor", "all_gather_into_tensor_coalesced", "all_reduce", "broadcast", "reduce_scatter_tensor")
+
+
+@contextlib.contextmanager
+def counting_collectives() -> Any:
+    """``torch.distributed``'s gathers, broadcasts and reductions (and ``DTensor.full_tensor``), counted by name."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    import torch.distributed._functional_collectives as funcol  # what DTensor redistributes with
+
+    counted: dict[str, int] = {}
+    originals = {(dist, name): getattr(dist, name) for name in _COLLECTIVES}
+    originals.update({(funcol, name): getattr(funcol, name) for name in _FUNCTIONAL})
+    full_tensor = DTensor.full_tensor
+
+    def counting(name: str, call: Any) -> Any:
+        def counted_call(*args: Any, **kwargs: Any) -> Any:
+            counted[name] = counted.get(name, 0) + 1
+            return call(*args, **kwargs)
+        return counted_call
+
+    for (module, name), call in originals.items():
+        setattr(module, name, counting(name, call))
+    DTensor.full_tensor = counting("full_tensor", full_tensor)  # type: ignore[method-assign]
+    try:
+        yield counted
+    finally:
+        for (module, name), call in originals.items():
+            setattr(module, name, call)
+        DTensor.full_tensor = full_tensor  # type: ignore[method-assign]
 
 
 class RecordingServerAdapter(BaseRollout):  # type: ignore[misc]

@@ -1,20 +1,24 @@
-"""verl's two weight-sync routes through rlsync, side by side, on one model and one layout (issue #67).
+"""verl's weight-sync routes through rlsync, side by side, on one model and one layout (issue #67).
 
-    python scripts/verl_routes_bench.py [--ranks 2] [--hidden 1024] [--layers 8] [--vocab 32000] [--replicas 1]
+    python scripts/verl_routes_bench.py [--ranks 2] [--hidden 1024] [--layers 8] [--vocab 32000] [--tp 2] [--replicas 1]
 
 ``--ranks`` FSDP2 trainer ranks (``fully_shard`` on a CPU gloo mesh, an fp32 model as verl's FSDP trainer holds it)
-sync ``--replicas`` whole-model rollout readers (what verl's rollout workers hold today), three versions a route:
+sync ``--replicas`` rollout replicas of ``--tp`` tensor-parallel GPUs each, three versions a route:
 
-- ``gathered`` (today's for LoRA and non-bf16 rollouts): every rank ``full_tensor()``s every parameter (an all-gather,
-  in fp32), keeps its row chunk and sends it;
-- ``shards`` (rlsync's route for FSDP2 into a bf16 rollout): every rank casts its own local shard to bf16 and sends it
-  (``rlsync.layouts.from_dtensors``), no collective.
+- ``gathered`` (verl's path before rlsync's routes; still rlsync's for LoRA and non-bf16 rollouts): every rank
+  ``full_tensor()``s every parameter (an all-gather, in fp32), keeps its row chunk and sends it to every rollout GPU,
+  each of which receives the whole model (verl's ``CheckpointEngineWorker`` then hands it to vLLM's loader);
+- ``shards``: every rank casts its own local shard to bf16 and sends it (``rlsync.layouts.from_dtensors``), no
+  collective, still to every rollout GPU whole;
+- ``engine`` (rlsync's route for FSDP2 into verl's vLLM rollout): the same shards, each straight into the slice of
+  the tensor-parallel worker that reads it (readers holding ``rlsync.layouts.engine_tp``: vLLM's fused per-rank
+  parameters), every byte once per replica.
 
 It prints one JSON line per route: the bytes one version put on the link (all ranks, against ``rlsync.build_plan``'s
-figure for the same layouts), the bytes the ranks gathered, the tensor copies a rank made, seconds per version (the
-median of the three), and the trainer ranks' peak resident memory above what they held before the first sync. Real
-torch.distributed, real FSDP2, real readers over shared memory; on a GPU the same command runs on the CPU (this is
-the ranks' host path, not the device's).
+figure for the same layouts), the most one rollout GPU received, the bytes the ranks gathered, the tensor copies a rank
+made, seconds per version (the median of the three), and the trainer ranks' peak resident memory above what they held
+before the first sync. Real torch.distributed, real FSDP2, real readers over shared memory; on a GPU the same command
+runs on the CPU (this is the ranks' host path, not the device's).
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ def _model(args: argparse.Namespace) -> Any:
     return Qwen2ForCausalLM(config).float()
 
 
-def _rank(rank: int, args: argparse.Namespace, port: int, addresses: list[str], results: Any) -> None:
+def _rank(rank: int, args: argparse.Namespace, port: int, addresses: list[list[str]], results: Any) -> None:
+    """``addresses``: one list per destination (a whole-model reader, or an engine replica's workers)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -86,14 +91,15 @@ def _rank(rank: int, args: argparse.Namespace, port: int, addresses: list[str], 
                     chunks[name] = full[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))].clone()
                     copies += 2  # the gathered tensor, its chunk
             src, me = fsdp(metas, args.ranks), rank
-        else:  # each rank's own shard, cast to the rollout's bf16: no collective
+        else:  # shards, engine: each rank's own shard, cast to the rollout's bf16: no collective
             src, me = from_dtensors(named, dtype="bfloat16"), writer_rank(named, rank)
             chunks = {name: t.to_local().to(torch.bfloat16).contiguous() for name, t in named.items()
                       if any(s.rank == me and s.tensor == name for s in src.shards)}
             copies += len(chunks)
         if not writers:
-            writers = [WeightsWriter(src, None, me, [address], options=options) for address in addresses]
+            writers = [WeightsWriter(src, None, me, group, options=options) for group in addresses]
             report["plan_bytes"] = sum(w.stats.bytes_sent for w in writers)  # the whole plan's, every rank
+            report["per_gpu_bytes"] = max(w.stats.max_receiver_bytes for w in writers)
         for writer in writers:
             writer.multi_put(chunks)
             writer.complete(version)
@@ -113,28 +119,40 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel GPUs a rollout replica")
     parser.add_argument("--replicas", type=int, default=1)
     args = parser.parse_args()
 
     import torch.multiprocessing as mp
 
     from rlsync import SyncOptions, WeightsReader
+    from rlsync.layouts import engine_tp, model_spec
 
     print(f"{args.ranks} FSDP2 ranks (CPU, gloo), a Qwen2 of hidden {args.hidden}, {args.layers} layers, vocab "
-          f"{args.vocab}, fp32 in training, into {args.replicas} whole-model reader(s) over shm", file=sys.stderr)
-    for route in ("gathered", "shards"):
+          f"{args.vocab}, fp32 in training, into {args.replicas} replica(s) of TP={args.tp} over shm", file=sys.stderr)
+    config = _model(args).config.to_dict()
+    spec = model_spec({**config, "torch_dtype": "bfloat16", "dtype": "bfloat16"})
+    options = SyncOptions(timeout=600, transport="shm")
+    for route in ("gathered", "shards", "engine"):
         args.route = route
-        readers = [WeightsReader(None, None, 0, replicas=1, options=SyncOptions(timeout=600, transport="shm"))
-                   for _ in range(args.replicas)]
+        if route == "engine":  # each replica's workers hold their slices, as vLLM's loader lays them out
+            readers = [[WeightsReader(None, engine_tp(spec, tp=args.tp), r, options=options) for r in range(args.tp)]
+                       for _ in range(args.replicas)]
+        else:  # every rollout GPU a whole copy
+            readers = [[WeightsReader(None, None, 0, replicas=1, options=options)]
+                       for _ in range(args.replicas * args.tp)]
         context = mp.get_context("spawn")
         results = context.Queue()
-        mp.start_processes(_rank, args=(args, _free_port(), [r.address for r in readers], results), nprocs=args.ranks,
+        groups = [[reader.address for reader in group] for group in readers]
+        mp.start_processes(_rank, args=(args, _free_port(), groups, results), nprocs=args.ranks,
                            join=True, start_method="spawn")
         ranks = sorted((results.get(timeout=30) for _ in range(args.ranks)), key=lambda r: r["rank"])
-        for reader in readers:
-            reader.close()
+        for group in readers:
+            for reader in group:
+                reader.close()
         print(json.dumps({
             "route": route, "wire_bytes": sum(r["wire_bytes"] for r in ranks), "plan_bytes": ranks[0]["plan_bytes"],
+            "per_gpu_bytes": ranks[0]["per_gpu_bytes"],
             "gathered_bytes": sum(r["gathered_bytes"] for r in ranks), "copies_per_rank": ranks[0]["copies"],
             "seconds": max(r["seconds"] for r in ranks), "peak_mib_per_rank": max(r["peak_mib"] for r in ranks)}))
 

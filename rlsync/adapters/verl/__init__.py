@@ -37,7 +37,9 @@ from rlsync.patches.verl import apply, apply_episodes, apply_routing_replay, app
 # verl's workers hand this backend an unmerged LoRA adapter and its configuration, and its manager checks the trainer's
 # canary on every replica (rlsync.patches.verl, rlsync.adapters.verl._workers)
 apply(actor_update_weights=_workers.actor_update_weights, rollout_update_weights=_workers.rollout_update_weights,
-      manager_update_weights=_workers.manager_update_weights)
+      manager_update_weights=_workers.manager_update_weights,
+      actor_execute_checkpoint_engine=_workers.actor_execute_checkpoint_engine, rollout_init=_workers.rollout_init,
+      rollout_config_init=_workers.rollout_config_init)
 # verl's rollout routing replay (R3: router_replay.mode=R3 with enable_rollout_routing_replay) in its FSDP engine, which
 # verl itself implements for Megatron and VeOmni only (rlsync.adapters.verl._routes)
 apply_routing_replay(worker_init=_routes.wrap_worker_init, forward_step=_routes.wrap_forward_step,

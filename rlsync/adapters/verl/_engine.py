@@ -27,6 +27,13 @@ patches (another verl version) the base alone is refused at the first tensor, na
 
 Hosts of several rollout workers: see ``_relays`` (one ``NodeRelay`` per such host, option ``rlsync.relay``).
 
+**The engine route** (``_engine_route``, verl's vLLM rollout, the trainer sending its own shards): the readers are not
+the rollout workers' but rlsync's weight-transfer backend inside each vLLM worker, which receives only its slice of
+every tensor (one ``WeightsWriter`` per replica on each trainer rank, learning the replica's layout from its
+workers); the replica's leader drives the version through verl's ``collective_rpc``. Everything above about a
+version's atomicity holds there too; it needs the trainer's tensor list at the engine's init, which trainer rank 0
+gives in ``prepare`` (``tensor_source``, set by rlsync's patch of verl's trainer worker).
+
 Versions: rlsync's version counts syncs (it continues after the version a rollout worker serves, so a
 restarted trainer is accepted); ``global_steps`` (which may be None) is reported in the metrics.
 """
@@ -60,6 +67,7 @@ from rlsync import (
     WeightsReader,
     WeightsWriter,
 )
+from rlsync.adapters.verl._engine_route import EngineDriver, route_refusal, say_worker_route
 from rlsync.adapters.verl._relays import host_id, place, relay_mode
 from rlsync.core import HostStaging, host_port, keyed, rank_address, split_address
 from rlsync.layouts import dtype_name, from_placements, fsdp, writer_rank
@@ -106,11 +114,15 @@ _ROUTES = {
               "nothing is gathered",
     "gathered": "each trainer rank gathers every tensor (verl's get_per_tensor_param) and sends its row chunk of it",
 }
+_DESTINATIONS = {
+    True: "straight into each vLLM worker's own slice (rlsync's weight-transfer backend in the engine)",
+    False: "to every rollout worker, which hands the whole model to verl's server adapter",
+}
 
 
 @functools.cache
-def _say_route_once(route: str) -> None:
-    _log.info("rlsync: verl's weight sync takes the %s route: %s", route, _ROUTES[route])
+def _say_route_once(route: str, engine: bool) -> None:
+    _log.info("rlsync: verl's weight sync takes the %s route: %s, %s", route, _ROUTES[route], _DESTINATIONS[engine])
 
 
 def _free_port(host: str) -> int:
@@ -142,7 +154,18 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         self._placement: tuple[Any, ...] = ()
         self._readers: list[str] = []
         self._rank, self._world = 0, 1
-        self._writer: WeightsWriter | None = None
+        self._writers: list[WeightsWriter] = []  # one per destination (the rollout's readers, or each engine replica)
+        self._engine_route = False  # this sync's readers are the vLLM workers' (_engine_route)
+        # a trainer rank: what its model sends on the shard route ([[name, dtype, shape], ...]; None: that route does
+        # not apply), computed once, by rank 0, for the engines' init (set by rlsync's patch of verl's trainer worker)
+        self.tensor_source: Any = None
+        self._tensor_list: list[list[Any]] | None | bool = False  # False: not asked yet
+        # a rollout worker: why its engine cannot take its slice itself (None: it can), and its hold on it
+        self._route_refusal: str | None = "verl's CheckpointEngineWorker did not hand rlsync its server adapter"
+        self._server_adapter: Any = None
+        self._rollout_config: Any = None
+        self._engine_driver: EngineDriver | None = None
+        self._engine_tensors: list[list[Any]] = []
         self._chunks: dict[str, torch.Tensor] = {}  # this actor rank's share of every tensor (host memory, reused)
         self._shard_rank: int | None = None  # the shard route's writer rank (its place in the trainer's mesh)
         self._host = HostStaging()
@@ -153,17 +176,37 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
 
     # -- topology ---------------------------------------------------------------------------------
 
+    def attach_rollout(self, server_adapter: Any, rollout_config: Any) -> None:
+        """A rollout worker's server adapter and config (rlsync's patch of verl's ``CheckpointEngineWorker``): whether
+        its engine can take its own slice (``_engine_route``)."""
+        self._server_adapter, self._rollout_config = server_adapter, rollout_config
+        self._route_refusal = route_refusal(server_adapter, rollout_config)
+
     def prepare(self) -> dict[str, Any]:
-        if self.role == "actor":
-            return {"host": host_id()}
+        if self.tensor_source is not None or self.role == "actor":  # a trainer rank
+            if self._tensor_list is False:
+                self._tensor_list = None if self.tensor_source is None else self.tensor_source()
+            return {"host": host_id(), **({} if self._tensor_list is None else {"tensors": self._tensor_list})}
         if self._address is None:  # reserved now, bound by the rollout worker's reader in init_process_group
             self._address = keyed(f"tcp://{self.options.host}:{_free_port(self.options.host)}", self.options.secret)
             self._relay_address = keyed(f"tcp://{self.options.host}:{_free_port(self.options.host)}", self.options.secret)
-        return {"address": self._address, "host": host_id(), "relay_address": self._relay_address, "relay": self._relay_mode}
+        if self._route_refusal is None and self._engine_driver is None:
+            self._engine_driver = EngineDriver(self._server_adapter, self._rollout_config, self.options)
+        engine = None if self._engine_driver is None else self._engine_driver.metadata()
+        return {"address": self._address, "host": host_id(), "relay_address": self._relay_address, "relay": self._relay_mode,
+                "engine": engine, "worker_route_because": self._route_refusal}
 
     @classmethod
     def build_topology(cls, actor_world_size: int, rollout_world_size: int,
                        metadata: list[dict[str, Any]]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        tensors = metadata[0].get("tensors") if actor_world_size else None
+        engines = [m.get("engine") for m in metadata[actor_world_size:]]
+        if tensors is not None and engines and all(engines):
+            return cls._engine_topology(actor_world_size, rollout_world_size, tensors, engines)
+        if tensors is None:
+            say_worker_route("the trainer does not send its own shards")
+        else:
+            say_worker_route(next(m.get("worker_route_because") or "" for m in metadata[actor_world_size:] if not m.get("engine")))
         addresses = [m["address"] for m in metadata[actor_world_size:]]
         placed = place([m.get("host") for m in metadata[:actor_world_size]], metadata[actor_world_size:])
         # each actor rank gets its own credential for every reader (derived here, in verl's driver): a rank cannot
@@ -176,21 +219,47 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
                    "reader": placed.reader, "behind_relay": placed.behind, "relay": placed.relay}
         return actor, rollout
 
-    def init_process_group(self, role: str, rank: int, world_size: int, readers: list[str],
+    @classmethod
+    def _engine_topology(cls, actor_world_size: int, rollout_world_size: int, tensors: list[list[Any]],
+                         engines: list[dict[str, Any]]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        """The engine route's: every trainer rank gets each replica's workers' addresses (its own credential for each),
+        every rollout worker the tensor list its leader initialises the engine with."""
+        leaders = {e["replica"]: e["addresses"] for e in engines if e["leader"]}
+        missing = sorted({e["replica"] for e in engines} - set(leaders))
+        if missing:
+            raise ConfigError(f"rollout replicas {missing} have no leader worker (verl's server adapter with the server "
+                              "handle) among the checkpoint engine's workers")
+        own = [[[rank_address(a, r) for a in leaders[replica]] for replica in sorted(leaders)] for r in range(actor_world_size)]
+        actor: dict[str, list[Any]] = {"role": ["actor"] * actor_world_size, "rank": list(range(actor_world_size)),
+                                       "world_size": [actor_world_size] * actor_world_size, "readers": own,
+                                       "engine": [True] * actor_world_size}
+        rollout: dict[str, list[Any]] = {"role": ["rollout"] * rollout_world_size, "rank": list(range(rollout_world_size)),
+                                         "world_size": [rollout_world_size] * rollout_world_size,
+                                         "readers": [[]] * rollout_world_size, "engine_tensors": [tensors] * rollout_world_size}
+        return actor, rollout
+
+    def init_process_group(self, role: str, rank: int, world_size: int, readers: list[Any],
                            reader: Sequence[int] | None = None, behind_relay: bool = False,
-                           relay: dict[str, Any] | None = None) -> None:
+                           relay: dict[str, Any] | None = None, engine: bool = False,
+                           engine_tensors: list[list[Any]] | None = None) -> None:
         """``reader``: this rollout worker's ``(rank, replicas)`` among the trainer's readers (by default its rank among
         ``world_size``); ``behind_relay``: its bytes come from its host's relay; ``relay``: the ``NodeRelay`` it runs for
-        that host (all three from ``_relays.place``)."""
+        that host (all three from ``_relays.place``). The engine route: ``engine`` (a trainer rank: ``readers`` holds
+        each replica's workers' addresses), ``engine_tensors`` (a rollout worker: what its leader inits the engine
+        with)."""
         reader_rank, replicas = (rank, world_size) if reader is None else (int(reader[0]), int(reader[1]))
-        placement = (rank, world_size, list(readers), reader_rank, replicas, behind_relay, relay)
+        placement = (rank, world_size, list(readers), reader_rank, replicas, behind_relay, relay, engine, engine_tensors is not None)
         changed = self._placement != placement
         self._placement = placement
         self.role, self._rank, self._world, self._readers = role, rank, world_size, list(readers)
+        self._engine_route = engine or engine_tensors is not None
         if role == "actor":
-            if changed and self._writer is not None:  # the rollout side changed (elastic scaling): new plan
-                self._writer.close()
-                self._writer = None
+            if changed:  # the rollout side changed (elastic scaling, another route): new plans
+                self._close_writers()
+            return
+        if engine_tensors is not None:  # the vLLM workers receive; this worker's leader drives them
+            self._close_rollout()
+            self._engine_tensors = engine_tensors
             return
         if self._reader is not None and not changed:
             return
@@ -219,6 +288,11 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
             self._reader.close()
             self._reader = None
 
+    def _close_writers(self) -> None:
+        for writer in self._writers:
+            writer.close()
+        self._writers = []
+
     def finalize(self) -> None:
         pass  # readers, landing memory and links are kept for the next sync
 
@@ -240,6 +314,8 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
             config = adapter_config_tensor(peft_config)
             metas.append(TensorMeta(ADAPTER_CONFIG, "uint8", tuple(config.shape)))
             self._keep_my_chunk(metas[-1], config)
+        if self._engine_route:  # never: a trainer that gathers offers no tensor list, so its sync keeps the worker route
+            raise ConfigError("the rollout engines expect this trainer's own shards, but it gathered every tensor")
         src = fsdp(metas, self._world)
         self._shard_rank = None
         mine = {s.buffer for s in src.shards if s.rank == self._rank}
@@ -270,34 +346,42 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
                     route: str, peft_config: dict[str, Any] | None = None) -> dict[str, Any]:
         """Send this rank's chunks of ``src`` (``mine``: the buffers it holds) as the next version; the step's
         metrics."""
-        if self._writer is None or self._writer.src != src:
-            if self._writer is not None:
-                self._writer.close()
-            self._writer = WeightsWriter(src, None, self._rank_in(src), self._readers, options=self.options)
-            self._version = self._writer.next_version - 1
+        if not self._writers or self._writers[0].src != src:
+            self._close_writers()
+            # the engine route: one writer per replica, each learning its replica's layout from its workers
+            destinations = self._readers if self._engine_route else [self._readers]
+            self._writers = [WeightsWriter(src, None, self._rank_in(src), addresses, options=self.options)
+                             for addresses in destinations]
+            self._version = max(w.next_version for w in self._writers) - 1
         self._version += 1
-        writer = self._writer
+        writers = self._writers
         if mine:
-            writer.multi_put({name: chunk for name, chunk in self._chunks.items() if name in mine})
+            for writer in writers:
+                writer.multi_put({name: chunk for name, chunk in self._chunks.items() if name in mine})
         sent = time.perf_counter()
         try:
             if mine:
-                await asyncio.to_thread(writer.complete, self._version)
+                await asyncio.gather(*(asyncio.to_thread(w.complete, self._version) for w in writers))
         except WeightMismatchError as exc:
             raise WeightMismatchError(f"verl step {global_steps}: {exc}") from exc
         seconds = time.perf_counter() - started
-        stats = writer.stats
-        planned = writer.bytes_per_version if mine else 0
-        if writer.last_bytes > planned:
+        planned = sum(w.bytes_per_version for w in writers) if mine else 0
+        wire = sum(w.last_bytes for w in writers) if mine else 0
+        if wire > planned:
             _log.warning("rlsync: verl step %s: trainer rank %d sent %d bytes, the plan gives it %d", global_steps,
-                         writer.rank, writer.last_bytes, planned)
-        _say_route_once(route)
+                         writers[0].rank, wire, planned)
+        _say_route_once(route, self._engine_route)
+        bytes_sent = sum(w.stats.bytes_sent for w in writers)
         return {"rlsync/version": -1 if global_steps is None else global_steps, "rlsync/sync_version": self._version,
                 "rlsync/adapter_only": float(peft_config is not None), "rlsync/gathered": float(route != "shards"),
-                "rlsync/bytes": stats.bytes_sent, "rlsync/max_bytes_per_sender": stats.max_sender_bytes,
-                "rlsync/senders": stats.senders, "rlsync/seconds": seconds, "rlsync/rank_wire_bytes": writer.last_bytes,
+                "rlsync/engine_route": float(self._engine_route), "rlsync/bytes": bytes_sent,
+                "rlsync/max_bytes_per_sender": max(w.stats.max_sender_bytes for w in writers),
+                # the plan's bytes into the busiest reader: on the engine route one vLLM worker's slice
+                "rlsync/max_bytes_per_receiver": max(w.stats.max_receiver_bytes for w in writers),
+                "rlsync/receivers": sum(w.stats.receivers for w in writers),
+                "rlsync/senders": writers[0].stats.senders, "rlsync/seconds": seconds, "rlsync/rank_wire_bytes": wire,
                 "rlsync/rank_plan_bytes": planned,
-                "rlsync/transfer_seconds": time.perf_counter() - sent, "rlsync/gbps": stats.bytes_sent / seconds / 1e9,
+                "rlsync/transfer_seconds": time.perf_counter() - sent, "rlsync/gbps": bytes_sent / seconds / 1e9,
                 **({} if canary is None else {CANARY_METRIC: msgspec.structs.asdict(canary)})}
 
     def _rank_in(self, src: Any) -> int:
@@ -318,6 +402,16 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         self._host.wait()
 
     # -- rollout workers --------------------------------------------------------------------------
+
+    async def drive_engine(self, global_steps: int | None) -> None:
+        """The engine route's version on this rollout worker's engine (its replica's leader drives it)."""
+        assert self._engine_driver is not None
+        await self._engine_driver.sync(self._engine_tensors, global_steps)
+
+    @property
+    def engine_route(self) -> bool:
+        """This sync goes straight into the rollout's vLLM workers (a rollout worker's view)."""
+        return self.role == "rollout" and self._engine_route
 
     async def _take_next(self) -> tuple[int, dict[str, Region], Finish]:
         """The version ``landed_adapter_config`` took early, or the next one to land."""

@@ -37,6 +37,8 @@ import torch
 
 from rlsync import Canary, ConfigError
 from rlsync.adapters.verl._engine import CANARY_METRIC, RlsyncCheckpointEngine
+from rlsync.adapters.verl._engine_route import WEIGHT_TRANSFER_CONFIG
+from rlsync.layouts import dtype_name
 
 _log = logging.getLogger("rlsync")
 
@@ -61,6 +63,35 @@ def actor_update_weights(original: Any) -> Any:
         return await engine.send_weights(params, global_steps=global_steps, peft_config=peft_config, canary=canary) or {}
 
     return update_weights
+
+
+def actor_execute_checkpoint_engine(original: Any) -> Any:
+    """``ActorRolloutRefWorker.execute_checkpoint_engine``: the backend learns what its trainer sends on the shard route
+    (``RlsyncCheckpointEngine.tensor_source``), which the rollout engines' init needs (``_engine_route``)."""
+
+    @functools.wraps(original)
+    def execute_checkpoint_engine(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        engine = getattr(self, "checkpoint_engine", None)
+        actor = getattr(self, "actor", None)
+        if isinstance(engine, RlsyncCheckpointEngine) and engine.tensor_source is None and actor is not None:
+            dtype = str(getattr(self.config.rollout, "dtype", "bfloat16"))
+            engine.tensor_source = functools.partial(shard_tensor_list, actor.engine, dtype)
+        return original(self, method, *args, **kwargs)
+
+    return execute_checkpoint_engine
+
+
+def shard_tensor_list(model_engine: Any, rollout_dtype: str) -> list[list[Any]] | None:
+    """``[[name, dtype, full shape], ...]`` of what ``own_shards`` sends, on trainer rank 0 (the others: None, as where
+    the shard route does not apply)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    shards = own_shards(model_engine, rollout_dtype)
+    if shards is None:
+        return None
+    return [[name, dtype_name(local.dtype), [int(n) for n in spec.full_shape]] for name, local, spec in shards]
 
 
 def own_shards(model_engine: Any, rollout_dtype: str) -> list[tuple[str, Any, Any]] | None:
@@ -111,12 +142,50 @@ def _say_unchecked(why: str) -> None:
     _log.warning("rlsync: the canary is not checked in this run: %s", why)
 
 
+def rollout_init(original: Any) -> Any:
+    """``CheckpointEngineWorker.__init__``: the backend learns the worker's server adapter and rollout config (whether
+    its vLLM engine takes its own slice: ``_engine_route``)."""
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if isinstance(self.checkpoint_engine, RlsyncCheckpointEngine):
+            self.checkpoint_engine.attach_rollout(self.server_adapter, self.rollout_config)
+
+    return __init__
+
+
+def rollout_config_init(original: Any) -> Any:
+    """``RolloutConfig.__post_init__``: a vLLM rollout with the ``rlsync`` checkpoint backend runs rlsync's weight-transfer
+    backend in its engine (``engine_kwargs.vllm.weight_transfer_config``, unless the user set one), which verl's vLLM
+    server puts on vLLM's command line; the one flag stays the user's only one."""
+
+    @functools.wraps(original)
+    def __post_init__(self: Any) -> None:
+        original(self)
+        checkpoint = getattr(self, "checkpoint_engine", None)
+        backend = checkpoint.get("backend") if isinstance(checkpoint, dict) else getattr(checkpoint, "backend", None)
+        if self.name != "vllm" or backend != "rlsync":
+            return
+        engine_kwargs = dict(self.engine_kwargs or {})
+        vllm = dict(engine_kwargs.get("vllm") or {})
+        if vllm.get("weight_transfer_config") is None:
+            vllm["weight_transfer_config"] = dict(WEIGHT_TRANSFER_CONFIG)
+            engine_kwargs["vllm"] = vllm
+            self.engine_kwargs = engine_kwargs
+
+    return __post_init__
+
+
 def rollout_update_weights(original: Any) -> Any:
     @functools.wraps(original)
     async def update_weights(self: Any, global_steps: int | None = None) -> None:
         engine = self.checkpoint_engine
         if not isinstance(engine, RlsyncCheckpointEngine):
             return await original(self, global_steps=global_steps)  # type: ignore[no-any-return]
+        if engine.engine_route:  # the vLLM workers receive their slices; the replica's leader drives the version
+            await engine.drive_engine(global_steps)
+            return None
         peft_config = await engine.landed_adapter_config()
         adapter = {} if peft_config is None else {"peft_config": peft_config, "base_sync_done": True}
         await self.server_adapter.update_weights(engine.receive_weights(global_steps=global_steps),

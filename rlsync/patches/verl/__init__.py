@@ -8,7 +8,11 @@ only:
 
 - ``ActorRolloutRefWorker.update_weights`` (``verl.workers.engine_workers``) is wrapped by the given decorator;
 - ``CheckpointEngineWorker.update_weights`` (``verl.checkpoint_engine.base``) is wrapped by the given decorator;
-- ``CheckpointEngineManager.update_weights`` (the driver's) is wrapped by the given decorator: the canary's check.
+- ``CheckpointEngineManager.update_weights`` (the driver's) is wrapped by the given decorator: the canary's check;
+- ``ActorRolloutRefWorker.execute_checkpoint_engine``, ``CheckpointEngineWorker.__init__`` and
+  ``RolloutConfig.__post_init__`` (``verl.workers.config``) are wrapped by the given decorators: the engine route
+  (the trainer's tensor list for the engines' init, the rollout worker's server adapter, vLLM's
+  ``weight_transfer_config``).
 
 Independently of the backend, for verl's rollout routing replay (R3) with an FSDP actor (``apply_routing_replay``):
 ``ActorRolloutRefWorker.__init__``, ``FSDPEngineWithLMHead.forward_step`` and ``FSDPEngine.forward_backward_batch``
@@ -39,9 +43,10 @@ SUPPORTED = ("0.9",)  # verl major.minor versions whose code these patches were 
 
 
 def apply(*, actor_update_weights: Callable[[Any], Any], rollout_update_weights: Callable[[Any], Any],
-          manager_update_weights: Callable[[Any], Any]) -> None:
-    """Wrap both workers' and the manager's ``update_weights`` (once); a log line instead when this verl is not a
-    supported one, or its trainer worker does not import here."""
+          manager_update_weights: Callable[[Any], Any], actor_execute_checkpoint_engine: Callable[[Any], Any],
+          rollout_init: Callable[[Any], Any], rollout_config_init: Callable[[Any], Any]) -> None:
+    """Wrap both workers' and the manager's ``update_weights``, and the engine route's three (once); a log line instead
+    when this verl is not a supported one, or its trainer worker does not import here."""
     version = metadata.version("verl")
     if not minor_supported(version, SUPPORTED):
         logging.getLogger("rlsync").warning(
@@ -51,6 +56,7 @@ def apply(*, actor_update_weights: Callable[[Any], Any], rollout_update_weights:
             ", ".join(v + ".x" for v in SUPPORTED))
         return
     from verl.checkpoint_engine.base import CheckpointEngineManager, CheckpointEngineWorker
+    from verl.workers.config import RolloutConfig
 
     try:
         from verl.workers.engine_workers import ActorRolloutRefWorker
@@ -64,6 +70,14 @@ def apply(*, actor_update_weights: Callable[[Any], Any], rollout_update_weights:
         if not getattr(cls.update_weights, "_rlsync_patched", False):
             cls.update_weights = wrap(cls.update_weights)
             cls.update_weights._rlsync_patched = True
+    for cls, name, wrap in ((ActorRolloutRefWorker, "execute_checkpoint_engine", actor_execute_checkpoint_engine),
+                            (CheckpointEngineWorker, "__init__", rollout_init),
+                            (RolloutConfig, "__post_init__", rollout_config_init)):
+        method = cls.__dict__[name]
+        if not getattr(method, "_rlsync_patched", False):
+            wrapped = wrap(method)
+            wrapped._rlsync_patched = True
+            setattr(cls, name, wrapped)
 
 
 def apply_routing_replay(*, worker_init: Callable[[Any], Any], forward_step: Callable[[Any], Any],

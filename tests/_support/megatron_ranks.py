@@ -108,3 +108,57 @@ def rank_main(rank: int, world: int, port: int, tp: int, pp: int, destinations: 
             writer.close()
     finally:
         dist.destroy_process_group()
+
+
+class FakeMegatronEngine:
+    """FAKE of verl's ``MegatronEngine`` (``verl/workers/engine/megatron/transformer_impl.py``) as far as rlsync's verl
+    backend reads it: ``module`` (its list of model chunks: one, no virtual pipeline), ``model_config.hf_config``
+    (the checkpoint's config: its ``vocab_size``), ``peft_cls`` (None: no LoRA), ``_is_offload_param`` (False)."""
+
+    def __init__(self, model: Any) -> None:
+        from types import SimpleNamespace
+
+        self.module = [model]
+        self.model_config = SimpleNamespace(hf_config=hf_config())
+        self.peft_cls = None
+        self._is_offload_param = False
+
+
+def verl_rank_main(rank: int, world: int, port: int, tp: int, pp: int, to_driver: Any, from_driver: Any, results: Any,
+                   steps: int, prompt: list[int]) -> None:
+    """A verl trainer rank on verl's checkpoint-engine contract with the ``rlsync`` backend and verl's Megatron
+    engine (the fake above over a real megatron-core model): ``prepare`` (its metadata to the driver), then its part
+    of the driver's topology, ``init_process_group``, and per step rlsync's shard route (``trainer_shards`` into
+    ``send_shards``), as rlsync's patch of verl's trainer worker runs it."""
+    import asyncio
+
+    import torch.distributed as dist
+    from types import SimpleNamespace
+
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    import rlsync.adapters.verl  # noqa: F401  (registers the backend and patches verl's workers, as verl's entry point does)
+    from rlsync.adapters.verl._shards import trainer_shards
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = build(tp, pp)
+        engine = CheckpointEngineRegistry.new("rlsync", bucket_size=1 << 20, timeout=120, canary=False)
+        megatron_engine = FakeMegatronEngine(model)
+        # verl's trainer worker as far as its execute_checkpoint_engine (verl's own, with rlsync's patch) reads it
+        worker = SimpleNamespace(checkpoint_engine=engine, actor=SimpleNamespace(engine=megatron_engine),
+                                 config=SimpleNamespace(rollout=SimpleNamespace(
+                                     dtype="bfloat16", checkpoint_engine=SimpleNamespace(backend="rlsync"))))
+        to_driver.put((rank, ActorRolloutRefWorker.execute_checkpoint_engine(worker, "prepare")))
+        ActorRolloutRefWorker.execute_checkpoint_engine(worker, "init_process_group", **from_driver[rank].get(timeout=120))
+        metrics = []
+        for step in range(1, steps + 1):
+            train_step(model, step)
+            assert trainer_shards(megatron_engine, "bfloat16") is not None, "the shard route did not take verl's Megatron engine"
+            metrics.append(asyncio.run(ActorRolloutRefWorker.update_weights(worker, global_steps=step)))
+        results.put({"rank": rank, "metrics": metrics, "logits": logits(model, prompt).numpy() if pp == 1 else None})
+        engine._close_writers()
+    finally:
+        dist.destroy_process_group()

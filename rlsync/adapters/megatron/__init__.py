@@ -20,7 +20,7 @@ from typing import Any
 from rlsync.layouts import Layout, from_megatron
 
 
-def _unwrapped(model: Any) -> Any:
+def gpt_model(model: Any) -> Any:
     """The ``GPTModel`` inside megatron's wrappers (``DistributedDataParallel``, ``Float16Module``: ``.module``)."""
     while not hasattr(model, "vocab_size") and hasattr(model, "module"):
         model = model.module
@@ -33,7 +33,7 @@ def layout_of(model: Any, *, vocab_size: int | None = None, dtype: Any = None) -
     (default the parameters')."""
     from megatron.core import parallel_state as ps
 
-    gpt = _unwrapped(model)
+    gpt = gpt_model(model)
     return from_megatron(dict(gpt.named_parameters()), gpt.config, padded_vocab_size=int(gpt.vocab_size),
                          vocab_size=vocab_size, tied=bool(getattr(gpt, "share_embeddings_and_output_weights", False)),
                          tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
@@ -51,4 +51,4 @@ def writer_rank() -> int:
                + ps.get_tensor_model_parallel_rank())
 
 
-__all__ = ["layout_of", "writer_rank"]
+__all__ = ["gpt_model", "layout_of", "writer_rank"]

@@ -70,7 +70,7 @@ from rlsync import (
 from rlsync.adapters.verl._engine_route import EngineDriver, route_refusal, say_worker_route
 from rlsync.adapters.verl._relays import host_id, place, relay_mode
 from rlsync.core import HostStaging, host_port, keyed, rank_address, split_address
-from rlsync.layouts import dtype_name, from_placements, fsdp, writer_rank
+from rlsync.layouts import fsdp
 
 
 def for_server_adapter(tensor: torch.Tensor, bucket_size: int, device: torch.device | None) -> torch.Tensor:
@@ -321,26 +321,17 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         mine = {s.buffer for s in src.shards if s.rank == self._rank}
         return await self._send(src, mine, global_steps, canary, started, route="gathered", peft_config=peft_config)
 
-    async def send_shards(self, shards: Sequence[tuple[str, torch.Tensor, Any]], global_steps: int | None = None,
+    async def send_shards(self, shards: Any, global_steps: int | None = None,
                           canary: Canary | None = None) -> dict[str, Any]:
-        """This rank's own local shards (verl's ``get_per_tensor_param_shard()``: ``(name, local flat shard, ShardSpec)``
-        each, in the dtype the rollout serves, drained already: no collective), described by the layout of their
-        placements (``rlsync.layouts.from_placements``), each byte sent once: nothing is gathered."""
-        import torch.distributed as dist
-
+        """This rank's own local parameters (``_shards.TrainerShards``: every rank's layout, this rank's writer rank
+        in it, its buffers: verl's FSDP2 shards or a megatron-core chunk's parameters, in the dtype the rollout serves,
+        taken without a collective), each byte sent once: nothing is gathered."""
         started = time.perf_counter()
-        entries = {name: (dtype_name(local.dtype), tuple(spec.full_shape), spec.mesh, spec.placements)
-                   for name, local, spec in shards}
-        src = from_placements(entries)
-        me = writer_rank({}, dist.get_rank() if dist.is_initialized() else 0,
-                         mesh=next((spec.mesh for _, _, spec in shards if spec.mesh is not None), None))
-        boxes = {s.tensor: s.box for s in src.shards if s.rank == me}
-        self._shard_rank = me
-        for name, local, _ in shards:
-            if name in boxes:  # staged to reused host buffers (pinned where CUDA runs), in the layout's shape
-                self._chunks[name] = self._host.stage(name, local.detach().reshape(boxes[name].sizes))
+        self._shard_rank = shards.rank
+        for name, tensor in shards.buffers.items():  # staged to reused host buffers (pinned where CUDA runs)
+            self._chunks[name] = self._host.stage(name, tensor)
         self._host.wait()
-        return await self._send(src, boxes, global_steps, canary, started, route="shards")
+        return await self._send(shards.layout, set(shards.buffers), global_steps, canary, started, route="shards")
 
     async def _send(self, src: Any, mine: Any, global_steps: int | None, canary: Canary | None, started: float, *,
                     route: str, peft_config: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -38,7 +38,7 @@ import torch
 from rlsync import Canary, ConfigError
 from rlsync.adapters.verl._engine import CANARY_METRIC, RlsyncCheckpointEngine
 from rlsync.adapters.verl._engine_route import WEIGHT_TRANSFER_CONFIG
-from rlsync.layouts import dtype_name
+from rlsync.adapters.verl._shards import trainer_shards
 
 _log = logging.getLogger("rlsync")
 
@@ -51,7 +51,7 @@ def actor_update_weights(original: Any) -> Any:
         if backend == "naive" or not isinstance(engine, RlsyncCheckpointEngine):
             return await original(self, global_steps=global_steps, mode=mode)
         canary = trainer_canary(self.actor.engine) if engine.options.canary else None
-        shards = own_shards(self.actor.engine, str(getattr(self.config.rollout, "dtype", "bfloat16")))
+        shards = trainer_shards(self.actor.engine, str(getattr(self.config.rollout, "dtype", "bfloat16")))
         if shards is not None:  # each rank's own local shards, straight: nothing gathered
             return await engine.send_shards(shards, global_steps=global_steps, canary=canary) or {}
         params, peft_config = self.actor.engine.get_per_tensor_param(layered_summon=self.layered_summon,
@@ -82,48 +82,16 @@ def actor_execute_checkpoint_engine(original: Any) -> Any:
 
 
 def shard_tensor_list(model_engine: Any, rollout_dtype: str) -> list[list[Any]] | None:
-    """``[[name, dtype, full shape], ...]`` of what ``own_shards`` sends, on trainer rank 0 (the others: None, as where
-    the shard route does not apply)."""
+    """``[[name, dtype, full shape], ...]`` of what ``trainer_shards`` sends, on trainer rank 0 (the others: None, as
+    where the shard route does not apply)."""
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
-    shards = own_shards(model_engine, rollout_dtype)
+    shards = trainer_shards(model_engine, rollout_dtype)
     if shards is None:
         return None
-    return [[name, dtype_name(local.dtype), [int(n) for n in spec.full_shape]] for name, local, spec in shards]
-
-
-def own_shards(model_engine: Any, rollout_dtype: str) -> list[tuple[str, Any, Any]] | None:
-    """This rank's local shards as verl's FSDP engine exports them (``get_per_tensor_param_shard()``: ``(name, local flat
-    shard in bf16, ShardSpec)``, no collective), drained, where rlsync can send them as they are; None (and the log
-    says why, once) where it cannot, and the gathered route runs: a LoRA model (its adapter alone, or merged), an engine
-    without that export (Megatron's names are megatron-core's), a rollout that does not serve bf16 (verl's shards are
-    bf16), or a shard its placements do not describe (veomni's expert splits)."""
-    from torch.distributed.tensor import DTensor
-
-    module = getattr(model_engine, "module", None)
-    inner = getattr(module, "_fsdp_wrapped_module", module)
-    if not isinstance(module, torch.nn.Module) or not any(isinstance(p, DTensor) for p in module.parameters()):
-        return _gathered_because(f"verl's {type(model_engine).__name__} holds no FSDP2 module (DTensor parameters)")
-    if hasattr(inner, "peft_config"):
-        return _gathered_because("a LoRA model: its adapter (or, merged, its merged weights) go as verl exports them")
-    if rollout_dtype.removeprefix("torch.") not in ("bfloat16", "bf16"):
-        return _gathered_because(f"the rollout serves {rollout_dtype}, and verl exports its local shards in bf16")
-    try:
-        exported, _ = model_engine.get_per_tensor_param_shard()
-    except NotImplementedError:
-        return _gathered_because(f"verl's {type(model_engine).__name__} exports no local shards")
-    shards = list(exported)  # lazy and local: each a copy of this rank's shard only
-    for name, _, spec in shards:
-        if spec.place is not None or spec.to_hf_chunk is not None or spec.hf_slots is not None:
-            return _gathered_because(f"{name}'s shard is placed by rules its DTensor placements do not describe")
-    return shards
-
-
-@functools.cache
-def _gathered_because(why: str) -> None:
-    _log.info("rlsync: verl's weight sync gathers every tensor on each trainer rank: %s", why)
+    return [[t.name, t.dtype, [int(n) for n in t.shape]] for t in shards.layout.tensors]
 
 
 def trainer_canary(model_engine: Any) -> Canary | None:

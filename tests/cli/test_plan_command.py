@@ -156,3 +156,13 @@ def test_the_table_explains_its_rows() -> None:
     for row in ("bytes to move", "bytes sent", "redundancy", "transfers", "max per sender", "max per receiver",
                 "sender lower bound", "imbalance", "predicted: bytes", "predicted: host"):
         assert row in legend, row
+
+
+def test_a_tensor_parallel_size_the_engine_refuses_is_refused_with_its_reason() -> None:
+    """qwen2.5-7b has 28 attention heads: vLLM and SGLang refuse tp=8 (heads must divide), so the plan does too,
+    naming the sizes they take (issue #70); tp=4 plans."""
+    out = subprocess.run([sys.executable, "-m", "rlsync.cli", "plan", "--model", "qwen2.5-7b", "--train", "fsdp:dp=8",
+                          "--infer", "vllm:tp=8"], capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "28 attention heads" in out.stderr and "tp in [1, 2, 4, 28]" in out.stderr, out.stderr
+    assert CliRunner().invoke(app, ["plan", "--model", "qwen2.5-7b", "--train", "fsdp:dp=8", "--infer", "vllm:tp=4"]).exit_code == 0

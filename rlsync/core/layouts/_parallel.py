@@ -80,9 +80,23 @@ def _pack(items: Sequence[tuple[Param, Box]], buffer_of: Callable[[Param], str |
     return out
 
 
+def _engine_splits(spec: ModelSpec, tp: int) -> bool:
+    """Whether vLLM and SGLang take ``tp`` for this model: its attention heads split evenly (vLLM's
+    ``verify_with_parallel_config``: "Total number of attention heads must be divisible by tensor parallel size"), and
+    its k/v heads split evenly or replicate evenly (``QKVParallelLinear``)."""
+    kv = spec.num_kv_heads or spec.num_heads
+    return spec.num_heads % tp == 0 and (kv % tp == 0 if kv >= tp else tp % kv == 0)
+
+
 def engine_tp(spec: ModelSpec, tp: int, replicas: int = 1) -> Layout:
-    """vLLM / SGLang: ``replicas`` engines of ``tp`` ranks each, with fused per-rank parameters."""
+    """vLLM / SGLang: ``replicas`` engines of ``tp`` ranks each, with fused per-rank parameters. A ``tp`` the engines
+    refuse for this model is refused here, with their reason and the sizes they take."""
     tp, replicas = whole_number("tp", tp, 1), whole_number("replicas", replicas, 1)
+    if not _engine_splits(spec, tp):
+        valid = [n for n in range(1, max(spec.num_heads, 1) + 1) if spec.num_heads % n == 0 and _engine_splits(spec, n)]
+        raise LayoutError(f"tp={tp}: vLLM and SGLang refuse it for this model, whose {spec.num_heads} attention heads "
+                          f"({spec.num_kv_heads} k/v heads) do not split evenly over {tp} ranks (vLLM: \"Total number of "
+                          f"attention heads must be divisible by tensor parallel size\"); they take tp in {valid}")
     shards: list[Shard] = []
     for r in range(tp):
         items = [(p, tp_box(p, spec, r, tp)) for p in spec.params]

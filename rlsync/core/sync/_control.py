@@ -45,6 +45,7 @@ import errno
 import hashlib
 import hmac
 import ipaddress
+import logging
 import math
 import os
 import secrets
@@ -63,6 +64,11 @@ from rlsync.core.sync._canary import Canary
 from rlsync.core._errors import ConfigError, TransferTimeoutError, TransportError, redact
 from rlsync.core.layouts import Layout
 from rlsync.core.sync._stranger_budget import StrangerBudget
+
+_log = logging.getLogger("rlsync")
+
+#: seconds a writer waits in silence for its reader's first answer; then it says what it waits for (and keeps waiting)
+SILENT_WAIT_S = 5.0
 
 
 class Knock(msgspec.Struct, tag=True):
@@ -401,8 +407,10 @@ class Channel:
     reader's answers each ``Knock`` with ``answer_knock``."""
 
     def __init__(self, socket: zmq.Socket[bytes], key: bytes, monitor: zmq.Socket[bytes] | None = None, *,
-                 rank: int | None = None) -> None:
+                 rank: int | None = None, address: str | None = None) -> None:
         self.socket = socket
+        self.address = address  # a writer's: where its reader is
+        self.reached = False  # a writer's: a connection to its reader was made (else: refused, retrying)
         self._monitor = monitor  # the socket's handshake events (a reader's: failed ones; a writer's: until its Knock)
         self._key = key
         #: a writer's: the rank whose own credential it holds (its Knock says so), None with the reader's key
@@ -513,6 +521,10 @@ class Channel:
         """A writer's: whether its reader dropped it at the handshake (it took the writer's keys for another's)."""
         while self._monitor is not None and self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)["event"]
+            if event & zmq.EVENT_CONNECTED:
+                self.reached = True
+            if event & (zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED):
+                continue
             if event & zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._close_monitor()
                 return False
@@ -532,12 +544,19 @@ class Channel:
         handshake (its key differs) is a ``TransportError`` at once, not a timeout."""
         self._knock = new_nonce()
         self.send(Knock(self._knock, self.rank))
-        deadline = time.monotonic() + timeout_ms / 1000
+        started = time.monotonic()
+        deadline = started + timeout_ms / 1000
+        said = False
         while not self.socket.poll(min(50, max(0, int((deadline - time.monotonic()) * 1000)))):
             if self._handshake_failed():
                 raise TransportError("the reader dropped this writer at the handshake: " + _KEYS_DIFFER)
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 return None
+            if not said and now - started >= SILENT_WAIT_S:  # a wait says what it waits for, long before it gives up
+                said = True
+                _log.warning("rlsync: no answer for %.0f s (still waiting up to %.0f s more): %s", now - started,
+                             deadline - now, self.waiting_for())
         self._close_monitor()
         got = self.recv(0)
         if got is None:
@@ -548,6 +567,13 @@ class Channel:
         self._knock = None
         self.limit = min(self.limit, challenge.max_bytes)
         return challenge
+
+    def waiting_for(self) -> str:
+        """What a writer's wait for its reader's answer is, so far: nothing listening there, or a reader that is slow."""
+        where = redact(self.address or "its reader")
+        if self.reached:
+            return f"the reader at {where} accepted the connection but has not answered"
+        return f"nothing listens at {where} (connection refused, retried): is the engine up, and is this its address?"
 
     def recv(self, timeout_ms: int | None = None) -> tuple[bytes | None, Message, Session | None] | None:
         """``(identity or None, message, its session or None)``, or None when nothing arrived within the timeout."""
@@ -691,9 +717,10 @@ def connect_dealer(address: str, secret: str | None = None) -> Channel:
         check_secret(key, "the key of the reader address")
     secret_key: bytes = (own[1] if own else key.encode()) if key is not None else shared  # type: ignore[assignment]
     sock = _socket(zmq.DEALER, max_control_bytes(), secret_key, server_public=own[2] if own else None)
-    monitor = sock.get_monitor_socket(_FAILED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    monitor = sock.get_monitor_socket(_FAILED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                                      | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED)
     sock.connect(base)
-    return Channel(sock, secret_key, monitor, rank=own[0] if own else None)
+    return Channel(sock, secret_key, monitor, rank=own[0] if own else None, address=base)
 
 
 def open_channel(address: str, secret: str | None, timeout: float) -> tuple[Channel, Challenge]:
@@ -706,7 +733,7 @@ def open_channel(address: str, secret: str | None, timeout: float) -> tuple[Chan
         channel.close()
         raise
     if challenge is None:
+        waited = channel.waiting_for()
         channel.close()
-        raise TransferTimeoutError(f"the reader at {address} did not answer within {timeout} s: is the engine up, and is "
-                                   f"this its address?")
+        raise TransferTimeoutError(f"the reader at {address} did not answer within {timeout} s: {waited}")
     return channel, challenge

@@ -67,7 +67,7 @@ from rlsync import (
     WeightsReader,
     WeightsWriter,
 )
-from rlsync.adapters.verl._engine_route import EngineDriver, route_refusal, say_worker_route
+from rlsync.adapters.verl._engine_route import EngineDriver, engine_topology, route_refusal, say_worker_route
 from rlsync.adapters.verl._relays import host_id, place, relay_mode
 from rlsync.core import HostStaging, host_port, keyed, rank_address, split_address
 from rlsync.layouts import fsdp
@@ -202,7 +202,7 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         tensors = metadata[0].get("tensors") if actor_world_size else None
         engines = [m.get("engine") for m in metadata[actor_world_size:]]
         if tensors is not None and engines and all(engines):
-            return cls._engine_topology(actor_world_size, rollout_world_size, tensors, [e for e in engines if e])
+            return engine_topology(actor_world_size, rollout_world_size, tensors, [e for e in engines if e])
         if tensors is None:
             say_worker_route("the trainer does not send its own shards")
         else:
@@ -217,25 +217,6 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         rollout: dict[str, list[Any]] = {"role": ["rollout"] * rollout_world_size, "rank": list(range(rollout_world_size)),
                    "world_size": [rollout_world_size] * rollout_world_size, "readers": [addresses] * rollout_world_size,
                    "reader": placed.reader, "behind_relay": placed.behind, "relay": placed.relay}
-        return actor, rollout
-
-    @classmethod
-    def _engine_topology(cls, actor_world_size: int, rollout_world_size: int, tensors: list[list[Any]],
-                         engines: list[dict[str, Any]]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
-        """The engine route's: every trainer rank gets each replica's workers' addresses (its own credential for each),
-        every rollout worker the tensor list its leader initialises the engine with."""
-        leaders = {e["replica"]: e["addresses"] for e in engines if e["leader"]}
-        missing = sorted({e["replica"] for e in engines} - set(leaders))
-        if missing:
-            raise ConfigError(f"rollout replicas {missing} have no leader worker (verl's server adapter with the server "
-                              "handle) among the checkpoint engine's workers")
-        own = [[[rank_address(a, r) for a in leaders[replica]] for replica in sorted(leaders)] for r in range(actor_world_size)]
-        actor: dict[str, list[Any]] = {"role": ["actor"] * actor_world_size, "rank": list(range(actor_world_size)),
-                                       "world_size": [actor_world_size] * actor_world_size, "readers": own,
-                                       "engine": [True] * actor_world_size}
-        rollout: dict[str, list[Any]] = {"role": ["rollout"] * rollout_world_size, "rank": list(range(rollout_world_size)),
-                                         "world_size": [rollout_world_size] * rollout_world_size,
-                                         "readers": [[]] * rollout_world_size, "engine_tensors": [tensors] * rollout_world_size}
         return actor, rollout
 
     def init_process_group(self, role: str, rank: int, world_size: int, readers: list[Any],

@@ -28,7 +28,7 @@ from typing import Any
 
 from rlsync import ConfigError, SyncOptions
 from rlsync.adapters.vllm import RouteCredential, reserve_ports
-from rlsync.core import with_key
+from rlsync.core import rank_address, with_key
 
 _log = logging.getLogger("rlsync")
 
@@ -58,6 +58,26 @@ def route_refusal(server_adapter: Any, rollout_config: Any) -> str | None:
     if configured is not None and _get(configured, "backend") != "rlsync":
         return f"engine_kwargs.vllm.weight_transfer_config={configured} names another backend"
     return None
+
+
+def engine_topology(actor_world_size: int, rollout_world_size: int, tensors: list[list[Any]],
+                     engines: list[dict[str, Any]]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+    """verl's topology on the engine route (``RlsyncCheckpointEngine.build_topology``): every trainer rank gets each
+    replica's workers' addresses (its own credential for each), every rollout worker the tensor list its leader
+    initialises the engine with."""
+    leaders = {e["replica"]: e["addresses"] for e in engines if e["leader"]}
+    missing = sorted({e["replica"] for e in engines} - set(leaders))
+    if missing:
+        raise ConfigError(f"rollout replicas {missing} have no leader worker (verl's server adapter with the server "
+                          "handle) among the checkpoint engine's workers")
+    own = [[[rank_address(a, r) for a in leaders[replica]] for replica in sorted(leaders)] for r in range(actor_world_size)]
+    actor: dict[str, list[Any]] = {"role": ["actor"] * actor_world_size, "rank": list(range(actor_world_size)),
+                                   "world_size": [actor_world_size] * actor_world_size, "readers": own,
+                                   "engine": [True] * actor_world_size}
+    rollout: dict[str, list[Any]] = {"role": ["rollout"] * rollout_world_size, "rank": list(range(rollout_world_size)),
+                                     "world_size": [rollout_world_size] * rollout_world_size,
+                                     "readers": [[]] * rollout_world_size, "engine_tensors": [tensors] * rollout_world_size}
+    return actor, rollout
 
 
 @functools.cache

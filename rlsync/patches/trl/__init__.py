@@ -200,6 +200,12 @@ def _init_communicator(original: Any) -> Any:
         if config.get("backend") == "rlsync":
             self._rlsync_backend = True  # RlsyncSyncCallback moves the weights; no NCCL group, no CUDA device
             return
+        if not config:  # TRL would advise NCCL's backend; with rlsync's patches loaded, rlsync's is the one meant
+            raise ConfigError(f"the vLLM server at {self.base_url} has no weight-transfer engine: start it with "
+                              """--weight-transfer-config '{"backend": "rlsync"}' (and rlsync installed beside vLLM), e.g. """
+                              """VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model MODEL --host """
+                              """127.0.0.1 --weight-transfer-config '{"backend": "rlsync"}'; TRL's own NCCL sync takes """
+                              """'{"backend": "nccl"}' instead""")
         original(self, device)
 
     return init_communicator

@@ -236,3 +236,18 @@ def test_an_moe_policy_replays_the_servers_routes_in_every_forward(tokenizer_dir
     assert len(logged) == 2 and all(entry["rlsync/routes_replayed"] == 1.0 for entry in logged), logged
     assert all(0.0 <= entry["rlsync/routes_differing"] < 0.5 for entry in logged), logged
     print("\nrouted elsewhere by the trainer (replayed as recorded):", [entry["rlsync/routes_differing"] for entry in logged])
+
+
+def test_a_server_without_a_weight_transfer_engine_is_told_rlsyncs_flag_not_nccls() -> None:
+    """TRL's ``VLLMClient.init_communicator`` (as rlsync's patch wraps it) against a server whose ``/get_server_info``
+    reports no weight-transfer engine: rlsync's flag, not TRL's advice to restart with NCCL's (issue #70)."""
+    from types import SimpleNamespace
+
+    from trl.generation.vllm_client import VLLMClient
+
+    import rlsync.adapters.trl  # noqa: F401  (applies rlsync's patches of TRL)
+    from rlsync import ConfigError
+
+    client = SimpleNamespace(base_url="http://127.0.0.1:8000", get_server_info=lambda: {"weight_transfer_config": None})
+    with pytest.raises(ConfigError, match=r"""start it with --weight-transfer-config '\{"backend": "rlsync"\}'"""):
+        VLLMClient.init_communicator(client)

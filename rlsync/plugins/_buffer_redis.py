@@ -243,6 +243,17 @@ def _redis_module() -> Any:
     return redis
 
 
+def _client(redis: Any, url: str) -> Any:
+    """redis-py's client of ``url``; a URL it cannot take is one line naming the form (not redis-py's traceback)."""
+    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(f"url={url!r}: a Redis URL, e.g. 'redis://{url if isinstance(url, str) and url else 'HOST:6379'}/0' "
+                          "(redis://, rediss:// or unix://)")
+    try:
+        return redis.Redis.from_url(url, socket_timeout=10)
+    except ValueError as exc:
+        raise ConfigError(f"url={url!r}: {exc}") from None
+
+
 class RedisStorage:
     """A ``Storage`` for ``RolloutBuffer`` in Redis; see the module docstring.
 
@@ -256,7 +267,7 @@ class RedisStorage:
                  lease_seconds: float = 600.0, client: Any = None, key: bytes | None = None) -> None:
         redis = _redis_module()
         self._signer = EntrySigner(name, key)
-        self._redis = client if client is not None else redis.Redis.from_url(url, socket_timeout=10)
+        self._redis = client if client is not None else _client(redis, url)
         self._url = url
         self._errors = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
         self._name = name
@@ -378,7 +389,7 @@ class RedisEpisodes:
         self._signer = EntrySigner(name, key)  # the samples' too: a finished episode's goes to RedisStorage(name)
         url, kept_seconds = _kept_seconds_of(url, kept_seconds)
         self.kept_seconds = kept_seconds  # an episode finished without a sample keeps its steps this long (a replay)
-        self._redis = client if client is not None else redis.Redis.from_url(url, socket_timeout=10)
+        self._redis = client if client is not None else _client(redis, url)
         self._url = url
         self._errors = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
         self._redis_errors = redis

@@ -188,3 +188,13 @@ def test_a_url_where_no_redis_answers_is_named_at_once_and_fails_within_the_wait
     assert f"no Redis answered at {shown} for 1 s" in str(raised.value) and "url=" in str(raised.value)
     assert [r.getMessage() for r in caplog.records if shown in r.getMessage() and "retrying" in r.getMessage()]
     assert "hunter2" not in str(raised.value) + caplog.text
+
+
+@pytest.mark.parametrize("url", ["localhost:6379", "http://localhost:6379", "redis://localhost:notaport/0"])
+def test_a_url_redis_cannot_take_is_one_line_naming_the_form(url: str) -> None:
+    """``make_buffer('redis', url='localhost:6379')`` (issue #70): a ConfigError naming the form, not redis-py's traceback."""
+    import rlsync
+    from rlsync import ConfigError
+
+    with pytest.raises(ConfigError, match=r"url=.*(a Redis URL, e.g. 'redis://|Port)"):
+        rlsync.make_buffer("redis", url=url)

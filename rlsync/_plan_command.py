@@ -209,7 +209,9 @@ def run(*, model: str, train: str, infer: str, nic_gbps: float, rank: int | None
             s = load_model_spec(name)
             console.print(f"{name:16} {s.numel / 1e9:8.2f}B parameters  {len(s.params):5} tensors")
         return
-    report = plan_report(model, train, infer, nic_gbps, rank, wire, relay_per_node, host_us_per_tensor)
+    # a plan of thousands of ranks takes seconds: say what runs (on stderr, so --json stays one clean line)
+    with Console(stderr=True).status(f"rlsync plan: planning {model} {train} -> {infer} ..."):
+        report = plan_report(model, train, infer, nic_gbps, rank, wire, relay_per_node, host_us_per_tensor)
     if json_output:
         print(json.dumps(report))
         return

@@ -244,14 +244,16 @@ def _redis_module() -> Any:
 
 
 def _client(redis: Any, url: str) -> Any:
-    """redis-py's client of ``url``; a URL it cannot take is one line naming the form (not redis-py's traceback)."""
+    """redis-py's client of ``url``; a URL it cannot take is one line naming the form (not redis-py's traceback), the
+    URL shown without its password."""
     if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError(f"url={url!r}: a Redis URL, e.g. 'redis://{url if isinstance(url, str) and url else 'HOST:6379'}/0' "
-                          "(redis://, rediss:// or unix://)")
+        shown = _shown(url) if isinstance(url, str) else url
+        raise ConfigError(f"url={shown!r} is not a Redis URL (redis://, rediss:// or unix://); for example "
+                          "redis://HOST:6379/0")
     try:
         return redis.Redis.from_url(url, socket_timeout=10)
     except ValueError as exc:
-        raise ConfigError(f"url={url!r}: {exc}") from None
+        raise ConfigError(f"url={_shown(url)!r}: {exc}; for example redis://HOST:6379/0") from None
 
 
 class RedisStorage:

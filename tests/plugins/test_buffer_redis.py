@@ -190,11 +190,13 @@ def test_a_url_where_no_redis_answers_is_named_at_once_and_fails_within_the_wait
     assert "hunter2" not in str(raised.value) + caplog.text
 
 
-@pytest.mark.parametrize("url", ["localhost:6379", "http://localhost:6379", "redis://localhost:notaport/0"])
+@pytest.mark.parametrize("url", ["localhost:6379", "http://:hunter2@localhost:6379", "redis://localhost:notaport/0"])
 def test_a_url_redis_cannot_take_is_one_line_naming_the_form(url: str) -> None:
-    """``make_buffer('redis', url='localhost:6379')`` (issue #70): a ConfigError naming the form, not redis-py's traceback."""
+    """``make_buffer('redis', url='localhost:6379')`` (issue #70): a ConfigError naming the form, not redis-py's
+    traceback, and no password in it."""
     import rlsync
     from rlsync import ConfigError
 
-    with pytest.raises(ConfigError, match=r"url=.*(a Redis URL, e.g. 'redis://|Port)"):
+    with pytest.raises(ConfigError, match=r"url=.*(not a Redis URL|Port).*for example redis://HOST:6379/0") as refused:
         rlsync.make_buffer("redis", url=url)
+    assert "hunter2" not in str(refused.value)

@@ -328,8 +328,9 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         self._version += 1
         writers = self._writers
         if mine:
+            chunks = {name: chunk for name, chunk in self._chunks.items() if name in mine}
             for writer in writers:
-                writer.multi_put({name: chunk for name, chunk in self._chunks.items() if name in mine})
+                writer.multi_put(chunks)
         sent = time.perf_counter()
         try:
             if mine:

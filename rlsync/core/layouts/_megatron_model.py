@@ -19,6 +19,7 @@ of layers, data-parallel replicas (each byte then comes from one of them), tied 
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -133,9 +134,7 @@ def _check_rank(layout: Layout, params: Mapping[str, Any], rank: int) -> None:
     """This rank's live parameters are its buffers, name for name and size for size."""
     mine = {b.name: b.numel for b in layout.buffers if b.rank == rank}
     for name, tensor in params.items():
-        numel = 1
-        for n in tensor.shape:
-            numel *= int(n)
+        numel = math.prod(int(n) for n in tensor.shape)
         if name not in mine:
             raise LayoutError(f"megatron-core parameter {name!r} (shape {tuple(tensor.shape)}) is not in rlsync's layout of "
                               f"rank {rank}: a layer, module or layer spec rlsync.layouts.from_megatron does not describe; "

@@ -70,13 +70,19 @@ def apply(*, actor_update_weights: Callable[[Any], Any], rollout_update_weights:
         if not getattr(cls.update_weights, "_rlsync_patched", False):
             cls.update_weights = wrap(cls.update_weights)
             cls.update_weights._rlsync_patched = True
-    for cls, name, wrap in ((ActorRolloutRefWorker, "execute_checkpoint_engine", actor_execute_checkpoint_engine),
-                            (CheckpointEngineWorker, "__init__", rollout_init),
-                            (RolloutConfig, "__post_init__", rollout_config_init)):
+    _wrap_methods("_rlsync_patched", ((ActorRolloutRefWorker, "execute_checkpoint_engine", actor_execute_checkpoint_engine),
+                                      (CheckpointEngineWorker, "__init__", rollout_init),
+                                      (RolloutConfig, "__post_init__", rollout_config_init)))
+
+
+def _wrap_methods(marker: str, methods: tuple[tuple[type, str, Callable[[Any], Any]], ...]) -> None:
+    """Replace each ``(class, name, wrap)``'s own method by ``wrap(method)``, once: ``marker`` on the wrapped method
+    says it is (one marker per group of patches, since several groups wrap the same class's ``__init__``)."""
+    for cls, name, wrap in methods:
         method = cls.__dict__[name]
-        if not getattr(method, "_rlsync_patched", False):
+        if not getattr(method, marker, False):
             wrapped = wrap(method)
-            wrapped._rlsync_patched = True
+            setattr(wrapped, marker, True)
             setattr(cls, name, wrapped)
 
 
@@ -94,14 +100,9 @@ def apply_routing_replay(*, worker_init: Callable[[Any], Any], forward_step: Cal
         logging.getLogger("rlsync").warning("rlsync: verl's FSDP engine does not import here (%s): routing replay (R3) "
                                             "with an FSDP actor is not available in this process", exc)
         return
-    for cls, name, wrap in ((ActorRolloutRefWorker, "__init__", worker_init),
-                            (FSDPEngineWithLMHead, "forward_step", forward_step),
-                            (FSDPEngine, "forward_backward_batch", forward_backward_batch)):
-        method = cls.__dict__[name]
-        if not getattr(method, "_rlsync_routes", False):
-            wrapped = wrap(method)
-            wrapped._rlsync_routes = True
-            setattr(cls, name, wrapped)
+    _wrap_methods("_rlsync_routes", ((ActorRolloutRefWorker, "__init__", worker_init),
+                                     (FSDPEngineWithLMHead, "forward_step", forward_step),
+                                     (FSDPEngine, "forward_backward_batch", forward_backward_batch)))
 
 
 def apply_sampling_mask(*, worker_init: Callable[[Any], Any], actor_call: Callable[[Any], Any],

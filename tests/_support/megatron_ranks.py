@@ -209,6 +209,7 @@ def save_checkpoint(state: dict[str, torch.Tensor], where: Any, moe: bool = Fals
               metadata={"format": "pt"})
     config = hf_config(moe)
     config.torch_dtype = next(iter(state.values())).dtype
+    config.architectures = ["Qwen3MoeForCausalLM" if moe else "LlamaForCausalLM"]  # else vLLM takes it for a scorer
     config.save_pretrained(where)
     return where
 

@@ -79,3 +79,53 @@ def test_what_it_does_not_describe_is_refused_by_name() -> None:
         from_megatron(extra, CONFIG, padded_vocab_size=256, tp=2)
     with pytest.raises(LayoutError, match="even split"):
         from_megatron(_params(1, 0, 1, 0, 256), SimpleNamespace(**{**vars(CONFIG), "num_layers": 3}), padded_vocab_size=256, pp=2)
+
+
+def _moe_params(ep_rank: int, ep: int) -> dict[str, SimpleNamespace]:
+    """A Qwen3-MoE-like rank of megatron-core's local spec: 8 experts of 32, their local ones under SequentialMLP."""
+    def p(*shape: int) -> SimpleNamespace:
+        return SimpleNamespace(shape=shape, dtype="bfloat16")
+
+    out = {"embedding.word_embeddings.weight": p(256, 64), "decoder.final_layernorm.weight": p(64),
+           "output_layer.weight": p(256, 64)}
+    for i in range(4):
+        out.update({f"decoder.layers.{i}.input_layernorm.weight": p(64),
+                    f"decoder.layers.{i}.self_attention.linear_qkv.weight": p((4 + 2 * 2) * 16, 64),
+                    f"decoder.layers.{i}.self_attention.q_layernorm.weight": p(16),
+                    f"decoder.layers.{i}.self_attention.k_layernorm.weight": p(16),
+                    f"decoder.layers.{i}.self_attention.linear_proj.weight": p(64, 64),
+                    f"decoder.layers.{i}.pre_mlp_layernorm.weight": p(64),
+                    f"decoder.layers.{i}.mlp.router.weight": p(8, 64)})
+        for j in range(8 // ep):
+            out[f"decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc1.weight"] = p(2 * 32, 64)
+            out[f"decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc2.weight"] = p(64, 32)
+    return out
+
+
+MOE = SimpleNamespace(**{**vars(CONFIG), "num_moe_experts": 8, "moe_ffn_hidden_size": 32, "moe_router_topk": 2,
+                         "qk_layernorm": True})
+
+
+def test_a_moe_rank_holds_its_own_experts_under_the_checkpoints_names_and_sends_what_the_builder_plans() -> None:
+    """Experts over ep=2 (of dp=2): rank r's local expert j is the checkpoint's expert 4r + j; the attention comes from
+    either; the bytes are those of ``megatron(spec, dp=2, ep=2)``, which ``rlsync plan`` uses (stacked experts)."""
+    layouts = [from_megatron(_moe_params(r, 2), MOE, padded_vocab_size=256, dp=2, dp_rank=r, ep=2, ep_rank=r)
+               for r in range(2)]
+    live = layouts[1]
+    owners = {s.tensor: s.rank for s in live.shards if ".experts." in s.tensor}
+    assert owners["model.layers.3.mlp.experts.5.down_proj.weight"] == 1
+    assert owners["model.layers.0.mlp.experts.3.gate_proj.weight"] == 0
+    fc1 = {s.tensor: (s.buffer, s.offset) for s in live.shards if s.rank == 1 and ".layers.2.mlp.experts.6." in s.tensor}
+    assert fc1["model.layers.2.mlp.experts.6.gate_proj.weight"] == ("decoder.layers.2.mlp.experts.local_experts.2.linear_fc1.weight", 0)
+    assert fc1["model.layers.2.mlp.experts.6.up_proj.weight"] == ("decoder.layers.2.mlp.experts.local_experts.2.linear_fc1.weight", 32 * 64)
+    built = megatron(model_spec({**HF, "model_type": "qwen3_moe", "num_experts": 8, "moe_intermediate_size": 32}), dp=2, ep=2)
+    assert sum(t.nbytes for t in live.tensors) == sum(t.nbytes for t in built.tensors)
+    assert {(b.rank, b.numel) for b in live.buffers if "experts" in b.name} <= {(b.rank, b.numel // 4) for b in built.buffers
+                                                                                  if "experts" in b.name}
+    with pytest.raises(LayoutError, match="expert-parallel rank 0"):
+        from_megatron(_moe_params(1, 2), MOE, padded_vocab_size=256, dp=2, dp_rank=1, ep=2, ep_rank=0)
+    for setting, value in (("moe_shared_expert_intermediate_size", 64), ("moe_router_enable_expert_bias", True),
+                           ("moe_layer_freq", [1, 0, 1, 0]), ("qk_layernorm", False)):
+        with pytest.raises(LayoutError, match=setting if setting != "qk_layernorm" else "Qwen3-MoE kind"):
+            from_megatron(_moe_params(0, 2), SimpleNamespace(**{**vars(MOE), setting: value}), padded_vocab_size=256,
+                          dp=2, ep=2)

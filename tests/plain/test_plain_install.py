@@ -64,6 +64,7 @@ def test_the_rollout_buffer_example_runs_within_its_staleness_bound(tmp_path: Pa
     ("trl_grpo.py", ["--out", "out"], "trl_grpo.py needs trl, vllm, transformers, tokenizers, datasets, matplotlib"),
     ("sync_weights.py", ["--model", "qwen2"], "--model qwen2 needs transformers: pip install 'rlsync[hf]'"),
     ("rollout_buffer.py", ["--backend", "redis"], "--backend redis needs redis: pip install 'rlsync[redis]'"),
+    ("megatron_sync.py", [], "megatron_sync.py needs megatron, vllm, transformers: pip install -e '.[megatron,vllm]'"),
 ])
 def test_an_example_that_needs_an_extra_says_which_before_it_writes_anything(example: str, args: list[str], says: str,
                                                                               tmp_path: Path) -> None:

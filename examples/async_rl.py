@@ -22,7 +22,9 @@ Modes (``--modes`` side by side, or ``--mode`` one), as verl's fully-async train
 
 One command runs every mode for every seed on one server (each run starts from the same initial weights, synced as
 a version of its own) and writes ``report.json`` and ``report.png`` into ``--out``: reward against wall-clock time,
-samples/s, the time each pool stood idle, the staleness of the tokens trained on, seconds per sync.
+samples/s, the time each pool stood idle, the staleness of the tokens trained on, seconds per sync. With
+``--timeline DIR`` each run also records its timeline (``DIR/MODE-seedN.jsonl``): ``rlsync timeline DIR/...`` reads
+where the time went from it, and ``rlsync simulate --timeline DIR/lockstep-seed0.jsonl`` predicts the other modes.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +200,7 @@ def run(mode: str, seed: int, args: argparse.Namespace, server: Server, vserver:
     from transformers import AutoModelForCausalLM
 
     import rlsync
+    from rlsync import timeline
 
     torch.manual_seed(seed)
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -213,6 +216,7 @@ def run(mode: str, seed: int, args: argparse.Namespace, server: Server, vserver:
     stop = threading.Event()
     errors: list[BaseException] = []
     started = time.monotonic()
+    began = timeline.recording().now()  # the run's window in its timeline: the same as its wall-clock measurement
 
     def produce(worker: int) -> None:
         """Generator threads (HTTP clients: the generation itself runs in the server's cores). Whole batches in
@@ -229,8 +233,9 @@ def run(mode: str, seed: int, args: argparse.Namespace, server: Server, vserver:
 
                 def one(i: int) -> None:
                     os.sched_setaffinity(0, args.gen_core_set)
-                    with pool.request():
+                    with pool.request(), timeline.span("request", sequences=args.group, engine="vllm") as request:
                         groups[i] = generate_group(server.post, prompts[i], args.group, lengths[i], base, seeds[i])
+                        request["tokens"] = sum(len(c["tokens"]) for c in groups[i])
 
                 threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
                 for t in threads:
@@ -272,7 +277,8 @@ def run(mode: str, seed: int, args: argparse.Namespace, server: Server, vserver:
             for s in samples:
                 lags.extend(int(x) for x in (step - 1) - np.asarray(s.versions))
                 spanning += s.oldest_version != s.newest_version
-            loss = grpo_step(policy, optimizer, samples, rewards, args.group, args.is_cap)
+            with timeline.span("train", step=step):
+                loss = grpo_step(policy, optimizer, samples, rewards, args.group, args.is_cap)
             waited = time.monotonic()
             with pool.sync(vserver):
                 synced = time.monotonic()
@@ -290,6 +296,8 @@ def run(mode: str, seed: int, args: argparse.Namespace, server: Server, vserver:
             t.join(timeout=60)
         pool.close()
     wall = time.monotonic() - started
+    timeline.recording().event("run", began, began + wall, mode=mode, seed=seed, max_staleness=staleness,
+                               partial_rollout=pool.partial)
     served = vserver.weight_version()
     check = rlsync.Canary.of(policy)
     deviation = check.check(vserver.prompt_logprobs(check.tokens), where="the generation pool after the run")
@@ -406,6 +414,7 @@ def main() -> None:
     parser.add_argument("--gen-cores", default="0", help="the generation pool's cores (taskset list)")
     parser.add_argument("--train-cores", default="1", help="the training pool's cores (taskset list)")
     parser.add_argument("--out", type=Path, default=Path("runs/async_rl"))
+    parser.add_argument("--timeline", type=Path, help="record each run's timeline here (DIR/MODE-seedN.jsonl)")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--json", action="store_true", help="also print the report")
     args = parser.parse_args()
@@ -420,7 +429,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(len(cores))
-    from rlsync import SyncOptions
+    from rlsync import SyncOptions, record_timeline
     from rlsync.adapters.vllm import VllmServer
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -438,7 +447,8 @@ def main() -> None:
         for k, seed in enumerate(args.seeds):
             # each seed starts with another mode: no mode always runs first on a freshly started server
             for mode in args.modes[k % len(args.modes):] + args.modes[: k % len(args.modes)]:
-                result = run(mode, seed, args, server, vserver, args.out / "model", target)
+                with record_timeline(args.timeline / f"{mode}-seed{seed}.jsonl") if args.timeline else nullcontext():
+                    result = run(mode, seed, args, server, vserver, args.out / "model", target)
                 runs.append(result)
                 idle = {pool: round(sum(seconds.values()), 1) for pool, seconds in result["idle_seconds"].items()}
                 print(f"{mode:>13} seed {seed}: {result['samples_per_second']:.1f} samples/s, reward "

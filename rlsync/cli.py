@@ -1,4 +1,4 @@
-"""The ``rlsync`` command: ``plan``, ``bench``, ``launch``, ``doctor``.
+"""The ``rlsync`` command: ``plan``, ``bench``, ``launch``, ``doctor``, ``timeline``, ``simulate``.
 
 Each command's work lives in its own module and is imported only when that command runs,
 so ``rlsync --help`` stays fast and needs no optional dependency.
@@ -7,6 +7,7 @@ so ``rlsync --help`` stays fast and needs no optional dependency.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -180,6 +181,52 @@ def launch(
     from rlsync.adapters.openrlhf import main as launch_openrlhf
 
     launch_openrlhf(ctx.args)  # reached in-process only: the `rlsync` command hands argv over in main(), `--` included
+
+
+@app.command()
+def timeline(
+    run: Annotated[Path, typer.Argument(help="A timeline rlsync recorded: a .jsonl file, or a directory of them (one per process).")],
+    picture: Annotated[Optional[Path], typer.Option(help="Where the Gantt chart goes (PNG; default beside RUN; needs matplotlib).")] = None,
+    trace: Annotated[Optional[Path], typer.Option(help="Where the Chrome trace goes (default beside RUN: RUN.trace.json).")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+) -> None:
+    """Where a run's time went: each pool's busy and idle shares and what it waited for, the staleness of the tokens
+    trained on, seconds per sync; a Gantt chart (PNG) and a Chrome trace (chrome://tracing, Perfetto) beside it."""
+    from rlsync._timeline_command import timeline_command
+
+    timeline_command(run, picture, trace, json_output)
+
+
+@app.command()
+def simulate(
+    timeline: Annotated[Optional[Path], typer.Option(help="Fit the costs to this recorded run (a lockstep run sees each cost alone).")] = None,
+    run: Annotated[int, typer.Option(help="Which run of the timeline (its run spans, from 0).")] = 0,
+    modes: Annotated[str, typer.Option(help="Comma-separated: lockstep, one-step-off, async, async-partial.")] = "lockstep,one-step-off,async,async-partial",
+    steps: Annotated[Optional[int], typer.Option(min=1, help="Optimizer steps (default: the run's, or 20).")] = None,
+    max_staleness: Annotated[int, typer.Option(min=0, help="async: versions generation may run ahead.")] = 1,
+    prompts: Annotated[Optional[int], typer.Option(min=1, help="Prompts per batch (a request each).")] = None,
+    group: Annotated[Optional[int], typer.Option(min=1, help="Sequences per prompt (GRPO's group).")] = None,
+    train_seconds: Annotated[Optional[float], typer.Option(min=0, help="Seconds of one optimizer step (half on twice the training GPUs, say).")] = None,
+    sync_seconds: Annotated[Optional[float], typer.Option(min=0, help="Seconds of one weight sync (measured, or what rlsync plan predicts).")] = None,
+    step_seconds: Annotated[Optional[float], typer.Option(min=0, help="The engine's fixed seconds per decode step.")] = None,
+    seq_step_seconds: Annotated[Optional[float], typer.Option(min=0, help="The engine's seconds per decode step per sequence in flight.")] = None,
+    lengths: Annotated[Optional[str], typer.Option(help="Completion lengths to draw from, comma-separated tokens (e.g. '12,12,96').")] = None,
+    repeats: Annotated[int, typer.Option(min=1, help="Runs per mode with other draws of the lengths; the mean is printed.")] = 20,
+    json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Predict samples/s, each pool's idle shares and the staleness of lockstep, one-step-off, async and async with
+    partial rollouts, from a recorded run's costs or from costs given as flags (a discrete-event model: docs/timeline.md)."""
+    from rlsync.core import ConfigError
+    from rlsync._timeline_command import simulate_command
+
+    try:
+        drawn = [int(x) for x in lengths.split(",")] if lengths else None
+    except ValueError:
+        raise ConfigError(f"--lengths {lengths!r}: comma-separated whole numbers of tokens, e.g. '12,12,96'") from None
+    simulate_command(timeline, run, [m.strip() for m in modes.split(",") if m.strip()], steps, max_staleness,
+                     {"prompts": prompts, "group": group, "train_seconds": train_seconds, "sync_seconds": sync_seconds,
+                      "step_seconds": step_seconds, "seq_step_seconds": seq_step_seconds, "lengths": drawn},
+                     json_output, repeats)
 
 
 @app.command()

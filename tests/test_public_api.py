@@ -14,7 +14,7 @@ def test_all_is_sorted_and_importable() -> None:
 
 
 def test_every_public_name_is_exported() -> None:
-    public = {n for n in vars(rlsync) if not n.startswith("_")} - {"core", "plugins", "adapters", "patches", "cli", "bench", "layouts", "wire", "testing"}
+    public = {n for n in vars(rlsync) if not n.startswith("_")} - {"core", "plugins", "adapters", "patches", "cli", "bench", "layouts", "wire", "testing", "timeline"}
     assert public <= set(rlsync.__all__), public - set(rlsync.__all__)
 
 

@@ -34,7 +34,7 @@ from rlsync import (
 from rlsync.adapters.vllm._lora import refuse_unsupported
 from rlsync.adapters.vllm._route_auth import RouteCredential
 from rlsync.adapters.vllm._server_calls import ServerCalls
-from rlsync.core import shift_port, with_key
+from rlsync.core import shift_port, span, with_key
 from rlsync.adapters.vllm._lora_versions import path_of
 from rlsync.layouts import from_state_dict, tied_aliases
 
@@ -123,6 +123,12 @@ class VllmServer(ServerCalls):
         deviation is ``PublishStats.canary_deviation``. A paused server (``pause()``) runs no request: its canary
         is not checked, and a warning says so.
         """
+        with span("sync", route="vllm-http") as timeline:
+            stats = self._publish(named_tensors, version, canary)
+            timeline.update(version=stats.version, bytes=stats.bytes)
+        return stats
+
+    def _publish(self, named_tensors: Iterable[tuple[str, Any]], version: int | None, canary: Canary | None) -> PublishStats:
         started = time.perf_counter()
         dtype = self._server_dtype()
         # cast as they come (an iterator may gather each parameter and release it after it is taken), then drop the

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlsync import ConfigError, PeerLostError, RlsyncWarning, SyncOptions
+from rlsync.core import span
 
 MAX_TOKEN_IDS = 128  # vLLM's MAX_LOGPROB_TOKEN_IDS: the ids one request may ask log-probs of
 SERVER_FLAGS = "VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --host 127.0.0.1 --weight-transfer-config '{\"backend\": \"rlsync\"}'"
@@ -74,11 +75,13 @@ class ServerCalls:
 
     def pause(self) -> None:
         """Freeze in-flight requests (they continue on ``resume``), as TRL's async trainer does."""
-        self.call("/pause?mode=keep")
+        with span("pause"):  # the timeline: the engine generates nothing from here to the end of the next resume
+            self.call("/pause?mode=keep")
         self.paused = True
 
     def resume(self) -> None:
-        self.call("/resume")
+        with span("resume"):
+            self.call("/resume")
         self.paused = False
 
     def prompt_logprobs(self, tokens: Sequence[Sequence[int]], *, model: str | None = None) -> list[list[float]]:

@@ -35,6 +35,7 @@ from rlsync.core.rollouts._gates import Decision, Gate, freshest_per_group, impo
 from rlsync.core.hooks import default_plugin_manager
 from rlsync.core.rollouts._samples import Sample
 from rlsync.core.rollouts._telemetry import BufferTelemetry
+from rlsync.core.timeline import recording
 
 PartialPolicy = Literal["continue", "abort", "drain"]
 BUILTIN_GATES = "rlsync.plugins.gates"  # the plugin that holds MaxStaleness
@@ -121,7 +122,7 @@ class MemoryStorage:
 class Ticket:
     """Admission for one rollout (or one group of rollouts)."""
 
-    __slots__ = ("aborted", "count", "prompt_id", "ticket_id", "version")
+    __slots__ = ("aborted", "admitted", "count", "prompt_id", "ticket_id", "version")
 
     def __init__(self, ticket_id: int, version: int, count: int, prompt_id: str | None) -> None:
         self.ticket_id = ticket_id
@@ -129,6 +130,7 @@ class Ticket:
         self.count = count
         self.prompt_id = prompt_id
         self.aborted = False
+        self.admitted = 0.0  # when (the timeline's clock), for the rollout's span
 
 
 class Batch:
@@ -154,6 +156,28 @@ class Batch:
         if len(trainer_logprobs) != len(self.samples):
             raise ValueError(f"{len(trainer_logprobs)} log-prob arrays for a batch of {len(self.samples)} samples")
         return [importance_weights(t, s.logprobs, cap) for t, s in zip(trainer_logprobs, self.samples)]
+
+
+def _record_rollout(ticket: Ticket | None, samples: list[Sample]) -> None:
+    """The timeline's ``rollout``: a ticket from admission to its samples, their tokens and versions."""
+    timeline = recording()
+    if timeline.path is not None:
+        now = timeline.now()
+        timeline.event("rollout", now if ticket is None else ticket.admitted, now, samples=len(samples),
+                       tokens=sum(len(s.versions) for s in samples),
+                       versions=[min(s.oldest_version for s in samples), max(s.newest_version for s in samples)])
+
+
+def _record_wait(began: float, batch: Batch | None) -> None:
+    """The timeline's ``wait_batch``: a trainer's wait in ``get``, and the staleness of each token it took."""
+    timeline = recording()
+    if timeline.path is not None:
+        fields: dict[str, Any] = {}
+        if batch is not None:
+            lags = np.bincount(np.concatenate(batch.version_lags()).astype(np.int64).clip(0)) if batch.num_tokens else ()
+            fields = {"samples": len(batch), "version": batch.trainer_version,
+                      "lags": {str(k): int(n) for k, n in enumerate(lags) if n}}
+        timeline.event("wait_batch", began, timeline.now(), **fields)
 
 
 MAX_BATCH_SIZE = 1 << 24  # samples in one batch: far above any trainer's, far below what would never fill
@@ -224,6 +248,8 @@ class RolloutBuffer:
     def admit(self, count: int = 1, *, prompt_id: str | None = None, timeout: float | None = None) -> Ticket | None:
         """Ask to start ``count`` rollouts; blocks while over capacity (or draining). None on timeout."""
         started = time.perf_counter()
+        timeline = recording()
+        began = timeline.now()
         with self._cond:
             ok = self._cond.wait_for(
                 lambda: self._closed or (not (self._draining and self._tickets) and self.capacity() >= count), timeout
@@ -231,12 +257,15 @@ class RolloutBuffer:
             stalled = time.perf_counter() - started
             if stalled > 1e-3:
                 self.telemetry.stall(stalled)
+                timeline.event("stall", began, began + stalled, count=count,
+                               why="draining" if self._draining else "staleness bound", version=self.version)
             if self._closed:
                 raise RolloutBufferError("the rollout buffer is closed")
             if not ok:
                 return None
             self._draining = False
             ticket = Ticket(next(self._ids), self.version, count, prompt_id)
+            ticket.admitted = began + stalled
             self._tickets[ticket.ticket_id] = ticket
             return ticket
 
@@ -270,6 +299,7 @@ class RolloutBuffer:
             self.telemetry.put += len(batch)
             self._cond.notify_all()
         self.plugins.hook.rlsync_on_put(samples=batch)
+        _record_rollout(ticket, batch)
         return True
 
     # -- consumers --------------------------------------------------------------------------
@@ -343,11 +373,18 @@ class RolloutBuffer:
     def _drop(self, samples: Sequence[Sample]) -> None:
         if samples:
             self.telemetry.dropped += len(samples)
+            recording().event("drop", samples=len(samples), version=self.version)
             self.storage.ack([s.sample_id for s in samples])  # done with: never handed out again
 
     def get(self, batch_size: int | None = None, *, max_tokens: int | None = None, timeout: float | None = None) -> Batch | None:
         """The next batch: ``batch_size`` samples (default: the buffer's), or as many whole
         samples as fit in ``max_tokens``. Blocks until it is full; None on timeout."""
+        began = recording().now()
+        batch = self._get(batch_size, max_tokens, timeout)
+        _record_wait(began, batch)
+        return batch
+
+    def _get(self, batch_size: int | None, max_tokens: int | None, timeout: float | None) -> Batch | None:
         count = batch_size or self.batch_size
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -408,6 +445,7 @@ class RolloutBuffer:
                 self._draining = True
             self.storage.save_state({"version": self.version, "consumed": self.consumed})
             self._cond.notify_all()
+        recording().event("publish", version=version)
 
     def report(self) -> str:
         """A one-line telemetry summary; also handed to ``rlsync_report`` hooks as ``kind="buffer"``."""

@@ -25,6 +25,7 @@ from rlsync.core._errors import (
     WeightMismatchError,
 )
 from rlsync.core.sync._transport import Link, Run
+from rlsync.core.timeline import recording
 from rlsync.core.sync._writer_state import WriterState
 
 
@@ -36,8 +37,12 @@ class VersionPosting(WriterState):
         serves and refuses the version (``CanaryError`` here) when its own log-probs deviate; the largest deviation
         an engine reported is ``last_canary_deviation`` afterwards."""
         started = time.perf_counter()
+        timeline = recording()
+        began = timeline.now()
         sent, failed = self._write_parts(version, progress, canary, notify=True)
         self._confirm(version, progress, canary, sent, failed, started)
+        timeline.event("sync", began, timeline.now(), version=version, bytes=self.last_bytes, rank=self.rank,
+                       transport=self._transport.name)
 
     def _write_parts(self, version: int, progress: Callable[[int], None] | None, canary: Canary | None, *,
                      notify: bool) -> tuple[list[int], dict[int, str]]:

@@ -127,7 +127,9 @@ def wheel(session: nox.Session) -> None:
     tmp = os.path.abspath(session.create_tmp())  # absolute: the commands below run from inside it
     dist = os.path.join(tmp, "dist")
     shutil.rmtree(dist, ignore_errors=True)
-    session.run("python", "-m", "build", "--outdir", dist)
+    built_log = str(session.run("python", "-m", "build", "--outdir", dist, silent=True))
+    if "deprecat" in built_log.lower():  # #70: the build warned three times that project.license as a table is deprecated
+        session.error(f"python -m build warns of something deprecated in the project's metadata:\n{built_log[-3000:]}")
     session.run("twine", "check", "--strict", *sorted(glob.glob(os.path.join(dist, "*"))))
     (built,) = glob.glob(os.path.join(dist, "rlsync-*.whl"))
     user = os.path.join(tmp, "user")

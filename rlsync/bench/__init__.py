@@ -11,6 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 
+def parse_size(text: str) -> int:
+    """Bytes of a size as rlsync's commands take it: a number and a unit, binary (``256MiB``) or decimal (``64MB``),
+    at least 1 MiB; anything else is a ``ConfigError`` naming the form (``rlsync bench --size``, the examples)."""
+    from rlsync.bench._weights import parse_size as parse
+
+    return parse(text)
+
+
 def run_buffer(**options: Any) -> None:
     from rlsync.bench._buffer import run
 
@@ -53,4 +61,4 @@ def run_wire(**options: Any) -> None:
     run(**options)
 
 
-__all__ = ["run_buffer", "run_device", "run_engine", "run_mask", "run_tensors", "run_weights", "run_wire"]
+__all__ = ["parse_size", "run_buffer", "run_device", "run_engine", "run_mask", "run_tensors", "run_weights", "run_wire"]

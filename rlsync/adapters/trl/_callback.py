@@ -40,12 +40,15 @@ does not gather) TRL's merged weights are sent, as TRL does; a log line says whi
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
 
-from rlsync import Canary, ConfigError, MaxStaleness, SyncOptions, VersionError
+from rlsync import Canary, ConfigError, MaxStaleness, SyncOptions, VersionError, record_timeline
+from rlsync.core import recording
 from rlsync.adapters.trl._routes import RouteReplay
 from rlsync.adapters.trl._sampling import SamplingMask
 from rlsync.adapters.trl._weight_transfer import choose_lora_route
@@ -67,10 +70,15 @@ class RlsyncSyncCallback(TrainerCallback):
     ``routes``: routing replay for MoE models (None: wherever the server records routes; True: required; False: off).
     ``sampling_mask``: the policy's log-probs under the top-k/top-p the tokens were sampled with (None: wherever
     ``GRPOConfig`` sets them; True: required; False: off, TRL's full-softmax log-probs).
+    ``timeline``: record the run's timeline there (a ``.jsonl`` file, or a directory: a file a process; ``rlsync timeline``
+    reads it): the main process's generations (``request``, its wait for them ``wait_batch``), its train steps
+    (``train``, after the step's generation), each sync, and the run (``run``, mode ``lockstep``: GRPOTrainer
+    generates and trains in turn).
     """
 
     def __init__(self, trainer: Any, *, max_staleness: int | None = None, options: SyncOptions | None = None,
-                 routes: bool | None = None, sampling_mask: bool | None = None) -> None:
+                 routes: bool | None = None, sampling_mask: bool | None = None,
+                 timeline: str | os.PathLike[str] | None = None) -> None:
         generation = getattr(trainer, "vllm_generation", None)
         if generation is None or getattr(generation, "mode", None) != "server":
             raise ConfigError("RlsyncSyncCallback needs a GRPOTrainer generating with a vLLM server: "
@@ -96,11 +104,29 @@ class RlsyncSyncCallback(TrainerCallback):
         trainer._generate_and_score_completions = self._generate_and_stamp
         self._compute_loss = trainer.compute_loss
         trainer.compute_loss = self._gated_loss
+        self._timeline = timeline if trainer.accelerator.is_main_process else None
+        self._recording = contextlib.ExitStack()
+        self._train_began = self._run_began = 0.0
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._timeline is not None:
+            self._recording.enter_context(record_timeline(self._timeline))
+            self._run_began = recording().now()
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._train_began = recording().now()  # moved to the end of the step's generation, when it generates
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        timeline = recording()
+        timeline.event("train", self._train_began, timeline.now(), step=state.global_step)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """The server keeps serving the last version; its receiving side is released (a later train() opens it again)."""
         if self.server is not None:
             self.server.close()
+        timeline = recording()
+        timeline.event("run", self._run_began, timeline.now(), mode="lockstep", framework="trl")
+        self._recording.close()
 
     def _version_of(self, step: int) -> int:
         return (self._base or 0) + step + 1
@@ -162,8 +188,15 @@ class RlsyncSyncCallback(TrainerCallback):
             metrics["rlsync/canary_deviation"].append(stats.canary_deviation)
 
     def _generate_and_stamp(self, inputs: Any) -> Any:
+        timeline = recording()
+        began = timeline.now()
         output = self._generate(inputs)  # syncs first when the optimizer stepped (TRL's schedule)
         ids = output["completion_ids"]
+        if timeline.path is not None:  # the server's generation of this batch, which the trainer waited for
+            self._train_began = ended = timeline.now()
+            tokens = int(output["completion_mask"].sum())
+            timeline.event("request", began, ended, sequences=int(ids.shape[0]), tokens=tokens, engine="vllm")
+            timeline.event("wait_batch", began, ended, samples=int(ids.shape[0]))
         # the version live since the sync above; every rank computes it alike (staleness is a difference of two)
         output[VERSIONS] = torch.full(ids.shape, self._version_of(self.trainer.state.global_step), dtype=torch.long, device=ids.device)
         return output
@@ -185,4 +218,9 @@ class RlsyncSyncCallback(TrainerCallback):
             metrics = self.trainer._metrics["train"]
             metrics["rlsync/staleness_mean"].append(mean)
             metrics["rlsync/dropped_stale"].append(dropped)
+            timeline = recording()
+            if timeline.path is not None:  # the staleness of the tokens this micro-batch trains on
+                lags = torch.bincount((trainer_version - oldest).clamp(min=0)[keep], weights=mask.sum(1)[keep].float())
+                timeline.event("batch", samples=int(keep.sum()),
+                               lags={str(k): int(n) for k, n in enumerate(lags.tolist()) if n})
         return self._compute_loss(model, inputs, *args, **kwargs)

@@ -9,7 +9,7 @@ caller knows it records with ``span``: a generation request (``request``) as the
 step (``train``), the run itself (``run``: the window the shares are of).
 
 Off by default. ``record_timeline(path)`` (or ``RLSYNC_TIMELINE=path`` in the environment, read once when rlsync
-first records) turns it on for this process: ``path`` a file, or a directory (ends with ``/`` or exists) that gets
+first records) turns it on for this process: ``path`` a ``.jsonl`` file, or a directory (any other path) that gets
 one file per process, ``<host>-<pid>.jsonl``, so that every rank of a run can record into one directory. Bounded:
 past ``max_bytes`` (default 256 MiB) the recorder writes one ``truncated`` line and stops.
 
@@ -43,7 +43,7 @@ class Recorder:
 
     def __init__(self, path: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         target = Path(path)
-        if str(path).endswith(os.sep) or target.is_dir():
+        if target.suffix != ".jsonl" or target.is_dir():  # a directory: every process of a run records into it
             target.mkdir(parents=True, exist_ok=True)
             target = target / f"{socket.gethostname()}-{os.getpid()}.jsonl"
         try:
@@ -132,8 +132,8 @@ def recording() -> Recorder | _Off:
 
 @contextlib.contextmanager
 def record_timeline(path: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MAX_BYTES) -> Iterator[Recorder]:
-    """Record this process's timeline into ``path`` (a file, or a directory for one file per process) within the
-    block; the recorder that was on before (or none) is back after it."""
+    """Record this process's timeline into ``path`` (a ``.jsonl`` file, or a directory for one file per process)
+    within the block; the recorder that was on before (or none) is back after it."""
     global _current
     recorder = Recorder(path, max_bytes=max_bytes)
     with _current_lock:

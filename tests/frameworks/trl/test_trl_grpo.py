@@ -22,7 +22,7 @@ def test_every_sync_of_a_real_grpo_run_serves_the_trainers_weights(grpo_model_di
     model_dir, server = grpo_model_dir, grpo_server
     base = live_version(server)  # the shared server's: versions go on from it
     trainer = grpo_trainer(model_dir, server, tmp_path, steps=4)
-    callback = RlsyncSyncCallback(trainer)
+    callback = RlsyncSyncCallback(trainer, timeline=tmp_path / "timeline")  # issue #69: a directory, a file a process
     trainer.add_callback(callback)
     rlsync_sync = trainer.vllm_generation.sync_weights
     checks: list[tuple[int, int, list[list[int]], dict[str, torch.Tensor]]] = []
@@ -45,6 +45,22 @@ def test_every_sync_of_a_real_grpo_run_serves_the_trainers_weights(grpo_model_di
     assert len(logged) == 4 and all(entry["rlsync/bytes"] > 0 and entry["rlsync/staleness_mean"] == 0 for entry in logged)
     # every version passed the canary before it served: fp32 trainer, bf16 server, rounding only
     assert all(0 < entry["rlsync/canary_deviation"] < 0.05 for entry in logged), logged
+    _the_runs_timeline_reads_back(tmp_path / "timeline")
+
+
+def _the_runs_timeline_reads_back(where: Path) -> None:
+    """The callback's timeline: the run, its four steps' generations, train steps and syncs, as rlsync timeline reads them."""
+    from rlsync import timeline
+
+    [file] = where.glob("*.jsonl")
+    [(run, events)] = timeline.split_runs(timeline.read_timeline(file))
+    kinds = [e["kind"] for e in events]
+    assert run["mode"] == "lockstep" and kinds.count("train") == 4 and kinds.count("request") == 4, kinds
+    assert kinds.count("sync") >= 4  # the server's publish (and its writer's, inside it)
+    summary = timeline.summarize_run(run, events)
+    assert summary["generation"]["busy"] > 0 and summary["training"]["busy"] > 0 and summary["syncs"] == 4
+    assert sum(summary["training"].values()) == pytest.approx(1.0) and sum(summary["generation"].values()) == pytest.approx(1.0)
+    assert set(summary["staleness"]) == {"0"} and summary["staleness"]["0"] > 0  # on-policy: every token of its version
 
 
 def test_a_sample_older_than_the_allowed_staleness_never_reaches_the_loss(grpo_model_dir: Path, grpo_server: Any,

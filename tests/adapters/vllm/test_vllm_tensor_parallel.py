@@ -1,6 +1,9 @@
 """vLLM with tensor parallelism 2 (two CPU workers): rlsync learns from vLLM's loader which part of each
 checkpoint tensor each worker reads, sends each worker only that part, and the engine then generates
-like a fresh engine with the new weights."""
+like a fresh engine with the new weights. Through the worker extension here; vLLM's native weight-transfer API at
+TP=2 is tested by verl's engine route (tests/frameworks/verl/test_verl_backend.py -k straight: a single k/v head
+replicated on both workers, greedy equal to a fresh TP=2 engine) and by examples/megatron_sync.py
+(tests/adapters/megatron/test_megatron_vllm.py: each rank's shards into the workers' slices)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,6 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from rlsync.core import keyed, shift_port  # noqa: E402
 from rlsync import reader_layout
 from rlsync.adapters.vllm import apply_next_version, engine_layout
 
@@ -35,21 +37,12 @@ def vllm_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RLSYNC_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def tp2_engine(model_dir: Path, route: str = "extension"):  # type: ignore[no-untyped-def]
+def tp2_engine(model_dir: Path):  # type: ignore[no-untyped-def]
     from vllm import LLM
 
-    hook = ({"worker_extension_cls": "rlsync.adapters.vllm.RlsyncWorkerExtension"} if route == "extension"
-            else {"weight_transfer_config": {"backend": "rlsync"}})
+    hook = {"worker_extension_cls": "rlsync.adapters.vllm.RlsyncWorkerExtension"}
     return LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
                tensor_parallel_size=2, max_model_len=128, seed=0, **hook)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Extension:
@@ -72,44 +65,17 @@ class Extension:
         self.llm.collective_rpc("rlsync_stop")
 
 
-class Native(Extension):
-    """vLLM's own weight-transfer API with the rlsync backend: the workers learn their parts during
-    init_weight_transfer_engine, and the trainer reads them from the readers' layout (``reader_layout``)."""
-
-    def probe(self):  # type: ignore[no-untyped-def]
-        self.port = free_port()
-        self.address = keyed(f"tcp://127.0.0.1:{self.port}")  # with the run's key
-        self.llm.init_weight_transfer_engine({"init_info": {"address": self.address, "tensors": self.tensors}})
-        names = {str(t[0]) for t in self.tensors}
-        layout = reader_layout(self.address)
-        return [{s.tensor: [list(s.box.offsets), list(s.box.sizes)] for s in layout.shards
-                 if s.rank == r and s.tensor in names} for r in range(layout.world_size)]
-
-    def start(self, boxes):  # type: ignore[no-untyped-def]
-        return [shift_port(self.address, r) for r in range(len(boxes))]
-
-    def apply(self, version: int) -> None:
-        self.llm.start_weight_update()
-        self.llm.update_weights({"update_info": {"version": version, "timeout": 120.0}})
-        self.llm.finish_weight_update(weight_version=str(version))
-        assert self.llm.get_weight_version() == str(version)
-
-    def stop(self) -> None:
-        pass
-
-
 def shut_down(llm) -> None:  # type: ignore[no-untyped-def]
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
 
 
-@pytest.mark.parametrize("route", [Extension, Native], ids=["extension", "native"])
-def test_two_workers_receive_their_own_parts_and_generate_like_a_fresh_engine(route: type[Extension], tmp_path: Path) -> None:
+def test_two_workers_receive_their_own_parts_and_generate_like_a_fresh_engine(tmp_path: Path) -> None:
     seeds = [101, 102, 103]
-    llm = tp2_engine(common.save("qwen2", 100, tmp_path / "v0"), "extension" if route is Extension else "native")
+    llm = tp2_engine(common.save("qwen2", 100, tmp_path / "v0"))
     tensors = common.trainer.tensors(common.trainer.build("qwen2", 100))
-    sync = route(llm, tensors)
+    sync = Extension(llm, tensors)
     boxes = sync.probe()
     # learned from vLLM's own loader: q/gate/up rows and o/down columns split in two, the single
     # key/value head replicated on both workers, norms whole on both
@@ -128,7 +94,7 @@ def test_two_workers_receive_their_own_parts_and_generate_like_a_fresh_engine(ro
 
     addresses = sync.start(boxes)
     assert reader_layout(addresses[0]) == layout  # what the trainer learns from the engine
-    checked = ["--canary"] if route is Extension else []  # each version's canary, checked across both workers
+    checked = ["--canary"]  # each version's canary, checked across both workers
     child = subprocess.Popen([sys.executable, str(common.TRAINER), "--arch", "qwen2", "--address", *addresses, *checked,
                               "--seeds", *map(str, seeds)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -153,14 +119,10 @@ def test_two_workers_receive_their_own_parts_and_generate_like_a_fresh_engine(ro
     assert _fresh_greedy(seeds[-1], tmp_path / "v3") == outputs[3]
 
 
-_FRESH: dict[int, list[list[int]]] = {}  # seed -> a fresh TP=2 engine's greedy output (both routes compare with it)
-
-
 def _fresh_greedy(seed: int, where: Path) -> list[list[int]]:
-    """A fresh TP=2 engine loaded with the weights of ``seed``: its greedy output, started once for the module (the
-    same checkpoint and engine for both routes; a TP=2 engine's start is a third of this test's time)."""
-    if seed not in _FRESH:
-        fresh = tp2_engine(common.save("qwen2", seed, where))
-        _FRESH[seed] = common.generate(fresh)
+    """A fresh TP=2 engine loaded with the weights of ``seed``: its greedy output."""
+    fresh = tp2_engine(common.save("qwen2", seed, where))
+    try:
+        return common.generate(fresh)
+    finally:
         shut_down(fresh)
-    return _FRESH[seed]

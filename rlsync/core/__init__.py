@@ -90,10 +90,10 @@ from rlsync.core.sync import Landing, Link, Region, Run, Transport, resolve_tran
 from rlsync.core.layouts import allocate, copy_transfers, gather_shards, raw_dtype, scatter
 from rlsync.core.sync import WireCodec
 from rlsync.core.sync import WeightsWriter
-from rlsync.core.timeline import Recorder, record_timeline, recording, span
+from rlsync.core.timeline import Recorder, record_from_now, record_timeline, recording, span
 
 __all__ = [
-    "KEY_FILE_ENV", "key_file", "user_key", "Recorder", "record_timeline", "recording", "span",
+    "KEY_FILE_ENV", "key_file", "user_key", "Recorder", "record_from_now", "record_timeline", "recording", "span",
     "BUILTIN_PLUGINS", "DEFAULT_TIMEOUT", "ENTRY_POINT_GROUP", "PRESETS", "SLACK", "WIRES",
     "INBOX_SHARE", "Batch", "BatchedCopies", "Box", "BufferSpec", "Canary", "CanaryError", "ChangeLog", "Claim", "CurrentStreams", "Episode", "PreparedCopies", "EpisodeLog", "LeaseLostError", "MemoryEpisodes", "Turn", "Checksums", "HostStaging", "ConfigError", "Decision", "Finish", "Gate", "Landing", "LandedVersions",
     "LandingMode", "Layout", "LayoutError", "Link", "MaxStaleness", "MemoryStorage", "ModelSpec", "NodeRelay", "Param",

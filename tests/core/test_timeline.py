@@ -72,6 +72,27 @@ def test_nothing_is_recorded_or_opened_without_the_option(tmp_path: Path, monkey
     assert list(tmp_path.iterdir()) == []
 
 
+_FROM_NOW = """
+import sys
+from rlsync.core import record_from_now, recording
+first = record_from_now(sys.argv[1])
+assert record_from_now(sys.argv[2]) is first is recording()  # the recorder already on stays
+recording().event("train")
+"""
+
+
+def test_an_adapters_option_records_from_now_to_the_end_of_the_process(tmp_path: Path) -> None:
+    """``record_from_now`` (verl's ``engine_kwargs.rlsync.timeline`` in every process): on until the process ends, once;
+    where ``RLSYNC_TIMELINE`` is set, that recorder stays and the option's path is not opened."""
+    subprocess.run([sys.executable, "-c", _FROM_NOW, str(tmp_path / "a"), str(tmp_path / "b")], check=True)
+    assert [e["kind"] for e in timeline.read_timeline(tmp_path / "a")] == ["process", "train"]
+    assert not (tmp_path / "b").exists()
+    env = {**os.environ, "RLSYNC_TIMELINE": str(tmp_path / "env.jsonl")}
+    subprocess.run([sys.executable, "-c", _FROM_NOW, str(tmp_path / "c"), str(tmp_path / "d")], check=True, env=env)
+    assert [e["kind"] for e in timeline.read_timeline(tmp_path / "env.jsonl")] == ["process", "train"]
+    assert not (tmp_path / "c").exists()
+
+
 _RECORD_FOREVER = """
 import sys, rlsync
 from rlsync import timeline

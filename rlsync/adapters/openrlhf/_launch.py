@@ -21,6 +21,7 @@ from typing import Any
 from rlsync import DEFAULT_TIMEOUT, ConfigError, __version__
 from rlsync.adapters.openrlhf._hooks import patch_trainer
 from rlsync.adapters.openrlhf._versions import clock
+from rlsync.core.timeline import ENV as TIMELINE_ENV
 from rlsync.patches.openrlhf import OPTIONS_ENV, check_version, installed_version
 
 ENTRY = "openrlhf.cli.train_ppo_ray"
@@ -57,6 +58,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--episodes", metavar="REDIS_URL", default=None,
                    help="record every rollout's model turns and agent steps in this Redis (redis://HOST:6379/0): a run "
                         "restarted from its checkpoint replays them instead of generating and calling tools again")
+    p.add_argument("--timeline", metavar="DIR", default=None,
+                   help="record the run's timeline in DIR, a file per process (every sync, every train step with the "
+                        "staleness of its samples, every generation phase); read it with `rlsync timeline DIR`")
     return p
 
 
@@ -116,6 +120,8 @@ def ray_env(opts: dict[str, object]) -> dict[str, str]:
         "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"),
         "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1"),
         OPTIONS_ENV: json.dumps(opts),
+        # --timeline: every process of the run (the driver, Ray's workers, vLLM's engine processes) records its own file
+        **({TIMELINE_ENV: str(opts["timeline"])} if opts.get("timeline") else {}),
     }
 
 
@@ -160,11 +166,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.episodes and args.weight_sync != "rlsync":
         raise ConfigError("--episodes records rollouts through rlsync's patches of OpenRLHF, which --weight-sync openrlhf "
                           "leaves out: drop one of the two")
+    if args.timeline and args.weight_sync != "rlsync":
+        raise ConfigError("--timeline records what rlsync's patches of OpenRLHF see, which --weight-sync openrlhf leaves "
+                          "out: drop one of the two")
     if args.weight_sync == "rlsync":
         opts = {"rlsync": __version__, "openrlhf": version, "transport": args.transport, "host": args.host,
                 "timeout": args.timeout, "max_staleness": args.max_staleness,
                 "wire": args.wire, "canary": args.canary, "lora_rank": lora_rank(theirs), "lora_sync": args.lora_sync,
                 "routing_replay": args.routing_replay, "sampling_mask": args.sampling_mask, "relay": args.relay,
+                "timeline": os.path.abspath(args.timeline) if args.timeline else None,
                 **episodes_options(args.episodes, theirs)}
         start_ray_in_openrlhfs_place(opts)
     sys.argv = [ENTRY, *theirs]

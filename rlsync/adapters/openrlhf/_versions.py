@@ -8,7 +8,8 @@ mid-generation, otherwise OpenRLHF's lock keeps both equal). The patched ``BaseP
 with rlsync's ``MaxStaleness`` gate, every sample whose oldest token lags the live version by more than
 ``max_staleness`` before OpenRLHF turns the samples into experiences, and reports ``rlsync/staleness_mean`` and
 ``rlsync/dropped_stale`` in the step's status, and the last sync's ``rlsync/canary_deviation`` when its canary was
-checked.
+checked. With the launcher's ``--timeline`` both record what they see: each generation phase (``request``), each
+batch's staleness (``batch``), drops and the train step (``train``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from rlsync import Decision, MaxStaleness, Sample
+from rlsync.core import recording, span
 
 CLOCK = "rlsync-openrlhf-version-clock"
 
@@ -84,13 +86,21 @@ def tag_samples(original: Any) -> Any:
         first = getattr(self, "_rlsync_first_version", oldest)
         if self is not None:
             self._rlsync_first_version = first
-        result = original(self, **kwargs)
-        newest = live_version()
+        with span("request", versions=[oldest, oldest]) as timeline:  # a generation phase, as the generator saw it
+            result = original(self, **kwargs)
+            newest = live_version()
+            timeline.update(samples=len(result[0]), versions=[oldest, newest])
         for sample in result[0]:
             sample.rlsync_versions = (min(first, oldest) if getattr(sample, "rlsync_replayed", False) else oldest, newest)
         return result
 
     return generate_samples
+
+
+def _tokens(sample: Any) -> int:
+    """The tokens a sample generated (OpenRLHF's ``Experience.action_mask``), or 1 where it does not say."""
+    mask = getattr(sample, "action_mask", None)
+    return int(mask.sum()) if mask is not None else 1
 
 
 def gate_samples(original: Any, max_staleness: int | None) -> Any:
@@ -108,12 +118,19 @@ def gate_samples(original: Any, max_staleness: int | None) -> Any:
                 kept.append(sample)
                 lags.append(live - oldest)
         dropped = len(rollout_samples) - len(kept)
+        timeline = recording()
+        if timeline.path is not None:  # recording: the drop, and the batch the trainer takes with its staleness in tokens
+            if dropped:
+                timeline.event("drop", samples=dropped, version=live)
+            counts = np.bincount(np.array(lags, np.int64).clip(0), weights=[_tokens(s) for s in kept]) if kept else ()
+            timeline.event("batch", samples=len(kept), version=live, lags={str(k): int(n) for k, n in enumerate(counts) if n})
         extra = {"rlsync/dropped_stale": float(dropped), "rlsync/version": float(live)}
         if deviation is not None:
             extra["rlsync/canary_deviation"] = deviation
         if not kept:  # nothing fresh enough: no step, the weights stay as they are
             return {**extra, "rlsync/staleness_mean": float("nan")}, global_step
-        status, step = original(self, kept, global_step)
+        with span("train", step=global_step, version=live):
+            status, step = original(self, kept, global_step)
         status.update(extra)
         status["rlsync/staleness_mean"] = float(np.mean(lags))
         return status, step

@@ -69,7 +69,7 @@ from rlsync import (
 )
 from rlsync.adapters.verl._engine_route import EngineDriver, engine_topology, route_refusal, say_worker_route
 from rlsync.adapters.verl._relays import host_id, place, relay_mode
-from rlsync.core import HostStaging, host_port, keyed, rank_address, split_address
+from rlsync.core import HostStaging, host_port, keyed, rank_address, record_from_now, split_address
 from rlsync.layouts import fsdp
 
 
@@ -120,6 +120,18 @@ _DESTINATIONS = {
 }
 
 
+def timeline_option(engine_kwargs: Any) -> None:
+    """``engine_kwargs.rlsync.timeline=DIR``: every process that builds this backend (trainer ranks, rollout workers)
+    and verl's driver (its ``CheckpointEngineManager``) record the run's timeline into ``DIR``, a file each
+    (``rlsync.core.record_from_now``); ``rlsync timeline DIR`` reads them together."""
+    where = (engine_kwargs or {}).get("timeline")
+    if where:
+        if not isinstance(where, str):
+            raise ConfigError(f"actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.rlsync.timeline={where!r}: give "
+                              "a directory (every process of the run records a file there)")
+        record_from_now(where)
+
+
 @functools.cache
 def _say_route_once(route: str, engine: bool) -> None:
     _log.info("rlsync: verl's weight sync takes the %s route: %s, %s", route, _ROUTES[route], _DESTINATIONS[engine])
@@ -142,8 +154,10 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         # engine_kwargs: what the user set under +...checkpoint_engine.engine_kwargs.rlsync (SyncOptions' keys)
         # sampling_mask: the actor's (_sampling); episodes: the agent loop's (_episodes)
         # relay: where a NodeRelay goes (_relays)
+        # timeline: where this process records the run's timeline (see timeline_option)
         self._relay_mode = relay_mode(engine_kwargs.get("relay", "auto"))
-        engine_kwargs = {k: v for k, v in engine_kwargs.items() if k not in ("sampling_mask", "episodes", "relay")}
+        timeline_option(engine_kwargs)
+        engine_kwargs = {k: v for k, v in engine_kwargs.items() if k not in ("sampling_mask", "episodes", "relay", "timeline")}
         self.options = SyncOptions.from_mapping(engine_kwargs, where="actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.rlsync")
         if self.options.codec is not None:
             raise ConfigError(f"engine_kwargs.rlsync.wire={self.options.wire!r}: use 'full' or 'delta'")

@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from rlsync import Canary, ConfigError
-from rlsync.adapters.verl._engine import CANARY_METRIC, RlsyncCheckpointEngine
+from rlsync.adapters.verl._engine import CANARY_METRIC, RlsyncCheckpointEngine, timeline_option
+from rlsync.core import span
 from rlsync.adapters.verl._engine_route import WEIGHT_TRANSFER_CONFIG
 from rlsync.adapters.verl._shards import trainer_shards
 
@@ -172,7 +173,13 @@ def manager_update_weights(original: Any) -> Any:
     @auto_await  # type: ignore[untyped-decorator]
     @functools.wraps(inner)
     async def update_weights(self: Any, global_steps: int | None = None) -> Any:
-        metrics = await inner(self, global_steps=global_steps)
+        # the timeline: the driver's view of a sync, from pausing the rollout to resuming it (what generation waits for)
+        if self.backend == "rlsync":
+            timeline_option(self.config.engine_kwargs.get("rlsync"))
+        with span("sync", route="verl", step=global_steps) as timeline:
+            metrics = await inner(self, global_steps=global_steps)
+            if isinstance(metrics, dict):
+                timeline.update(version=metrics.get("rlsync/sync_version"), bytes=metrics.get("rlsync/bytes"))
         canary = metrics.pop(CANARY_METRIC, None) if isinstance(metrics, dict) else None
         deviation = None if canary is None else await check_canary(self.replicas, Canary(**canary))
         if deviation is not None:

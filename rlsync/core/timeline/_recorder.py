@@ -82,13 +82,13 @@ class Recorder:
     @contextlib.contextmanager
     def span(self, kind: str, **fields: Any) -> Iterator[dict[str, Any]]:
         """Record ``kind`` from entering to leaving the block; the dict it yields adds fields known only at the end
-        (a request's tokens, say)."""
+        (a request's tokens, say), or replaces one given at the start."""
         extra: dict[str, Any] = {}
         start = self.now()
         try:
             yield extra
         finally:
-            self.event(kind, start, self.now(), **fields, **extra)
+            self.event(kind, start, self.now(), **{**fields, **extra})  # what the block learned wins
 
     def close(self) -> None:
         with self._lock:
@@ -144,6 +144,20 @@ def record_timeline(path: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MA
         with _current_lock:
             _current = before
         recorder.close()
+
+
+def record_from_now(path: str | os.PathLike[str]) -> Recorder:
+    """Record this process's timeline into ``path`` from now until the process ends: what a framework adapter's option
+    turns on in every process it reaches (verl's ``engine_kwargs.rlsync.timeline``). A recorder already on (the
+    environment's ``RLSYNC_TIMELINE``, an enclosing ``record_timeline``, an earlier call) stays, and is returned."""
+    global _current
+    current = recording()
+    if isinstance(current, Recorder):
+        return current
+    with _current_lock:
+        if not isinstance(_current, Recorder):
+            _current = Recorder(path)
+        return _current
 
 
 def span(kind: str, **fields: Any) -> contextlib.AbstractContextManager[dict[str, Any]]:

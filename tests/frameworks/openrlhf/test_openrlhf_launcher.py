@@ -12,8 +12,11 @@ from typing import Any
 
 import openrlhf_parts as parts
 import pytest
+import torch
 
 from rlsync.adapters.openrlhf._versions import canary_deviation, gate_samples, live_version, tag_samples
+from rlsync.core.timeline import ENV as TIMELINE_ENV
+from rlsync.timeline import read_timeline, split_runs, summarize_run
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -114,7 +117,8 @@ def test_two_trainer_ranks_sync_three_versions_into_openrlhfs_engine(launched_ra
     model_dir = tmp_path / "v0"
     parts.models.build("qwen2", 100).save_pretrained(model_dir)
     engine = _engine(model_dir, tp)
-    ranks = _ranks([engine], zero_stage)
+    timeline = tmp_path / "timeline"  # the launcher's --timeline: RLSYNC_TIMELINE in every worker's environment
+    ranks = _ranks([engine], zero_stage, **{TIMELINE_ENV: str(timeline)})
     ray.get([r.load.remote(100) for r in ranks])
     ray.get([r.init_sync.remote() for r in ranks])
     seen = []
@@ -137,6 +141,11 @@ def test_two_trainer_ranks_sync_three_versions_into_openrlhfs_engine(launched_ra
     parts.nudged(203).save_pretrained(tmp_path / "v4")
     assert parts.greedy_of_engine(engine) == parts.fresh_greedy(str(tmp_path / "v4"))
     assert parts.greedy_of_engine(engine) != seen[-1]
+    # each rank's timeline file holds its four syncs, with the bytes it moved for each (the delta's last)
+    syncs = [e for e in read_timeline(timeline) if e["kind"] == "sync"]
+    assert sorted((e["rank"], e["version"]) for e in syncs) == [(r, v) for r in (0, 1) for v in (1, 2, 3, 4)]
+    assert sorted(e["bytes"] for e in syncs if e["version"] == 4) == sorted(ray.get([r.sent.remote() for r in ranks]))
+    assert all(e["end"] > e["start"] for e in syncs)
     for actor in (*ranks, engine):
         ray.kill(actor)
 
@@ -359,14 +368,20 @@ def test_a_half_patched_pair_fails_at_init_naming_the_side(launched_ray: dict[st
         ray.kill(actor)
 
 
-def test_samples_carry_the_version_that_generated_them_and_stale_ones_never_train(launched_ray: dict[str, object]) -> None:
+def test_samples_carry_the_version_that_generated_them_and_stale_ones_never_train(launched_ray: dict[str, object],
+                                                                                  tmp_path: Path) -> None:
     import ray
+
+    from rlsync import record_timeline
 
     from rlsync.adapters.openrlhf._versions import clock
 
     ray.get(clock().set.remote(5))
-    generated = tag_samples(lambda self, **_: ([SimpleNamespace(), SimpleNamespace()], None, 2, False))(None)
+    with record_timeline(tmp_path / "generator.jsonl"):
+        generated = tag_samples(lambda self, **_: ([SimpleNamespace(), SimpleNamespace()], None, 2, False))(None)
     assert [s.rlsync_versions for s in generated[0]] == [(5, 5), (5, 5)]
+    (request,) = [e for e in read_timeline(tmp_path / "generator.jsonl") if e["kind"] == "request"]
+    assert request["samples"] == 2 and request["versions"] == [5, 5] and request["end"] >= request["start"]
     # a rollout replayed from an episode recorded before a restart counts as old as the run's first weights
     generator = SimpleNamespace()
     tag_samples(lambda self, **_: ([], None, 0, False))(generator)
@@ -381,9 +396,17 @@ def test_samples_carry_the_version_that_generated_them_and_stale_ones_never_trai
         received.append([s.n for s in kept])  # stands for OpenRLHF's train_step: experiences, then the loss
         return {"policy_loss": 0.0}, step + 1
 
-    status, step = gate_samples(experience_maker_and_ppo, 1)(None, samples, 7)
+    samples[1].action_mask = torch.tensor([1, 1, 1, 0])  # three tokens generated; the others do not say (one each)
+    with record_timeline(tmp_path / "trainer.jsonl"):
+        status, step = gate_samples(experience_maker_and_ppo, 1)(None, samples, 7)
     assert received == [[0, 1]] and step == 8  # versions 3 (two behind the live 5) never reached it
     assert status["rlsync/dropped_stale"] == 2 and status["rlsync/staleness_mean"] == 0.5
+    # the timeline: the drop, the batch's staleness in tokens (lag 0: one, lag 1: three), the train step around the loss
+    events = read_timeline(tmp_path / "trainer.jsonl")
+    assert [(e["kind"], e.get("samples")) for e in events[1:]] == [("drop", 2), ("batch", 2), ("train", None)]
+    assert events[2]["lags"] == {"0": 1, "1": 3} and events[3]["step"] == 7 and events[3]["version"] == 5
+    summary = summarize_run(*split_runs(events)[0])
+    assert summary["staleness"] == {"0": 1, "1": 3} and summary["drops"] == 2 and summary["training"]["busy"] > 0
     status, step = gate_samples(experience_maker_and_ppo, 1)(None, samples[2:], 8)
     assert received == [[0, 1]] and step == 8 and status["rlsync/dropped_stale"] == 2  # no step on stale samples only
     assert len(gate_samples(experience_maker_and_ppo, None)(None, samples, 8)[0]) > 0 and received[-1] == [0, 1, 2, 3]
@@ -408,7 +431,8 @@ def test_the_launcher_hands_the_users_arguments_to_openrlhfs_own_parser(tmp_path
     # OpenRLHF's runtime env (the run is stopped at train's next step, get_strategy: nothing here has a GPU)
     accepted = ["--actor.model_name_or_path", "m", "--algo.advantage.estimator", "reinforce_baseline",
                 "--rollout.n_samples_per_prompt", "2"]
-    run = subprocess.run([sys.executable, "-c", STOPPED_AFTER_RAY, "--max-staleness", "2", "--", *accepted],
+    run = subprocess.run([sys.executable, "-c", STOPPED_AFTER_RAY, "--max-staleness", "2", "--timeline", "tl", "--",
+                          *accepted], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     seen = json.loads(run.stdout.strip().splitlines()[-1])
@@ -416,6 +440,7 @@ def test_the_launcher_hands_the_users_arguments_to_openrlhfs_own_parser(tmp_path
     from rlsync.patches.openrlhf import OPTIONS_ENV
 
     assert seen["env"]["NCCL_DEBUG"] == "WARN" and json.loads(seen["env"][OPTIONS_ENV])["max_staleness"] == 2
+    assert seen["env"][TIMELINE_ENV] == str(tmp_path / "tl")  # --timeline: every process records, the path made absolute
     assert seen["model"] == "m"  # OpenRLHF's parsed arguments, handed to its train
 
 

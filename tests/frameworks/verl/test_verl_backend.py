@@ -20,7 +20,9 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("verl")
 torch = pytest.importorskip("torch")
 
+from rlsync import record_timeline  # noqa: E402
 from rlsync.core import keyed  # noqa: E402
+from rlsync.timeline import read_timeline  # noqa: E402
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -174,21 +176,36 @@ def _sync_bit_exact(cluster: Cluster, step: int, *train: Any) -> tuple[dict[str,
 
 
 def test_each_trainer_rank_sends_its_own_shard_in_bf16_and_gathers_nothing(model_dir: Path, ray_cluster: None,
-                                                                           clusters: list[Cluster]) -> None:
+                                                                           clusters: list[Cluster], tmp_path: Path) -> None:
     """Issue #67, the trainer's side: through verl's own manager, each FSDP2 rank sends its own local shard (verl's
     ``get_per_tensor_param_shard``) in the rollout's bf16 (the trainer's model holds an fp32 tensor too), every byte
-    once into each rollout worker, and makes no all-gather (nor any other collective) during the sync."""
-    cluster = Cluster(model_dir, {"verify": True, "timeout": 120})
+    once into each rollout worker, and makes no all-gather (nor any other collective) during the sync. With
+    ``engine_kwargs.rlsync.timeline`` (#69) every process records: each rank's syncs and the driver's."""
+    timeline = tmp_path / "timeline"
+    cluster = Cluster(model_dir, {"verify": True, "timeout": 120, "timeline": str(timeline)})
     clusters.append(cluster)
-    for step in (1, 2, 3):
-        metrics, expected = _sync_bit_exact(cluster, step)
-        assert all(t.dtype == torch.bfloat16 for t in expected.values() if t.is_floating_point())
-        assert metrics["rlsync/gathered"] == 0
-        assert metrics["rlsync/bytes"] == 2 * sum(t.numel() * t.element_size() for t in expected.values())  # bf16
-        assert metrics["rlsync/rank_wire_bytes"] == metrics["rlsync/rank_plan_bytes"] > 0  # as the plan says
-        assert metrics["rlsync/senders"] == 2
+    totals = {}
+    with record_timeline(timeline):  # this process is verl's driver: recording in the block only (the option's file)
+        for step in (1, 2, 3):
+            metrics, expected = _sync_bit_exact(cluster, step)
+            assert all(t.dtype == torch.bfloat16 for t in expected.values() if t.is_floating_point())
+            assert metrics["rlsync/gathered"] == 0
+            assert metrics["rlsync/bytes"] == 2 * sum(t.numel() * t.element_size() for t in expected.values())  # bf16
+            assert metrics["rlsync/rank_wire_bytes"] == metrics["rlsync/rank_plan_bytes"] > 0  # as the plan says
+            assert metrics["rlsync/senders"] == 2
+            totals[metrics["rlsync/sync_version"]] = metrics["rlsync/bytes"]  # rlsync's version number (the step's is verl's)
     assert cluster.trainer.collectives()[0] == [{}] * 3  # rank 0's three syncs: no collective at all
     assert cluster.trainer.collectives()[1] == [{}] * 3
+    events = read_timeline(timeline)
+    assert len({e["pid"] for e in events if e["kind"] == "process"}) == 5  # the driver, 2 trainer ranks, 2 rollout workers
+    driver = [e for e in events if e["kind"] == "sync" and e.get("route") == "verl"]
+    assert [(e["step"], e["version"], e["bytes"]) for e in driver] == [(s, v, totals[v]) for s, v in zip((1, 2, 3), totals)]
+    ranks = [e for e in events if e["kind"] == "sync" and "rank" in e]
+    assert sorted((e["version"], e["rank"]) for e in ranks) == [(v, r) for v in totals for r in (0, 1)]
+    for version, total in totals.items():  # each rank's bytes: its share of the version, within the driver's span
+        assert sum(e["bytes"] for e in ranks if e["version"] == version) == total
+        (outer,) = [e for e in driver if e["version"] == version]
+        assert all(outer["start"] <= e["start"] <= e["end"] <= outer["end"] for e in ranks if e["version"] == version)
 
 
 def test_three_syncs_through_verls_manager_land_bit_exact_with_metrics(model_dir: Path, ray_cluster: None,

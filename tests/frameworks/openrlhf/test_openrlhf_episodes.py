@@ -12,8 +12,6 @@ import collections
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -40,10 +38,15 @@ PROMPTS, WORKERS, KILLS = 50, 4, 20  # 100 rollouts (two per prompt), 25 per wor
 FLOAT32 = ["--dtype", "float32"]  # greedy tokens compared across differently batched runs (see the TRL twin)
 
 
-def _spawn(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    with log.open("ab") as out:
-        return subprocess.Popen([sys.executable, str(Path(openrlhf_episodes.__file__)), *args], cwd=ROOT, env=env,
-                                stdout=out, stderr=subprocess.STDOUT)
+# each worker life is forked from a server that imported OpenRLHF's engine actor, vLLM's request types and rlsync's
+# adapter once; the life's environment (the launcher's options, the run's names) is set in it before it runs
+_start = worker_kills.forked_workers([
+    "openrlhf_episodes", "vllm", "vllm.logprobs", "vllm.outputs", "transformers", "openrlhf.trainer.ray.vllm_engine",
+    "rlsync.adapters.openrlhf", "rlsync.adapters.openrlhf._episodes", "rlsync.adapters.openrlhf._hooks"])
+
+
+def _spawn(args: list[str], log: Path, env: dict[str, str]) -> worker_kills.ForkedLife:
+    return _start(openrlhf_episodes.__file__, args, log, env)
 
 
 def _outputs(results: Path) -> dict[int, set[str]]:
@@ -107,7 +110,7 @@ def test_engine_actors_killed_at_random_lose_no_rollout_and_rerun_no_agent_step(
         shares = {w: numbers[w::WORKERS] for w in range(WORKERS)}
         killed = worker_kills.run_with_kills(
             lambda w: _spawn(args(shares[w], tools, results), tmp_path / f"worker-{w}.log", env("killed", tools)),
-            WORKERS, Path(f"{tools}.ready"), KILLS)
+            WORKERS, Path(f"{tools}.ready"), KILLS, every=worker_kills.FORKED_EVERY)
         executed, called = tools.read_text(), Path(f"{tools}.model-calls").read_text()
         # the run restarted once more, after every rollout had finished (from an earlier checkpoint)
         rerun = _spawn(args(shares[0], tools, tmp_path / "rerun"), tmp_path / "rerun.log", env("killed", tools))

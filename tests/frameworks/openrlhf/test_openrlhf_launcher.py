@@ -48,16 +48,10 @@ def _ranks(engines: list[Any], zero_stage: int, world: int = 2, **env: str) -> l
     return [remote.remote(r, world, method, engines, zero_stage) for r in range(world)]
 
 
-def test_the_launchers_hook_patches_openrlhfs_trainer_in_every_ray_worker(launched_ray: dict[str, object]) -> None:
-    import ray
-
-    ranks = _ranks([], zero_stage=2)
-    assert ray.get([r.patched.remote() for r in ranks]) == [
-        {"_init_vllm_sync_group": "rlsync.adapters.openrlhf._trainer", "broadcast_to_vllm": "rlsync.adapters.openrlhf._trainer",
-         "__init__": True, "training_step": True,  # wrapped for routing replay
-         "sampling_mask": True}] * 2
-    for r in ranks:
-        ray.kill(r)
+#: what the launcher's hook makes of OpenRLHF's trainer in every Ray worker (asked of the sync test's two ranks)
+PATCHED = {"_init_vllm_sync_group": "rlsync.adapters.openrlhf._trainer", "broadcast_to_vllm": "rlsync.adapters.openrlhf._trainer",
+           "__init__": True, "training_step": True,  # wrapped for routing replay
+           "sampling_mask": True}
 
 
 def _code_file(cls: Any, name: str) -> str:
@@ -119,6 +113,7 @@ def test_two_trainer_ranks_sync_three_versions_into_openrlhfs_engine(launched_ra
     engine = _engine(model_dir, tp)
     timeline = tmp_path / "timeline"  # the launcher's --timeline: RLSYNC_TIMELINE in every worker's environment
     ranks = _ranks([engine], zero_stage, **{TIMELINE_ENV: str(timeline)})
+    assert ray.get([r.patched.remote() for r in ranks]) == [PATCHED] * 2  # the launcher's hook, in every Ray worker
     ray.get([r.load.remote(100) for r in ranks])
     ray.get([r.init_sync.remote() for r in ranks])
     seen = []
@@ -146,6 +141,9 @@ def test_two_trainer_ranks_sync_three_versions_into_openrlhfs_engine(launched_ra
     assert sorted((e["rank"], e["version"]) for e in syncs) == [(r, v) for r in (0, 1) for v in (1, 2, 3, 4)]
     assert sorted(e["bytes"] for e in syncs if e["version"] == 4) == sorted(ray.get([r.sent.remote() for r in ranks]))
     assert all(e["end"] > e["start"] for e in syncs)
+    if tp == 1:  # OpenRLHF's own trainer call reaching a patched engine is refused, naming the side
+        with pytest.raises(ray.exceptions.RayTaskError, match="the trainer side is not"):
+            ray.get(engine.init_process_group.remote("127.0.0.1", 29500, 1, 2, "openrlhf", "nccl", False), timeout=120)
     for actor in (*ranks, engine):
         ray.kill(actor)
 
@@ -361,10 +359,7 @@ def test_a_half_patched_pair_fails_at_init_naming_the_side(launched_ray: dict[st
             ray.get(ranks[0].init_sync.remote(), timeout=120)
         except ray.exceptions.RayTaskError as exc:
             raise exc.cause from None
-    patched = _engine(model_dir)  # and OpenRLHF's own trainer call reaching a patched engine
-    with pytest.raises(ray.exceptions.RayTaskError, match="the trainer side is not"):
-        ray.get(patched.init_process_group.remote("127.0.0.1", 29500, 1, 2, "openrlhf", "nccl", False), timeout=120)
-    for actor in (*ranks, unpatched, patched):
+    for actor in (*ranks, unpatched):  # the other half (a patched engine, OpenRLHF's trainer): the sync test's end
         ray.kill(actor)
 
 

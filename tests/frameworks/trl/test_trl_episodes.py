@@ -12,7 +12,6 @@ import collections
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -35,11 +34,13 @@ PROMPTS, WORKERS, KILLS = 50, 4, 20  # 100 rollouts (two per prompt), 25 per wor
 FLOAT32 = ["--dtype", "float32"]  # after the helper's --dtype bfloat16: the last one counts
 
 
-def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    with log.open("ab") as out:
-        return subprocess.Popen([sys.executable, str(Path(trl_episodes.__file__)), *args], cwd=ROOT, env=env,
-                                stdout=out, stderr=subprocess.STDOUT)
+# each worker life is forked from a server that imported TRL, rlsync's adapter and the worker's libraries once
+_start = worker_kills.forked_workers(["trl_episodes", "aiohttp", "redis", "datasets", "transformers", "rlsync.adapters.trl",
+                                      "rlsync.adapters.trl._episodes", "rlsync.adapters.trl._rollout"])
+
+
+def _spawn(args: list[str], log: Path) -> worker_kills.ForkedLife:
+    return _start(trl_episodes.__file__, args, log)
 
 
 def _outputs(results: Path) -> dict[int, set[str]]:
@@ -75,7 +76,7 @@ def test_workers_killed_at_random_in_trls_rollout_loop_lose_nothing_and_rerun_no
         shares = {w: groups[w::WORKERS] for w in range(WORKERS)}
         killed = worker_kills.run_with_kills(
             lambda w: _spawn(args("killed", shares[w], tools, results), tmp_path / f"worker-{w}.log"), WORKERS,
-            tmp_path / "tools.ready", KILLS)
+            tmp_path / "tools.ready", KILLS, every=worker_kills.FORKED_EVERY)
         executed, called = tools.read_text(), Path(f"{tools}.model-calls").read_text()
         # the run resumed once more, after every rollout had finished (from an earlier checkpoint)
         rerun = _spawn(args("killed", shares[0], tools, tmp_path / "rerun"), tmp_path / "rerun.log")

@@ -35,11 +35,15 @@ PROMPTS, WORKERS, KILLS = 50, 4, 20  # 100 trajectories (two rollouts per prompt
 FLOAT32 = ["--dtype", "float32"]  # after the helper's --dtype bfloat16: the last one counts
 
 
-def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    with log.open("ab") as out:
-        return subprocess.Popen([sys.executable, str(Path(verl_episodes.__file__)), *args], cwd=ROOT, env=env,
-                                stdout=out, stderr=subprocess.STDOUT)
+# each worker life is forked from a server that imported verl's agent loop, rlsync's adapter and the worker's
+# libraries once
+_start = worker_kills.forked_workers([
+    "verl_episodes", "redis", "omegaconf", "transformers", "verl.experimental.agent_loop.agent_loop",
+    "verl.experimental.agent_loop.tool_parser", "verl.tools.function_tool", "verl.tools.schemas", "rlsync.adapters.verl"])
+
+
+def _spawn(args: list[str], log: Path) -> worker_kills.ForkedLife:
+    return _start(verl_episodes.__file__, args, log)
 
 
 def _last_outputs(results: Path) -> dict[int, dict[str, list[int]]]:
@@ -76,7 +80,7 @@ def test_workers_killed_at_random_in_verls_tool_agent_loop_lose_nothing_and_reru
         shares = {w: rows[w::WORKERS] for w in range(WORKERS)}
         killed = worker_kills.run_with_kills(
             lambda w: _spawn(args("killed", shares[w], tools, results), tmp_path / f"worker-{w}.log"), WORKERS,
-            tmp_path / "tools.ready", KILLS)
+            tmp_path / "tools.ready", KILLS, every=worker_kills.FORKED_EVERY)
         executed, called = tools.read_text(), Path(f"{tools}.model-calls").read_text()
         # the run restarted once more, after every row had finished (a step re-run from an earlier checkpoint)
         rerun = _spawn(args("killed", shares[0], tools, tmp_path / "rerun"), tmp_path / "rerun.log")

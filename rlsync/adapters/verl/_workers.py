@@ -37,9 +37,9 @@ import torch
 
 from rlsync import Canary, ConfigError
 from rlsync.adapters.verl._engine import CANARY_METRIC, RlsyncCheckpointEngine, timeline_option
-from rlsync.core import span
 from rlsync.adapters.verl._engine_route import WEIGHT_TRANSFER_CONFIG
 from rlsync.adapters.verl._shards import trainer_shards
+from rlsync.core import span
 
 _log = logging.getLogger("rlsync")
 

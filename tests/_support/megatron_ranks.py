@@ -104,6 +104,8 @@ def rank_main(rank: int, world: int, port: int, tp: int, pp: int, destinations: 
     (with pp>1)}`` on ``results``. ``moe`` / ``ep``: the MoE model, its experts over ``ep`` ranks."""
     import torch.distributed as dist
 
+    from megatron.core import parallel_state as ps
+
     from rlsync import SyncOptions, WeightsWriter
     from rlsync.adapters.megatron import layout_of, writer_rank
 
@@ -124,9 +126,61 @@ def rank_main(rank: int, world: int, port: int, tp: int, pp: int, destinations: 
             sent.append(writers[0].last_bytes)
         out = logits(model, prompt).numpy() if pp == 1 else None  # numpy: a tensor would cross by shared memory
         results.put({"rank": rank, "logits": out, "sent": sent, "plan": writers[0].bytes_per_version,
+                     "tp_rank": ps.get_tensor_model_parallel_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
                      "params": {n: p.detach().numpy().copy() for n, p in model.named_parameters()} if pp > 1 else None})
         for writer in writers:
             writer.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def merged_tp1(reports: list[dict[str, Any]], tp: int, pp: int) -> dict[str, Any]:
+    """A dense model's parameters at tensor and pipeline parallelism 1, merged from its ranks' own (each report's
+    ``params`` under megatron-core's names, with its ``tp_rank`` and ``pp_rank``) by megatron's conventions, written
+    out here and not taken from rlsync: column-parallel tensors (``linear_qkv``: whole query groups; the vocabulary)
+    concatenate their rows, row-parallel ones (``linear_proj``, ``linear_fc2``) their columns, ``linear_fc1`` holds
+    each rank's gate rows then its up rows, norms are whole on every rank; stage ``s`` holds layers ``s * L/pp`` on."""
+    import numpy as np
+
+    per_stage = LAYERS // pp
+    parts: dict[str, list[Any]] = {}
+    for r in sorted(reports, key=lambda r: (r["pp_rank"], r["tp_rank"])):
+        for name, value in r["params"].items():
+            if name.startswith("decoder.layers."):
+                layer, rest = name[len("decoder.layers."):].split(".", 1)
+                name = f"decoder.layers.{int(layer) + r['pp_rank'] * per_stage}.{rest}"
+            parts.setdefault(name, []).append(value)
+    merged = {}
+    for name, values in parts.items():
+        assert len(values) == tp, (name, len(values))
+        if name.endswith("linear_fc1.weight"):
+            halves = [np.split(v, 2) for v in values]
+            merged[name] = np.concatenate([h[0] for h in halves] + [h[1] for h in halves])
+        elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+            merged[name] = np.concatenate(values, axis=1)
+        elif name.endswith(("linear_qkv.weight", "word_embeddings.weight", "output_layer.weight")):
+            merged[name] = np.concatenate(values)
+        else:
+            assert all(np.array_equal(v, values[0]) for v in values), name
+            merged[name] = values[0]
+    return merged
+
+
+def tp1_logits_main(port: int, weights: dict[str, Any], prompt: list[int]) -> Any:
+    """megatron-core's own forward at tensor parallelism 1 of ``weights`` (megatron's names, numpy: ``merged_tp1``):
+    the logits over the padded vocabulary (numpy). Runs in a process of its own (megatron's parallel state is global)."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = build(1, 1)
+        params = dict(model.named_parameters())
+        assert weights.keys() == params.keys(), sorted(weights.keys() ^ params.keys())
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(torch.from_numpy(weights[name]))  # a shape that differs raises here
+        return logits(model, prompt).numpy()
     finally:
         dist.destroy_process_group()
 

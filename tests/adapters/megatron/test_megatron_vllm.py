@@ -6,7 +6,9 @@ the engine's prompt log-probs match megatron's own forward (fp32) to bf16 tolera
 - examples/megatron_sync.py, as a user runs it: a dense model at tensor parallelism 2 into an engine at TP=2 (each
   rank's shards straight into the worker slices that read them).
 - A Qwen3-MoE-like model, its experts over expert parallelism 2, into an engine at TP=1; every version's greedy
-  output equals a fresh engine's loaded with the checkpoint of the same weights (landed, bf16, in a second reader)."""
+  output equals a fresh engine's loaded with the checkpoint of the same weights (landed, bf16, in a second reader).
+- A dense model over TP=2 x PP=2 (four ranks) into an engine at TP=2; every version's greedy output equals a fresh
+  TP=2 engine's, and the engine's log-probs megatron-core's own TP=1 forward of the trainer's weights."""
 
 from __future__ import annotations
 
@@ -40,11 +42,12 @@ def vllm_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TMPDIR", str(tmp_path))
 
 
-def _engine(model_dir: Path) -> Any:
+def _engine(model_dir: Path, tp: int = 1) -> Any:
     from vllm import LLM
 
     return LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-               distributed_executor_backend="uni", max_model_len=128, seed=0, weight_transfer_config={"backend": "rlsync"})
+               max_model_len=128, seed=0, weight_transfer_config={"backend": "rlsync"}, tensor_parallel_size=tp,
+               **({"distributed_executor_backend": "uni"} if tp == 1 else {}))
 
 
 def _greedy(llm: Any) -> tuple[list[list[int]], list[float]]:
@@ -84,30 +87,27 @@ def test_the_megatron_example_sends_each_ranks_shards_into_an_engine_at_tp2_each
     assert len({str(r["engine_logprobs"]) for r in rows}) == 3  # the versions differ
 
 
-@pytest.mark.timeout(900)
-def test_three_moe_versions_over_expert_parallel_ranks_land_in_vllm_each_byte_once_like_a_fresh_engine(
-        tmp_path: Path) -> None:
+def _sync_versions(llm: Any, initial: dict[str, torch.Tensor], *, tp: int, pp: int, engine_tp: int,
+                   moe: bool = False, ep: int = 1) -> tuple[dict[int, Any], dict[int, dict[str, torch.Tensor]], list[Any]]:
+    """Three versions from ``tp * pp * ep`` megatron-core ranks into ``llm`` (its ``engine_tp`` workers' readers) and
+    into a reader of the checkpoint's tensors; (what the engine served per version, what landed in the checkpoint per
+    version, each rank's report)."""
     import torch.multiprocessing as mp
 
     from rlsync import SyncOptions, WeightsReader
     from rlsync.core import keyed, shift_port
     from rlsync.layouts import from_state_dict
 
-    initial = mr.checkpoint_tensors(moe=True, dtype=torch.bfloat16)  # each expert's gate/up/down, as vLLM loads them
-    llm = _engine(mr.save_checkpoint(initial, tmp_path / "v0", moe=True))
     address = keyed(f"tcp://127.0.0.1:{common.free_port()}")
     tensors = [[name, "bfloat16", list(t.shape)] for name, t in initial.items()]
     llm.init_weight_transfer_engine({"init_info": {"address": address, "tensors": tensors}})
     checkpoint = WeightsReader(None, from_state_dict(initial), 0, options=SyncOptions(timeout=120))
     served, landed = {}, {}
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    ranks = mp.start_processes(mr.rank_main, args=(2, port, 1, 1, [[shift_port(address, 0)], [checkpoint.address]], 3,
-                                                   "bfloat16", PROMPT, results, True, 2), nprocs=2, join=False,
-                               start_method="spawn")
+    world = tp * pp * ep
+    results = mp.get_context("spawn").Queue()
+    destinations = [[shift_port(address, r) for r in range(engine_tp)], [checkpoint.address]]
+    ranks = mp.start_processes(mr.rank_main, args=(world, common.free_port(), tp, pp, destinations, 3, "bfloat16", PROMPT,
+                                                   results, moe, ep), nprocs=world, join=False, start_method="spawn")
     try:
         for version in (1, 2, 3):
             llm.start_weight_update()
@@ -120,11 +120,20 @@ def test_three_moe_versions_over_expert_parallel_ranks_land_in_vllm_each_byte_on
                 time.sleep(0.05)
             landed[version] = {n: torch.as_tensor(v).view(torch.bfloat16).view(initial[n].shape).clone()
                                for n, v in checkpoint.buffers().items()}
-        reports = sorted((results.get(timeout=120) for _ in range(2)), key=lambda r: r["rank"])
+        reports = sorted((results.get(timeout=120) for _ in range(world)), key=lambda r: r["rank"])
         while not ranks.join():
             pass
     finally:
         checkpoint.close()
+    return served, landed, reports
+
+
+@pytest.mark.timeout(900)
+def test_three_moe_versions_over_expert_parallel_ranks_land_in_vllm_each_byte_once_like_a_fresh_engine(
+        tmp_path: Path) -> None:
+    initial = mr.checkpoint_tensors(moe=True, dtype=torch.bfloat16)  # each expert's gate/up/down, as vLLM loads them
+    llm = _engine(mr.save_checkpoint(initial, tmp_path / "v0", moe=True))
+    served, landed, reports = _sync_versions(llm, initial, tp=1, pp=1, engine_tp=1, moe=True, ep=2)
     model_bytes = sum(t.numel() * 2 for t in initial.values())
     # once: the experts from the rank that holds them, the attention (replicated over the two) from one of them
     assert [sum(r["sent"][v] for r in reports) for v in range(3)] == [model_bytes] * 3
@@ -141,3 +150,36 @@ def test_three_moe_versions_over_expert_parallel_ranks_land_in_vllm_each_byte_on
         fresh = _engine(mr.save_checkpoint(landed[version], tmp_path / f"v{version}", moe=True))
         assert _greedy(fresh)[0] == served[version][0], f"version {version}"
         _shut_down(fresh)
+
+
+@pytest.mark.timeout(900)
+def test_tensor_and_pipeline_parallel_ranks_land_in_an_engine_at_tp2_like_a_fresh_engine_and_megatrons_tp1_forward(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dense model over TP=2 x PP=2 (four megatron-core ranks: each stage's layers from its own two ranks) into vLLM
+    at TP=2: each byte once per version, every version's greedy output a fresh TP=2 engine's of the same checkpoint,
+    and the engine's log-probs those of megatron-core's own TP=1 forward of the trainer's weights (its ranks' shards
+    merged by megatron's conventions)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per engine worker
+    initial = mr.checkpoint_tensors(dtype=torch.bfloat16)
+    llm = _engine(mr.save_checkpoint(initial, tmp_path / "v0"), tp=2)
+    served, landed, reports = _sync_versions(llm, initial, tp=2, pp=2, engine_tp=2)
+    model_bytes = sum(t.numel() * 2 for t in initial.values())
+    norms = (2 * mr.LAYERS + 1) * mr.HIDDEN * 2  # each of the engine's two workers holds the norms whole
+    assert [sum(r["sent"][v] for r in reports) for v in range(3)] == [model_bytes + norms] * 3
+    assert all(r["plan"] == r["sent"][0] > 0 for r in reports)  # every rank sends its own stage's shards
+    assert len({str(served[v][0]) for v in (1, 2, 3)}) > 1  # the versions differ
+    _shut_down(llm)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as reference:
+        # the trainer's final weights as one TP=1 megatron model, merged by megatron's conventions (not rlsync's)
+        tp1 = reference.submit(mr.tp1_logits_main, common.free_port(), mr.merged_tp1(reports, tp=2, pp=2), PROMPT)
+        for version in (1, 2, 3):  # every version served as a fresh engine at TP=2 serves its checkpoint
+            fresh = _engine(mr.save_checkpoint(landed[version], tmp_path / f"v{version}"), tp=2)
+            assert _greedy(fresh)[0] == served[version][0], f"version {version}"
+            _shut_down(fresh)
+        logits = torch.from_numpy(tp1.result(timeout=300))[:, : mr.VOCAB]
+    theirs = torch.log_softmax(logits, -1)[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])]
+    ours = torch.tensor(served[3][1])
+    assert (ours - theirs).abs().max() < 0.05, (ours, theirs)

@@ -64,7 +64,7 @@ def _picture(events: list[dict[str, Any]], where: Path) -> Path | None:
 
 
 def simulate_command(path: Path | None, run: int, modes: list[str], steps: int | None, max_staleness: int,
-                     overrides: dict[str, Any], as_json: bool, repeats: int) -> None:
+                     overrides: dict[str, Any], as_json: bool, repeats: int, replay: bool = False) -> None:
     for mode in modes:
         if mode not in MODES:
             raise ConfigError(f"--modes {mode}: one of {', '.join(MODES)}")
@@ -87,7 +87,7 @@ def simulate_command(path: Path | None, run: int, modes: list[str], steps: int |
     for k, v in given.items():
         setattr(costs, k, v)
     steps = steps or 20
-    predicted = predict(costs, modes, steps, max_staleness=max_staleness, repeats=repeats)
+    predicted = predict(costs, modes, steps, max_staleness=max_staleness, repeats=repeats, replay=replay)
     if as_json:
         print(json.dumps({"costs": vars(costs) | {"lengths": len(costs.lengths)}, "steps": steps, "modes": predicted},
                          indent=1))
@@ -96,7 +96,8 @@ def simulate_command(path: Path | None, run: int, modes: list[str], steps: int |
     console.print(f"costs: engine step {1e3 * costs.step_seconds:.2f} ms + {1e3 * costs.seq_step_seconds:.3f} ms a "
                   f"sequence, {1e3 * costs.request_overhead:.1f} ms a request; train {costs.train_seconds:.3f} s "
                   f"(+{costs.other_seconds:.3f} s); sync {costs.sync_seconds:.3f} s; batch {costs.prompts} prompts x "
-                  f"{costs.group}; {len(costs.lengths)} lengths, mean {sum(costs.lengths) / len(costs.lengths):.1f}")
+                  f"{costs.group}; {len(costs.lengths)} lengths, mean {sum(costs.lengths) / len(costs.lengths):.1f}, "
+                  + ("taken in the run's order" if replay else f"drawn at random ({repeats} runs)"))
     table = Table(title=f"predicted, {steps} steps, max staleness {max_staleness} (async)", title_justify="left")
     for column in ("mode", "samples/s", "vs lockstep", "generation idle", "training idle", "staleness (tokens)"):
         table.add_column(column, justify="right" if column in ("samples/s", "vs lockstep") else "left")

@@ -211,7 +211,8 @@ def simulate(
     step_seconds: Annotated[Optional[float], typer.Option(min=0, help="The engine's fixed seconds per decode step.")] = None,
     seq_step_seconds: Annotated[Optional[float], typer.Option(min=0, help="The engine's seconds per decode step per sequence in flight.")] = None,
     lengths: Annotated[Optional[str], typer.Option(help="Completion lengths to draw from, comma-separated tokens (e.g. '12,12,96').")] = None,
-    repeats: Annotated[int, typer.Option(min=1, help="Runs per mode with other draws of the lengths; the mean is printed.")] = 20,
+    draw: Annotated[bool, typer.Option("--draw", help="Draw each request's length from the run's at random (the mean of --repeats runs) instead of taking them in the order the run asked for them.")] = False,
+    repeats: Annotated[int, typer.Option(min=1, help="With --draw or --lengths: runs per mode with other draws of the lengths; the mean is printed.")] = 20,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Predict samples/s, each pool's idle shares and the staleness of lockstep, one-step-off, async and async with
@@ -226,7 +227,7 @@ def simulate(
     simulate_command(timeline, run, [m.strip() for m in modes.split(",") if m.strip()], steps, max_staleness,
                      {"prompts": prompts, "group": group, "train_seconds": train_seconds, "sync_seconds": sync_seconds,
                       "step_seconds": step_seconds, "seq_step_seconds": seq_step_seconds, "lengths": drawn},
-                     json_output, repeats)
+                     json_output, repeats, replay=timeline is not None and not draw)
 
 
 @app.command()

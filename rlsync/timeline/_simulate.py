@@ -2,8 +2,9 @@
 
 What it models:
 - **The engine** batches continuously: every step, each sequence in flight gains one token, and the step takes
-  ``step_seconds + seq_step_seconds * sequences in flight``; a request (``group`` sequences of one length, drawn
-  from the measured lengths) ends ``request_overhead`` after its last token.
+  ``step_seconds + seq_step_seconds * sequences in flight``; a request (``group`` sequences of one length: the
+  measured lengths in the order the run asked for them, or drawn from them at random) ends ``request_overhead``
+  after its last token.
 - **The rollout buffer** as rlsync's: a ticket is admitted while ``(version + k + 1) * batch`` samples cover
   everything admitted so far; a trainer's batch waits for an admitted ticket that would otherwise go stale.
 - **The generators** as examples/async_rl.py runs them: ``lockstep`` and ``one-step-off`` admit whole batches, one at
@@ -100,7 +101,8 @@ def fit_costs(events: list[dict[str, Any]]) -> Costs:
         other = max(0.0, rest / len(trains)) if _lockstep(events) else 0.0
     return Costs(step_seconds=float(coef[1]), seq_step_seconds=float(coef[2]), request_overhead=float(coef[0]),
                  train_seconds=statistics.mean(trains), sync_seconds=statistics.mean(syncs),
-                 lengths=[round(r["tokens"] / r["sequences"]) for r in requests], group=group,
+                 lengths=[round(r["tokens"] / r["sequences"]) for r in sorted(requests, key=lambda r: r["start"])],
+                 group=group,
                  prompts=max(1, batch // group), other_seconds=other)
 
 
@@ -126,23 +128,25 @@ class _Ticket:
     done: int = 0
 
 
-def simulate(costs: Costs, mode: str, steps: int, *, max_staleness: int = 1, seed: int = 0) -> dict[str, Any]:
+def simulate(costs: Costs, mode: str, steps: int, *, max_staleness: int = 1, seed: int | None = 0) -> dict[str, Any]:
     """One run of ``steps`` optimizer steps in ``mode`` (``MODES``): samples/s, each pool's idle shares, the staleness
-    of the tokens trained on."""
+    of the tokens trained on. Each request's length is drawn from ``costs.lengths`` (``seed``), or with ``seed=None``
+    taken in their order, again from the first when they run out (the recorded run's own sequence of tasks)."""
     if mode not in MODES:
         raise ConfigError(f"mode {mode!r}: one of {', '.join(MODES)}")
     return _Run(costs, mode, steps, max_staleness, seed).go()
 
 
 class _Run:
-    def __init__(self, costs: Costs, mode: str, steps: int, max_staleness: int, seed: int) -> None:
+    def __init__(self, costs: Costs, mode: str, steps: int, max_staleness: int, seed: int | None) -> None:
         self.c = costs
         self.k = 0 if mode == "lockstep" else 1 if mode == "one-step-off" else max_staleness
         self.partial = mode == "async-partial"
         self.whole_batches = mode in ("lockstep", "one-step-off")
         self.batch = costs.prompts * costs.group
         self.steps = steps
-        self.rng = random.Random(seed)
+        rng = random.Random(seed)
+        self.lengths = itertools.cycle(costs.lengths) if seed is None else iter(lambda: rng.choice(costs.lengths), None)
         self.t = 0.0
         self.version = 0
         self.consumed = self.waiting = self.in_flight = 0
@@ -174,7 +178,7 @@ class _Run:
             self.in_flight += size
             ticket = _Ticket(size, self.version)
             for _ in range(size // self.c.group):
-                request = _Request(self.rng.choice(self.c.lengths), self.c.group, ticket)
+                request = _Request(next(self.lengths), self.c.group, ticket)
                 ticket.requests.append(request)
                 (self.held if self.syncing and not self.partial else self.running).append(request)
             self.tickets.append(ticket)
@@ -287,11 +291,14 @@ class _Run:
                 "staleness": {str(k): v / total for k, v in sorted(self.lags.items())} if total else {}}
 
 
-def predict(costs: Costs, modes: list[str], steps: int, *, max_staleness: int = 1, repeats: int = 20) -> dict[str, Any]:
-    """Each mode's figures, the mean of ``repeats`` runs with other draws of the lengths."""
+def predict(costs: Costs, modes: list[str], steps: int, *, max_staleness: int = 1, repeats: int = 20,
+            replay: bool = False) -> dict[str, Any]:
+    """Each mode's figures, the mean of ``repeats`` runs with other draws of the lengths; with ``replay``, of one run
+    that takes the lengths in their recorded order."""
     out: dict[str, Any] = {}
     for mode in modes:
-        runs = [simulate(costs, mode, steps, max_staleness=max_staleness, seed=seed) for seed in range(repeats)]
+        seeds: list[int | None] = [None] if replay else list(range(repeats))
+        runs = [simulate(costs, mode, steps, max_staleness=max_staleness, seed=seed) for seed in seeds]
         out[mode] = {"samples_per_second": statistics.mean(r["samples_per_second"] for r in runs),
                      "idle": {pool: {why: statistics.mean(r["idle"][pool][why] for r in runs) for why in reasons}
                               for pool, reasons in runs[0]["idle"].items()},

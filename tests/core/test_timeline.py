@@ -204,6 +204,21 @@ def test_the_simulator_gives_lockstep_in_closed_form_and_overlap_with_staleness(
         timeline.simulate(costs, "fully-async", 3)
 
 
+def test_the_simulator_replays_the_recorded_lengths_in_their_order() -> None:
+    costs = timeline.Costs(**{**COSTS, "lengths": [10, 10, 100, 100]})  # type: ignore[arg-type]
+
+    def step(length: int) -> float:  # one lockstep step: a batch of two requests of this length, train, sync
+        return 0.02 + length * 0.01 + 0.1 + 0.05
+
+    # batches of two requests: 10 and 10, then 100 and 100, then from the first again
+    replayed = timeline.simulate(costs, "lockstep", 4, seed=None)
+    assert replayed["wall_seconds"] == pytest.approx(2 * step(10) + 2 * step(100))
+    predicted = timeline.predict(costs, ["lockstep"], 4, replay=True)["lockstep"]["samples_per_second"]
+    assert predicted == pytest.approx(16 / (2 * step(10) + 2 * step(100)))
+    drawn = [timeline.simulate(costs, "lockstep", 4, seed=s)["wall_seconds"] for s in range(10)]
+    assert max(drawn) > 2 * step(10) + 2 * step(100)  # a draw pairs a 10 with a 100: the batch waits for the 100
+
+
 def test_fit_costs_recovers_the_engine_and_trainer_costs_of_a_run(tmp_path: Path) -> None:
     """Requests alone (none beside another): seconds = overhead + length * (step + sequences * per-sequence step)."""
     d, a, c = 0.02, 0.005, 0.001
@@ -215,7 +230,8 @@ def test_fit_costs_recovers_the_engine_and_trainer_costs_of_a_run(tmp_path: Path
         at += seconds + 0.1
     events += [{"kind": "train", "start": 8.0, "end": 8.3}, {"kind": "sync", "start": 8.3, "end": 8.5, "route": "r"},
                {"kind": "wait_batch", "start": 7.0, "end": 8.0, "samples": 4, "lags": {"0": 10}}]
-    costs = timeline.fit_costs(events)
+    costs = timeline.fit_costs(events[::-1])  # in any order: the lengths come in the order the requests started
+    assert costs.lengths == [10, 20, 5, 30, 8]
     assert (costs.request_overhead, costs.step_seconds, costs.seq_step_seconds) == pytest.approx((d, a, c), abs=1e-9)
     assert (costs.train_seconds, costs.sync_seconds, costs.prompts, costs.group) == pytest.approx((0.3, 0.2, 2, 2))
     with pytest.raises(ConfigError, match="at least 3"):

@@ -40,6 +40,7 @@ from rlsync.adapters.verl._engine import CANARY_METRIC, RlsyncCheckpointEngine, 
 from rlsync.adapters.verl._engine_route import WEIGHT_TRANSFER_CONFIG
 from rlsync.adapters.verl._shards import trainer_shards
 from rlsync.core import span
+from rlsync.patches.verl import apply_timeline
 
 _log = logging.getLogger("rlsync")
 
@@ -175,7 +176,11 @@ def manager_update_weights(original: Any) -> Any:
     async def update_weights(self: Any, global_steps: int | None = None) -> Any:
         # the timeline: the driver's view of a sync, from pausing the rollout to resuming it (what generation waits for)
         if self.backend == "rlsync":
-            timeline_option(self.config.engine_kwargs.get("rlsync"))
+            options = self.config.engine_kwargs.get("rlsync")
+            timeline_option(options)
+            if (options or {}).get("timeline") and not apply_timeline(update_actor=trainer_update_actor,
+                                                                       generate_sequences=manager_generate_sequences):
+                _say_driver_untimed()
         with span("sync", route="verl", step=global_steps) as timeline:
             metrics = await inner(self, global_steps=global_steps)
             if isinstance(metrics, dict):
@@ -187,6 +192,44 @@ def manager_update_weights(original: Any) -> Any:
         return metrics
 
     return update_weights
+
+
+@functools.cache
+def _say_driver_untimed() -> None:
+    _log.warning("rlsync: the timeline records verl's syncs but not its train steps and generations: its driver is not "
+                 "verl 0.9's RayPPOTrainer with an AgentLoopManager (rlsync times those two)")
+
+
+def trainer_update_actor(original: Any) -> Any:
+    """``RayPPOTrainer._update_actor`` (verl's driver): the step's training, a ``train`` span of the timeline (recorded
+    where ``engine_kwargs.rlsync.timeline`` turned it on; nothing otherwise)."""
+
+    @functools.wraps(original)
+    def _update_actor(self: Any, batch: Any) -> Any:
+        with span("train", step=getattr(self, "global_steps", None), samples=len(batch)):
+            return original(self, batch)
+
+    return _update_actor
+
+
+def manager_generate_sequences(original: Any) -> Any:
+    """``AgentLoopManager.generate_sequences`` (verl's driver; its ``auto_await`` around the coroutine function): the
+    batch's generation, a ``request`` span of the timeline with its sequences and the response tokens they made."""
+    from verl.utils.ray_utils import auto_await
+
+    inner = original.__wrapped__
+
+    @auto_await  # type: ignore[untyped-decorator]
+    @functools.wraps(inner)
+    async def generate_sequences(self: Any, prompts: Any, *args: Any, **kwargs: Any) -> Any:
+        with span("request", sequences=len(prompts), engine="verl") as request:
+            output = await inner(self, prompts, *args, **kwargs)
+            batch = getattr(output, "batch", None)
+            if batch is not None and "response_mask" in batch.keys():
+                request["tokens"] = int(batch["response_mask"].sum())
+        return output
+
+    return generate_sequences
 
 
 async def check_canary(replicas: list[Any], canary: Canary) -> float | None:

@@ -22,6 +22,10 @@ For the sampling mask of an FSDP actor (``apply_sampling_mask``): ``ActorRollout
 ``compute_log_prob`` and ``update_actor``, and ``FSDPEngineWithLMHead.forward_step`` are wrapped by the given
 decorators; ``transformer_impl.logprobs_from_logits`` (the name ``prepare_model_outputs`` looks up) by the given one.
 
+For the timeline (``apply_timeline``, called by the driver's first weight sync with ``engine_kwargs.rlsync.timeline``
+set): ``RayPPOTrainer._update_actor`` (``verl.trainer.ppo.ray_trainer``) and ``AgentLoopManager.generate_sequences``
+(``verl.experimental.agent_loop.agent_loop``) are wrapped by the given decorators.
+
 For durable episodes (``apply_episodes``): ``AgentLoopWorker._run_agent_loop`` is wrapped by the given decorator
 (it hands the agent loop verl's trajectory, and runs ``tool_agent`` in rlsync's loop when episodes are configured).
 
@@ -33,6 +37,7 @@ rlsync refuses an unmerged LoRA by name, as before.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from importlib import metadata
 from typing import Any
@@ -127,6 +132,22 @@ def apply_sampling_mask(*, worker_init: Callable[[Any], Any], actor_call: Callab
     engine.forward_step = forward_step(engine.__dict__["forward_step"])
     transformer_impl.logprobs_from_logits = log_probs(transformer_impl.logprobs_from_logits)
     transformer_impl._rlsync_mask = True
+
+
+def apply_timeline(*, update_actor: Callable[[Any], Any], generate_sequences: Callable[[Any], Any]) -> bool:
+    """Wrap the driver's ``RayPPOTrainer._update_actor`` and ``AgentLoopManager.generate_sequences`` (once), where this
+    process has imported them (verl's driver has, by its first weight sync; nothing is imported here for it): True
+    where both are wrapped."""
+    if not minor_supported(metadata.version("verl"), SUPPORTED):
+        return False
+    trainer = sys.modules.get("verl.trainer.ppo.ray_trainer")
+    agent_loop = sys.modules.get("verl.experimental.agent_loop.agent_loop")
+    methods = tuple((cls, name, wrap) for module, cls_name, name, wrap in (
+        (trainer, "RayPPOTrainer", "_update_actor", update_actor),
+        (agent_loop, "AgentLoopManager", "generate_sequences", generate_sequences))
+        if (cls := getattr(module, cls_name, None)) is not None and name in cls.__dict__)
+    _wrap_methods("_rlsync_timeline", methods)
+    return len(methods) == 2
 
 
 def apply_episodes(*, run_agent_loop: Callable[[Any], Any]) -> bool:

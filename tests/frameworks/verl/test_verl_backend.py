@@ -180,7 +180,11 @@ def test_each_trainer_rank_sends_its_own_shard_in_bf16_and_gathers_nothing(model
     """Issue #67, the trainer's side: through verl's own manager, each FSDP2 rank sends its own local shard (verl's
     ``get_per_tensor_param_shard``) in the rollout's bf16 (the trainer's model holds an fp32 tensor too), every byte
     once into each rollout worker, and makes no all-gather (nor any other collective) during the sync. With
-    ``engine_kwargs.rlsync.timeline`` (#69) every process records: each rank's syncs and the driver's."""
+    ``engine_kwargs.rlsync.timeline`` (#69) every process records: each rank's syncs and the driver's, and the
+    driver's generations and train steps (verl's own ``AgentLoopManager.generate_sequences`` and
+    ``RayPPOTrainer._update_actor``, as its ``fit`` runs them after each sync, over stand-ins: ``verl_driver.py``)."""
+    import verl_driver  # verl's driver classes are imported before its first sync, as in verl's driver
+
     timeline = tmp_path / "timeline"
     cluster = Cluster(model_dir, {"verify": True, "timeout": 120, "timeline": str(timeline)})
     clusters.append(cluster)
@@ -188,6 +192,10 @@ def test_each_trainer_rank_sends_its_own_shard_in_bf16_and_gathers_nothing(model
     with record_timeline(timeline):  # this process is verl's driver: recording in the block only (the option's file)
         for step in (1, 2, 3):
             metrics, expected = _sync_bit_exact(cluster, step)
+            trainer, manager = verl_driver.driver(step)
+            assert len(manager.generate_sequences(verl_driver.prompts(4))) == 4
+            trainer._update_actor(verl_driver.trained_batch(4))
+            assert len(trainer.actor_rollout_wg.batches) == 1  # verl's own _update_actor ran
             assert all(t.dtype == torch.bfloat16 for t in expected.values() if t.is_floating_point())
             assert metrics["rlsync/gathered"] == 0
             assert metrics["rlsync/bytes"] == 2 * sum(t.numel() * t.element_size() for t in expected.values())  # bf16
@@ -206,6 +214,12 @@ def test_each_trainer_rank_sends_its_own_shard_in_bf16_and_gathers_nothing(model
         assert sum(e["bytes"] for e in ranks if e["version"] == version) == total
         (outer,) = [e for e in driver if e["version"] == version]
         assert all(outer["start"] <= e["start"] <= e["end"] <= outer["end"] for e in ranks if e["version"] == version)
+    # the driver's generation and train step of each step, after its sync
+    timed = [(e["kind"], e.get("step")) for e in events if e["kind"] in ("request", "train") or e in driver]
+    assert timed == [x for s in (1, 2, 3) for x in (("sync", s), ("request", None), ("train", s))], timed
+    requests = [e for e in events if e["kind"] == "request"]
+    assert all(e["sequences"] == 4 and e["tokens"] == 4 * verl_driver.RESPONSE and e["engine"] == "verl" for e in requests)
+    assert all(e["end"] - e["start"] >= verl_driver.SECONDS for e in requests)
 
 
 def test_three_syncs_through_verls_manager_land_bit_exact_with_metrics(model_dir: Path, ray_cluster: None,

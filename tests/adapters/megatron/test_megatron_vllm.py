@@ -6,8 +6,8 @@ the engine's prompt log-probs match megatron's own forward (fp32) to bf16 tolera
 - examples/megatron_sync.py, as a user runs it: a dense model at tensor parallelism 2 into an engine at TP=1.
 - A Qwen3-MoE-like model, its experts over expert parallelism 2, into an engine at TP=1; every version's greedy
   output equals a fresh engine's loaded with the checkpoint of the same weights (landed, bf16, in a second reader).
-- A dense model over TP=2 x PP=2 (four ranks) into an engine at TP=2; every version's greedy output equals a fresh
-  TP=2 engine's, and the engine's log-probs megatron-core's own TP=1 forward of the trainer's weights."""
+- A dense model over TP=2 x PP=2 (four ranks) into an engine at TP=2; the last version's greedy output equals a
+  fresh TP=2 engine's, and the engine's log-probs megatron-core's own TP=1 forward of the trainer's weights."""
 
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ def test_three_moe_versions_over_expert_parallel_ranks_land_in_vllm_each_byte_on
 def test_tensor_and_pipeline_parallel_ranks_land_in_an_engine_at_tp2_like_a_fresh_engine_and_megatrons_tp1_forward(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A dense model over TP=2 x PP=2 (four megatron-core ranks: each stage's layers from its own two ranks) into vLLM
-    at TP=2: each byte once per version, every version's greedy output a fresh TP=2 engine's of the same checkpoint,
+    at TP=2: each byte once per version, the last version's greedy output a fresh TP=2 engine's of the same checkpoint,
     and the engine's log-probs those of megatron-core's own TP=1 forward of the trainer's weights (its ranks' shards
     merged by megatron's conventions)."""
     import multiprocessing
@@ -172,10 +172,11 @@ def test_tensor_and_pipeline_parallel_ranks_land_in_an_engine_at_tp2_like_a_fres
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as reference:
         # the trainer's final weights as one TP=1 megatron model, merged by megatron's conventions (not rlsync's)
         tp1 = reference.submit(mr.tp1_logits_main, common.free_port(), mr.merged_tp1(reports, tp=2, pp=2), PROMPT)
-        for version in (1, 2, 3):  # every version served as a fresh engine at TP=2 serves its checkpoint
-            fresh = _engine(mr.save_checkpoint(landed[version], tmp_path / f"v{version}"), tp=2)
-            assert _greedy(fresh)[0] == served[version][0], f"version {version}"
-            _shut_down(fresh)
+        # the last version served as a fresh engine at TP=2 serves its checkpoint (every version: the MoE test's, at
+        # TP=1; a fresh TP=2 engine costs about 30 s of CI's two cores)
+        fresh = _engine(mr.save_checkpoint(landed[3], tmp_path / "v3"), tp=2)
+        assert _greedy(fresh)[0] == served[3][0]
+        _shut_down(fresh)
         logits = torch.from_numpy(tp1.result(timeout=300))[:, : mr.VOCAB]
     theirs = torch.log_softmax(logits, -1)[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])]
     ours = torch.tensor(served[3][1])

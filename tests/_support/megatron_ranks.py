@@ -40,6 +40,24 @@ def hf_config(moe: bool = False) -> Any:
                        tie_word_embeddings=False, rope_theta=10000.0)
 
 
+def ranks_context() -> Any:
+    """The multiprocessing context the ranks start from: a fork server that imported torch, megatron-core and this
+    module once, so that each rank (still a process of its own, forked from it) skips those imports (seconds each on
+    CI's two cores). Its queues are the ranks' result queues."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(["torch", "megatron.core", "_support.megatron_ranks"])
+    return multiprocessing.get_context("forkserver")
+
+
+def start_ranks(main: Any, args: tuple[Any, ...], nprocs: int) -> Any:
+    """``torch.multiprocessing.start_processes`` of ``main`` (rank first, then ``args``) from ``ranks_context()``."""
+    import torch.multiprocessing as mp
+
+    ranks_context()
+    return mp.start_processes(main, args=args, nprocs=nprocs, join=False, start_method="forkserver")
+
+
 def _cpu_megatron() -> None:
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     from megatron.core.tensor_parallel import random as megatron_random

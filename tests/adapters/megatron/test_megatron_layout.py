@@ -32,7 +32,6 @@ def _sync(tp: int, pp: int, dtype: str = "float32", versions: int = 1, moe: bool
           ep: int = 1) -> tuple[Any, list[dict[str, Any]]]:
     """Run ``tp * pp * ep`` megatron ranks (``ep``: data parallel ranks the experts split over) into one reader of the
     checkpoint's tensors; (the reader's tensors, each rank's results)."""
-    import torch.multiprocessing as mp
 
     from rlsync import SyncOptions, WeightsReader
     from rlsync.layouts import from_state_dict
@@ -41,11 +40,10 @@ def _sync(tp: int, pp: int, dtype: str = "float32", versions: int = 1, moe: bool
     world = tp * pp * ep
     reader = WeightsReader(None, from_state_dict(shapes), 0, options=SyncOptions(timeout=120))
     try:
-        context = mp.get_context("spawn")
+        context = mr.ranks_context()
         results = context.Queue()
-        ranks_running = mp.start_processes(mr.rank_main, args=(world, _free_port(), tp, pp, [[reader.address]], versions,
-                                                               dtype, PROMPT, results, moe, ep),
-                                           nprocs=world, join=False, start_method="spawn")
+        ranks_running = mr.start_ranks(mr.rank_main, (world, _free_port(), tp, pp, [[reader.address]], versions, dtype,
+                                                       PROMPT, results, moe, ep), world)
         # read before joining: a rank's large result stays in its queue's pipe until someone reads it
         ranks = sorted((results.get(timeout=300) for _ in range(world)), key=lambda r: r["rank"])
         while not ranks_running.join():

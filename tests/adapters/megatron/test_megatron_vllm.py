@@ -6,8 +6,9 @@ the engine's prompt log-probs match megatron's own forward (fp32) to bf16 tolera
 - examples/megatron_sync.py, as a user runs it: a dense model at tensor parallelism 2 into an engine at TP=1.
 - A Qwen3-MoE-like model, its experts over expert parallelism 2, into an engine at TP=1; every version's greedy
   output equals a fresh engine's loaded with the checkpoint of the same weights (landed, bf16, in a second reader).
-- A dense model over TP=2 x PP=2 (four ranks) into an engine at TP=2; the last version's greedy output equals a
-  fresh TP=2 engine's, and the engine's log-probs megatron-core's own TP=1 forward of the trainer's weights."""
+- A dense model over TP=2 x PP=2 (four ranks) into an engine at TP=2; every version's greedy output equals a fresh
+  TP=2 engine's, and the engine's log-probs megatron-core's own TP=1 forward of the trainer's weights.
+The ranks fork from a fork server that imported megatron-core once (``megatron_ranks.start_ranks``)."""
 
 from __future__ import annotations
 
@@ -89,7 +90,6 @@ def _sync_versions(llm: Any, initial: dict[str, torch.Tensor], *, tp: int, pp: i
     """Three versions from ``tp * pp * ep`` megatron-core ranks into ``llm`` (its ``engine_tp`` workers' readers) and
     into a reader of the checkpoint's tensors; (what the engine served per version, what landed in the checkpoint per
     version, each rank's report)."""
-    import torch.multiprocessing as mp
 
     from rlsync import SyncOptions, WeightsReader
     from rlsync.core import keyed, shift_port
@@ -101,10 +101,10 @@ def _sync_versions(llm: Any, initial: dict[str, torch.Tensor], *, tp: int, pp: i
     checkpoint = WeightsReader(None, from_state_dict(initial), 0, options=SyncOptions(timeout=120))
     served, landed = {}, {}
     world = tp * pp * ep
-    results = mp.get_context("spawn").Queue()
+    results = mr.ranks_context().Queue()
     destinations = [[shift_port(address, r) for r in range(engine_tp)], [checkpoint.address]]
-    ranks = mp.start_processes(mr.rank_main, args=(world, common.free_port(), tp, pp, destinations, 3, "bfloat16", PROMPT,
-                                                   results, moe, ep), nprocs=world, join=False, start_method="spawn")
+    ranks = mr.start_ranks(mr.rank_main, (world, common.free_port(), tp, pp, destinations, 3, "bfloat16", PROMPT,
+                                          results, moe, ep), world)
     try:
         for version in (1, 2, 3):
             llm.start_weight_update()
@@ -153,10 +153,9 @@ def test_three_moe_versions_over_expert_parallel_ranks_land_in_vllm_each_byte_on
 def test_tensor_and_pipeline_parallel_ranks_land_in_an_engine_at_tp2_like_a_fresh_engine_and_megatrons_tp1_forward(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A dense model over TP=2 x PP=2 (four megatron-core ranks: each stage's layers from its own two ranks) into vLLM
-    at TP=2: each byte once per version, the last version's greedy output a fresh TP=2 engine's of the same checkpoint,
+    at TP=2: each byte once per version, every version's greedy output a fresh TP=2 engine's of the same checkpoint,
     and the engine's log-probs those of megatron-core's own TP=1 forward of the trainer's weights (its ranks' shards
     merged by megatron's conventions)."""
-    import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per engine worker
@@ -169,14 +168,13 @@ def test_tensor_and_pipeline_parallel_ranks_land_in_an_engine_at_tp2_like_a_fres
     assert all(r["plan"] == r["sent"][0] > 0 for r in reports)  # every rank sends its own stage's shards
     assert len({str(served[v][0]) for v in (1, 2, 3)}) > 1  # the versions differ
     _shut_down(llm)
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as reference:
+    with ProcessPoolExecutor(1, mp_context=mr.ranks_context()) as reference:
         # the trainer's final weights as one TP=1 megatron model, merged by megatron's conventions (not rlsync's)
         tp1 = reference.submit(mr.tp1_logits_main, common.free_port(), mr.merged_tp1(reports, tp=2, pp=2), PROMPT)
-        # the last version served as a fresh engine at TP=2 serves its checkpoint (every version: the MoE test's, at
-        # TP=1; a fresh TP=2 engine costs about 30 s of CI's two cores)
-        fresh = _engine(mr.save_checkpoint(landed[3], tmp_path / "v3"), tp=2)
-        assert _greedy(fresh)[0] == served[3][0]
-        _shut_down(fresh)
+        for version in (1, 2, 3):  # every version served as a fresh engine at TP=2 serves its checkpoint
+            fresh = _engine(mr.save_checkpoint(landed[version], tmp_path / f"v{version}"), tp=2)
+            assert _greedy(fresh)[0] == served[version][0], f"version {version}"
+            _shut_down(fresh)
         logits = torch.from_numpy(tp1.result(timeout=300))[:, : mr.VOCAB]
     theirs = torch.log_softmax(logits, -1)[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])]
     ours = torch.tensor(served[3][1])

@@ -58,7 +58,8 @@ def fit_costs(events: list[dict[str, Any]]) -> Costs:
     and the batch shape. Requests need ``tokens`` and ``sequences`` (``rlsync.timeline.span("request", ...)``)."""
     import numpy as np
 
-    requests = [e for e in events if e["kind"] == "request" and "end" in e and e.get("sequences") and e.get("tokens")]
+    requests = sorted((e for e in events if e["kind"] == "request" and "end" in e and e.get("sequences")
+                       and e.get("tokens")), key=lambda e: e["start"])  # the lengths in the order the run asked them
     if len(requests) < 3:
         raise ConfigError(f"the timeline has {len(requests)} request spans with tokens and sequences: the engine's costs "
                           "need at least 3 (record each generation request with rlsync.timeline.span('request', "
@@ -101,8 +102,7 @@ def fit_costs(events: list[dict[str, Any]]) -> Costs:
         other = max(0.0, rest / len(trains)) if _lockstep(events) else 0.0
     return Costs(step_seconds=float(coef[1]), seq_step_seconds=float(coef[2]), request_overhead=float(coef[0]),
                  train_seconds=statistics.mean(trains), sync_seconds=statistics.mean(syncs),
-                 lengths=[round(r["tokens"] / r["sequences"]) for r in sorted(requests, key=lambda r: r["start"])],
-                 group=group,
+                 lengths=[round(r["tokens"] / r["sequences"]) for r in requests], group=group,
                  prompts=max(1, batch // group), other_seconds=other)
 
 
@@ -146,7 +146,8 @@ class _Run:
         self.batch = costs.prompts * costs.group
         self.steps = steps
         rng = random.Random(seed)
-        self.lengths = itertools.cycle(costs.lengths) if seed is None else iter(lambda: rng.choice(costs.lengths), None)
+        drawn = (rng.choice(costs.lengths) for _ in itertools.count())
+        self.lengths = itertools.cycle(costs.lengths) if seed is None else drawn
         self.t = 0.0
         self.version = 0
         self.consumed = self.waiting = self.in_flight = 0
@@ -296,8 +297,8 @@ def predict(costs: Costs, modes: list[str], steps: int, *, max_staleness: int = 
     """Each mode's figures, the mean of ``repeats`` runs with other draws of the lengths; with ``replay``, of one run
     that takes the lengths in their recorded order."""
     out: dict[str, Any] = {}
+    seeds: list[int | None] = [None] if replay else list(range(repeats))
     for mode in modes:
-        seeds: list[int | None] = [None] if replay else list(range(repeats))
         runs = [simulate(costs, mode, steps, max_staleness=max_staleness, seed=seed) for seed in seeds]
         out[mode] = {"samples_per_second": statistics.mean(r["samples_per_second"] for r in runs),
                      "idle": {pool: {why: statistics.mean(r["idle"][pool][why] for r in runs) for why in reasons}

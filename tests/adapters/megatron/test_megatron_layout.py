@@ -32,7 +32,6 @@ def _sync(tp: int, pp: int, dtype: str = "float32", versions: int = 1, moe: bool
           ep: int = 1) -> tuple[Any, list[dict[str, Any]]]:
     """Run ``tp * pp * ep`` megatron ranks (``ep``: data parallel ranks the experts split over) into one reader of the
     checkpoint's tensors; (the reader's tensors, each rank's results)."""
-
     from rlsync import SyncOptions, WeightsReader
     from rlsync.layouts import from_state_dict
 

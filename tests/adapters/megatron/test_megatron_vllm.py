@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gc
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -90,7 +89,6 @@ def _sync_versions(llm: Any, initial: dict[str, torch.Tensor], *, tp: int, pp: i
     """Three versions from ``tp * pp * ep`` megatron-core ranks into ``llm`` (its ``engine_tp`` workers' readers) and
     into a reader of the checkpoint's tensors; (what the engine served per version, what landed in the checkpoint per
     version, each rank's report)."""
-
     from rlsync import SyncOptions, WeightsReader
     from rlsync.core import keyed, shift_port
     from rlsync.layouts import from_state_dict

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,7 @@ from rlsync import (
     WeightsReader,
     WeightsWriter,
 )
+from rlsync.core import LandedVersions
 from rlsync.layouts import from_state_dict
 
 pytestmark = pytest.mark.multiproc
@@ -41,6 +44,60 @@ def test_writer_killed_midway_leaves_the_previous_version_and_the_next_sync_work
         assert again.returncode == 0, again.stderr_text
         assert reader.version == 2 and loaded == [1, 2]
         sync.assert_landed("plain", reader, 2)
+
+
+def test_a_writer_killed_mid_version_gives_the_version_up_at_once_not_at_the_timeout(sync: Any, tmp_path: Path) -> None:
+    """Two trainer ranks synced version 1 together; in version 2 rank 1 is killed after 2 of its 7 writes, after
+    rank 0 finished its part. Its connection closing gives version 2 up at once, not at the 60 s timeout every
+    side has: the engine waiting for it hears ``PeerLostError`` naming the rank, rank 0's ``complete(2)`` fails saying
+    why, version 1 stays live; both ranks (rank 1 restarted) then land version 2."""
+    src, dst = sync.layouts("two_writers")
+    handed = LandedVersions(60)
+    waits: list[object] = []
+
+    def engine() -> None:  # the engine's thread: loads each version handed to it, records what its waits ended in
+        for _ in range(3):
+            try:
+                version, _, finish = handed.next(60)
+            except Exception as exc:  # noqa: BLE001 - what the wait ended in is the assertion
+                waits.append((exc, time.monotonic()))
+                continue
+            finish(None)
+            waits.append(version)
+
+    with WeightsReader(src, dst, 0, landing="staged", on_version=handed.on_version, on_refused=handed.on_refused,
+                       on_lost=handed.on_lost, options=SyncOptions(transport="shm")) as reader:
+        threading.Thread(target=engine, daemon=True).start()
+        gates = [tmp_path / "rank0", tmp_path / "rank1"]  # a rank completes version V once its gate's file .V exists
+        for gate in gates:
+            gate.with_suffix(".1").touch()
+        first = sync.writer("two_writers", "shm", {0: reader.address}, [1, 2], rank=0, wait=False,
+                            extra=("--timeout", "60", "--wait-for", str(gates[0])))
+        dying = sync.writer("two_writers", "shm", {0: reader.address}, [1, 2], rank=1, wait=False,
+                            extra=("--timeout", "60", "--die-after-writes", "9", "--wait-for", str(gates[1])))
+        deadline = time.monotonic() + 60
+        while waits != [1] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert reader.version == 1 and waits == [1]
+        gates[0].with_suffix(".2").touch()
+        while not (reader._pending_version == 2 and 0 in reader._done) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gates[1].with_suffix(".2").touch()
+        assert dying.wait(timeout=60) == -9
+        killed = time.monotonic()
+        _, err = first.communicate(timeout=60)
+        assert first.returncode != 0 and time.monotonic() - killed < 10, err
+        assert "writer rank 1's connection closed before it finished version 2 (did the trainer die?)" in err, err
+        while len(waits) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        lost, when = waits[1]  # type: ignore[misc]
+        assert isinstance(lost, PeerLostError) and "writer rank 1's connection closed" in str(lost), lost
+        assert when - killed < 10  # not the 60 s timeout
+        assert reader.version == 1 and reader.discarded == [2]  # (staged: the engine holds version 1, its staging is not live)
+        both = [sync.writer("two_writers", "shm", {0: reader.address}, [2], rank=r, wait=False) for r in (0, 1)]
+        assert [w.wait(timeout=60) for w in both] == [0, 0]
+        assert reader.version == 2 and waits[2:] == [2]
+        sync.assert_landed("two_writers", reader, 2)
 
 
 def test_reader_killed_makes_complete_fail_in_time_and_the_other_reader_still_gets_it(sync: Any) -> None:

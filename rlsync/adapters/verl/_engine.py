@@ -264,7 +264,8 @@ class RlsyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is
         # behind a relay: its bytes come from the relay over shared memory, whole
         options = self.options.replace(transport="shm", wire="full") if behind_relay else self.options
         self._reader = WeightsReader(None, None, reader_rank, replicas=replicas, options=options.replace(host=host, port=port, secret=key),
-                                     landing="staged", on_version=self._landed.on_version, on_refused=self._landed.on_refused)
+                                     landing="staged", on_version=self._landed.on_version, on_refused=self._landed.on_refused,
+                                     on_lost=self._landed.on_lost)
         receiver = self._reader
         self._landed.refusal = lambda: receiver.refusal  # a refused trainer fails the rollout's wait at once
         if relay is not None:  # this worker leads its host: the trainer's writers send to its relay

@@ -63,6 +63,7 @@ from zmq.utils.monitor import recv_monitor_message
 from rlsync.core.sync._canary import Canary
 from rlsync.core._errors import ConfigError, TransferTimeoutError, TransportError, redact
 from rlsync.core.layouts import Layout
+from rlsync.core.sync._peer_connections import PeerConnections
 from rlsync.core.sync._stranger_budget import StrangerBudget
 
 _log = logging.getLogger("rlsync")
@@ -419,6 +420,8 @@ class Channel:
         self._rank_keys: OrderedDict[int, bytes] = OrderedDict()  # a reader's: writer ranks' control keys, derived
         #: a reader's: the connections that have not spoken yet, bounded (set by ``bind_router``)
         self.strangers: StrangerBudget | None = None
+        #: a reader's: the connection each peer in a session spoke on, to name the peers whose connection closed
+        self.peers: PeerConnections | None = None
         #: what the data plane's connect challenge proves (hex: transports take it as their "secret")
         self.data_key = derive(key, b"data plane").hex()
         self.sessions: OrderedDict[int, Session] = OrderedDict()
@@ -502,7 +505,8 @@ class Channel:
 
     def failed_handshakes(self) -> int:
         """How many peers failed ZeroMQ's CURVE handshake since the last call (peers without the key). A reader's
-        channel also keeps its strangers' connections within their budget here (``_stranger_budget``)."""
+        channel also keeps its strangers' connections within their budget here (``_stranger_budget``) and notes the
+        closed connections of its peers (``lost_peers``)."""
         failed = 0
         while self._monitor is not None and self._monitor.poll(0):
             got = recv_monitor_message(self._monitor)
@@ -513,9 +517,16 @@ class Channel:
                     self.strangers.accepted(fd)
                 elif event & (zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED):
                     self.strangers.closed(fd)
+            if self.peers is not None and event & (zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED):
+                self.peers.closed(fd)
         if self.strangers is not None:
             self.strangers.enforce()
         return failed
+
+    def lost_peers(self) -> list[bytes]:
+        """A reader's: the peers (identities) that spoke in a session and whose connection closed since the last call
+        (as of the last ``failed_handshakes``)."""
+        return [] if self.peers is None else self.peers.lost()
 
     def _handshake_failed(self) -> bool:
         """A writer's: whether its reader dropped it at the handshake (it took the writer's keys for another's)."""
@@ -611,6 +622,8 @@ class Channel:
                 raise BadFrame(f"a control message replayed or out of order in its session (counter {counter} after "
                                f"{session.received})", identity, authenticated=True)
             session.received = counter
+            if self.peers is not None and identity is not None:
+                self.peers.spoke(int(parts[0].get(zmq.SRCFD)), identity)
         try:
             message = _decoder.decode(payload)
         except Exception as exc:  # noqa: BLE001 - msgspec raises more than DecodeError (invalid UTF-8, deep nesting)
@@ -686,6 +699,7 @@ def bind_router(host: str = "127.0.0.1", port: int = 0, secret: str | None = Non
     address = f"tcp://{host}:{port}"
     channel = Channel(sock, shared or key.encode(), monitor)
     channel.strangers = StrangerBudget()  # strangers hold an eighth of the descriptors at most
+    channel.peers = PeerConnections()
     return (channel, address) if shared else (channel, f"{address}#{key}")
 
 

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from rlsync.core._errors import ConfigError, TransferTimeoutError, WeightMismatchError
+from rlsync.core._errors import ConfigError, PeerLostError, TransferTimeoutError, WeightMismatchError
 from rlsync.core.sync._options import DEFAULT_TIMEOUT
 from rlsync.core.sync._transport import Region
 
@@ -22,7 +22,8 @@ _REFUSAL_POLL = 0.05  # seconds between looks at the reader's standing refusal w
 
 
 class LandedVersions:
-    """Pass ``on_version`` (and ``on_refused``) to a staged ``WeightsReader``; the engine thread calls ``next``.
+    """Pass ``on_version`` (and ``on_refused``, ``on_lost``) to a staged ``WeightsReader``; the engine thread calls
+    ``next``.
 
     ``load_timeout``: how long a landed version may wait to be loaded before the writers hear it failed.
     ``refusal``: the reader's standing refusal of a writer (``WeightsReader.refusal``): while there is one, ``next``
@@ -49,6 +50,11 @@ class LandedVersions:
         refused at connect (``version`` None) stands in ``refusal`` until another is welcomed."""
         if version is not None:
             self._pending.put(WeightMismatchError(reason))
+
+    def on_lost(self, version: int, reason: str) -> None:
+        """Reader thread: a writer's connection closed before it finished ``version``: the waiting ``next`` raises at
+        once instead of waiting out its timeout."""
+        self._pending.put(PeerLostError(reason))
 
     def next(self, timeout: float) -> tuple[int, dict[str, Region], Finish]:
         """Engine thread: the next landed version, its buffers (``uint8``, by buffer name) and ``finish(error or

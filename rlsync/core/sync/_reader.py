@@ -60,7 +60,8 @@ class WeightsReader(ReaderService, VersionLanding):
     If it raises, the version is refused and the previous one stays live. ``on_refused(version,
     reason)`` runs when a complete version is refused before that (its checksums did not match), and with
     ``version`` None when a writer is refused at connect (layouts, secret, a bad frame; ``refusal`` then says why
-    until a writer is welcomed).
+    until a writer is welcomed). ``on_lost(version, reason)`` runs when a writer's connection closes before it
+    finished its part of ``version`` (a trainer rank that died): the version is given up then, not at the timeout.
 
     ``options`` (``SyncOptions``): the transport, where to listen (``host``, ``port``), the ``secret``,
     and ``verify`` (refuse a version whose CRC-32s differ from the writers'). ``plugins``: the plugin
@@ -84,6 +85,7 @@ class WeightsReader(ReaderService, VersionLanding):
         targets: Mapping[str, Region] | None = None,
         pause: Callable[[bool], None] | None = None,
         live_version: int = -1,
+        on_lost: Callable[[int, str], None] | None = None,
     ) -> None:
         if landing not in ("direct", "staged", "in_place"):
             raise ConfigError(f"landing={landing!r}: 'direct', 'staged' or 'in_place'")
@@ -96,7 +98,7 @@ class WeightsReader(ReaderService, VersionLanding):
                               "that each hold a whole copy of what the writers send, learned from their layout)")
         options = options or SyncOptions()
         ReaderState.__init__(self, rank, options, landing, replicas, plugins or default_plugin_manager(), on_version,
-                             on_refused, targets, pause)
+                             on_refused, targets, pause, on_lost)
         if live_version != -1:
             if landing == "direct":
                 raise ConfigError("live_version: a direct landing serves its own slots, which hold no version yet")

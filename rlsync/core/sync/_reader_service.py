@@ -52,6 +52,8 @@ class ReaderService(ReaderState):
             for _ in range(self._channel.failed_handshakes()):  # a peer without the key: counted, nothing else
                 self._reject(None, "a peer failed the control socket's handshake: the peers' keys differ (another "
                                    "secret, an address without its #KEY, or a stranger)")
+            for closed in self._channel.lost_peers():
+                self._connection_closed(closed)
             try:
                 got = self._channel.recv(timeout_ms=20)
             except BadFrame as exc:  # a wrong key or a hostile frame: refused, and the reader goes on
@@ -134,6 +136,21 @@ class ReaderService(ReaderState):
             self._activate(msg.writer_rank, welcomed[1])
             self._active[msg.writer_rank] = session.id
         return True
+
+    def _connection_closed(self, identity: bytes) -> None:
+        """A peer's control connection closed. Where it was the session of a writer rank that has not finished its
+        part of the version landing now (and has not said Hello again: a reconnecting writer starts its part over in a
+        new session), that part will not come: the version is given up now, not at the timeout. (Landing off to the
+        side, a version is known to be landing once one writer finished its part: a rank that dies before any did is
+        still waited for, up to the timeout.)"""
+        rank = next((r for r, sid in self._active.items()
+                     if (s := self._channel.sessions.get(sid)) is not None and s.peer == identity), None)
+        version = self._pending_version
+        if rank is None or version is None or rank in self._done or rank not in self._expected or self._hellos.get(rank):
+            return
+        del self._active[rank]
+        self._lost_part(f"writer rank {rank}'s connection closed before it finished version {version} (did the trainer "
+                        f"die?): the version is dropped, version {self._version} stays live")
 
     def _replicate(self, src: Layout | None) -> None:
         """A replica reader (``dst=None, replicas=N``) holds a whole copy of the writers' tensors."""

@@ -47,7 +47,7 @@ class ReaderState:
     def __init__(self, rank: int, options: SyncOptions, landing: LandingMode, replicas: int | None,
                  plugins: pluggy.PluginManager, on_version: Callable[[int, dict[str, Region]], None] | None,
                  on_refused: Callable[[int | None, str], None] | None, targets: Mapping[str, Region] | None,
-                 pause: Callable[[bool], None] | None) -> None:
+                 pause: Callable[[bool], None] | None, on_lost: Callable[[int, str], None] | None = None) -> None:
         self.options = options
         self.rank = rank
         self.landing_mode: LandingMode = landing
@@ -56,6 +56,7 @@ class ReaderState:
         self._checksum = options.verify
         self._on_version = on_version
         self._on_refused = on_refused
+        self._on_lost = on_lost
         self._targets = {name: as_tensor(t).reshape(-1).view(torch.uint8) for name, t in (targets or {}).items()}
         self._pause = pause or (lambda paused: None)
         self._paused_at: float | None = None  # in place: when the engine paused for the version landing now
@@ -141,6 +142,9 @@ class ReaderState:
         raise NotImplementedError
 
     def _undo(self, reason: str, version: int | None = None) -> None:
+        raise NotImplementedError
+
+    def _lost_part(self, reason: str) -> None:
         raise NotImplementedError
 
     def _resume(self) -> None:

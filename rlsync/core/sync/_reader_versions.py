@@ -55,8 +55,9 @@ class VersionLanding(ReaderState):
         reason = (f"reader rank {self.rank} discarded the parts of unfinished version {version} from writer ranks "
                   f"{sorted(stale)}: writer rank {restarted} restarted before the version completed; complete it "
                   f"again from every writer rank")
-        for ident, _ in stale.values():
+        for writer, (ident, _) in stale.items():
             self._channel.send(Refuse(reason, "restart"), ident)
+            self._active.pop(writer, None)  # its session sends the version again, or ends: neither loses this one
 
     def _finish_part(self, identity: bytes, msg: Done) -> None:
         started = time.perf_counter()
@@ -216,6 +217,26 @@ class VersionLanding(ReaderState):
             self._paused_at = time.monotonic()
             self._pending_version = msg.version
         self._channel.send(Go(msg.version), identity)
+
+    def _lost_part(self, reason: str) -> None:
+        """Give up the version landing now (a writer's part will not come): in place, the engine gets its last version
+        back; the writers that finished their part hear why, and so does the engine (``on_lost``)."""
+        version = self._pending_version
+        assert version is not None
+        finished = [identity for identity, _ in self._done.values()]
+        for writer in self._done:
+            self._active.pop(writer, None)  # told to send again below: its session ending loses nothing more
+        if self._paused_at is not None:
+            self._undo(reason, version)
+        else:
+            _log.warning("reader rank %d: %s", self.rank, reason)
+            self._done = {}
+            self._pending_version = None
+            self.discarded.append(version)
+        for identity in finished:
+            self._channel.send(Refuse(reason, "restart"), identity)
+        if self._on_lost is not None:
+            self._on_lost(version, reason)
 
     def _save(self) -> None:
         self._mirror.stage_all({name: self._targets[name] for name in self._order})  # one batched copy a version

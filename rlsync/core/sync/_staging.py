@@ -102,7 +102,7 @@ class StagedReceiver:
         # with verify, a version whose CRCs differ is refused and the engine waiting for it hears why at once
         self.reader = WeightsReader(None, layout, rank, options=options, landing="staged",
                                     on_version=self._landed.on_version, on_refused=self._landed.on_refused,
-                                    live_version=live_version)
+                                    live_version=live_version, on_lost=self._landed.on_lost)
         self._landed.refusal = lambda: self.reader.refusal  # a refused writer fails the engine's wait at once
 
     @property

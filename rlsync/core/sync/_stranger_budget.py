@@ -38,7 +38,7 @@ def raise_descriptor_limit() -> None:
             pass  # a container may not allow it: the budget still holds strangers to an eighth
 
 
-def _endpoints(fd: int) -> tuple[object, object] | None:
+def connection_endpoints(fd: int) -> tuple[object, object] | None:
     """``(local, peer)`` address of the TCP connection on descriptor ``fd``, or None where it is not one now."""
     try:
         probe = socket.socket(fileno=os.dup(fd))
@@ -63,7 +63,7 @@ class StrangerBudget:
 
     def accepted(self, fd: int) -> None:
         self._unproven.pop(fd, None)
-        self._unproven[fd] = _endpoints(fd)
+        self._unproven[fd] = connection_endpoints(fd)
 
     def proven(self, fd: int) -> None:
         self._unproven.pop(fd, None)
@@ -75,7 +75,7 @@ class StrangerBudget:
         """Shut down the oldest unproven connections beyond ``limit``."""
         while len(self._unproven) > self.limit:
             fd, endpoints = self._unproven.popitem(last=False)
-            if endpoints is None or _endpoints(fd) != endpoints:
+            if endpoints is None or connection_endpoints(fd) != endpoints:
                 continue  # gone, or the number is another connection's now
             try:
                 probe = socket.socket(fileno=os.dup(fd))

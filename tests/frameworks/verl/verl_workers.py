@@ -41,6 +41,7 @@ import contextlib
 import functools
 import os
 import signal
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -52,6 +53,8 @@ from verl.workers.engine_workers import ActorRolloutRefWorker
 from verl.workers.rollout import BaseRollout, RolloutReplica
 
 from rlsync import SyncOptions
+
+DYING_AFTER_S = 2.0  # how long a dying rank lives on after its last tensor (the other rank finishes its part meanwhile)
 
 
 class FsdpTrainer(Worker):  # type: ignore[misc]
@@ -146,6 +149,13 @@ class FsdpTrainer(Worker):  # type: ignore[misc]
         if torch.distributed.get_rank() == rank:
             self.die_after = after
 
+    @staticmethod
+    def _die() -> None:
+        """A trainer rank dying mid-sync (OOM-killed, say), once the other rank has finished its part (its few
+        milliseconds of bytes): the rollout side then knows the version is landing and gives it up at once."""
+        time.sleep(DYING_AFTER_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
     @functools.wraps(ActorRolloutRefWorker.update_weights)  # verl's own (with rlsync's patch), its collectives counted
     async def update_weights(self, *args: Any, **kwargs: Any) -> Any:
         with counting_collectives() as counted:
@@ -176,7 +186,7 @@ class FsdpTrainer(Worker):  # type: ignore[misc]
         def _gen() -> Any:
             for i, (name, param) in enumerate(params.items()):
                 if self.die_after is not None and i == self.die_after:
-                    os.kill(os.getpid(), signal.SIGKILL)  # a trainer rank dying mid-sync (OOM-killed, say)
+                    self._die()
                 spec = ShardSpec.from_param(param)
                 p = param.to(torch.bfloat16) if param.is_floating_point() else param
                 local = p.to_local() if hasattr(p, "to_local") else p
@@ -220,7 +230,7 @@ class FsdpTrainer(Worker):  # type: ignore[misc]
         def per_tensor_param() -> Any:
             for i, (name, p) in enumerate(self.model.named_parameters()):
                 if self.die_after is not None and i == self.die_after:
-                    os.kill(os.getpid(), signal.SIGKILL)  # a trainer rank dying mid-sync (OOM-killed, say)
+                    self._die()
                 yield name, p.full_tensor()
 
         return per_tensor_param(), None

@@ -161,6 +161,24 @@ def test_the_shares_count_each_moment_once_for_its_first_reason(tmp_path: Path) 
     assert s["staleness"] == {"0": 30, "1": 50} and s["samples"] == 8 and s["sync_seconds"] == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_the_trainers_time_between_its_spans_is_its_own_work_unless_requests_are_in_flight(tmp_path: Path,
+                                                                                           in_flight: bool) -> None:
+    """A 10 s lockstep-like run: the trainer waits for its batch 0-4, does something unrecorded 4-5 (rewards, say),
+    trains 5-6, syncs 6-7. With no request in flight at 4-5 that second is its own work (busy); with one (a straggler
+    of the batch) it waits for it."""
+    events = [{"kind": "run", "start": 0.0, "end": 10.0}, {"kind": "request", "start": 0.0, "end": 4.0},
+              {"kind": "wait_batch", "start": 0.0, "end": 4.0, "samples": 4, "lags": {"0": 10}},
+              {"kind": "train", "start": 5.0, "end": 6.0}, {"kind": "sync", "start": 6.0, "end": 7.0, "route": "r"},
+              {"kind": "publish", "start": 7.0, "version": 1}]
+    if in_flight:
+        events.append({"kind": "request", "start": 3.0, "end": 5.0})
+    [(run, mine)] = timeline.split_runs(timeline.read_timeline(_write(tmp_path / "t.jsonl", events)))
+    own = 0.0 if in_flight else 0.1
+    assert timeline.summarize_run(run, mine)["training"] == pytest.approx(
+        {"busy": 0.1 + own, "sync": 0.1, "waiting for a batch": 0.4, "ending": 0.3, "waiting for stragglers": 0.1 - own})
+
+
 def test_rlsync_timeline_prints_the_shares_and_writes_a_trace_and_a_picture(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     events = [{"kind": "run", "start": 0.0, "end": 2.0}] + [

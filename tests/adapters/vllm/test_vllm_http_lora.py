@@ -34,9 +34,11 @@ def _greedy(base: str, model: str) -> list[list[int]]:
     return vllm_server.greedy(base, model, common.PROMPTS, common.NEW_TOKENS, ignore_eos=True)
 
 
-@pytest.fixture
-def lora_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    """A vLLM server of a tiny Qwen2 with LoRA enabled and rlsync's weight-transfer backend, as a user starts it."""
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A vLLM server of a tiny Qwen2 with LoRA enabled and rlsync's weight-transfer backend, as a user starts it; one
+    for the module's tests (each of its trainers picks up from the versions the last one left)."""
+    tmp_path = tmp_path_factory.mktemp("lora-server")
     model = common.save("qwen2", 100, tmp_path / "base")
     lora = ["--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", "2", "--max-cpu-loras", "4"]
     with vllm_server.running(model, tmp_path / "server.log", lora,
@@ -99,18 +101,19 @@ def test_an_adapter_whose_canary_deviates_is_never_served(lora_server: tuple[str
         _step(trainer, 11)
         tensors, config = lora_state(trainer)
         first = server.publish_lora(tensors, config, canary=Canary.of(trainer))
-        before = _greedy(base, "policy@1")
+        before = _greedy(base, first.adapter)
         _step(trainer, 12)
         tensors, _ = lora_state(trainer)
         lost = {n: torch.zeros_like(t) if ".lora_B." in n else t for n, t in tensors.items()}
         with pytest.raises(CanaryError, match="deviate"):
             server.publish_lora(lost, config, canary=Canary.of(trainer))
         assert server.weight_version() == first.label
-        assert _greedy(base, "policy@1") == before
+        assert _greedy(base, first.adapter) == before
+        refused = f"policy@{first.version + 1}"
         with pytest.raises(urllib.error.HTTPError):
-            _greedy(base, "policy@2")
+            _greedy(base, refused)
         third = server.publish_lora(tensors, config, canary=Canary.of(trainer))  # the same step, delivered whole
-        assert third.adapter == "policy@2" and third.canary_deviation is not None and third.canary_deviation < 0.05
+        assert third.adapter == refused and third.canary_deviation is not None and third.canary_deviation < 0.05
     finally:
         server.close()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ pytest.importorskip("transformers")
 
 from _support import hf_writer  # noqa: E402
 
+from rlsync import SyncOptions  # noqa: E402
 from rlsync.adapters.hf import ModuleReceiver  # noqa: E402
 
 WRITER = Path(hf_writer.__file__)  # also run as the trainer's process
@@ -47,6 +49,29 @@ def test_generation_after_each_update_equals_a_model_loaded_with_the_new_weights
             # copied in place: a CUDA graph that captured these addresses would still read the live weights
             assert {n: p.data_ptr() for n, p in model.named_parameters()} == addresses
     assert not all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+@pytest.mark.multiproc
+def test_an_in_place_version_whose_writer_is_killed_is_undone_when_its_connection_closes() -> None:
+    """In place, the module is paused from the writer's Begin; the writer killed after 3 writes: its connection closing
+    undoes the version and resumes the module at once, not at the receiver's 60 s timeout."""
+    from rlsync.core import transports
+
+    if not transports().get("nixl").available():  # a transport that lands in memory another process allocated
+        pytest.skip("nixl is not installed")
+    model = hf_writer.tiny_qwen2(seed=0)
+    before = greedy(model)
+    with ModuleReceiver(model, options=SyncOptions(transport="nixl", timeout=60), landing="in_place") as receiver:
+        dying = subprocess.run([sys.executable, str(WRITER), "--address", receiver.address, "--seed", "11", "--version",
+                                "1", "--die-after-writes", "3", "--transport", "nixl"], capture_output=True, text=True,
+                               timeout=120)
+        assert dying.returncode == -9, dying.stderr
+        killed = time.monotonic()
+        while not receiver.reader.discarded and time.monotonic() - killed < 30:
+            time.sleep(0.05)
+        assert receiver.reader.discarded == [1] and receiver.version == -1
+        with receiver.serving(), torch.no_grad():
+            assert greedy(model) == before
 
 
 @pytest.mark.multiproc

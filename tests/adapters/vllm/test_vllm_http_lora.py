@@ -41,8 +41,10 @@ def lora_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
     tmp_path = tmp_path_factory.mktemp("lora-server")
     model = common.save("qwen2", 100, tmp_path / "base")
     lora = ["--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", "2", "--max-cpu-loras", "4"]
-    with vllm_server.running(model, tmp_path / "server.log", lora,
-                             env={**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}) as base:
+    # the conftest's per-test environment (vllm_env) is not set yet for a module's fixture: the server's, in full
+    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_RPC_BASE_PATH": str(tmp_path), "TMPDIR": str(tmp_path)}
+    with vllm_server.running(model, tmp_path / "server.log", lora, env=env) as base:
         yield base, model
 
 

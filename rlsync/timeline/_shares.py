@@ -9,8 +9,9 @@ bound (the buffer's admission ``stall`` spans), or otherwise for the trainer.
 The training pool is busy in its ``train`` spans (the caller's), and in a sync (``sync`` and ``resume`` spans). Idle,
 it waits for a batch (the buffer's ``wait_batch`` spans) or for the stragglers: requests still in flight that a sync
 waits for (or that a ``pause`` waits to freeze). Its time outside all of these with no request in flight and no
-pause under way is its own work between steps (rewards, batching): busy. After its last step (its last ``publish``) the run is ``ending``:
-generators finishing what they started. Where no ``train`` span was recorded, the rest is ``busy or waiting``.
+pause under way is its own work between steps (rewards, batching): busy. After its last step (its last ``publish``)
+the run is ``ending``: generators finishing what they started. Where no ``train`` span was recorded, the rest is
+``busy or waiting``.
 
 Each figure is a share of the run's window (its ``run`` span); a moment counts once, for the first reason it has in
 the order given.
@@ -80,7 +81,8 @@ def summarize_run(run: dict[str, Any], events: list[dict[str, Any]]) -> dict[str
     seconds = window[1] - window[0]
     syncs = union(_spans(events, "sync"), (float("-inf"), float("inf")))  # a writer's sync inside an engine's is one
     resumes = _spans(events, "resume")
-    paused = [(start, next((e for s, e in resumes if e >= start), window[1])) for start, _ in _spans(events, "pause")]
+    pauses = _spans(events, "pause")
+    paused = [(start, next((e for s, e in resumes if e >= start), window[1])) for start, _ in pauses]
     requests = _spans(events, "request") or [s for s in _spans(events, "rollout") if s[1] > s[0]]
     generating = union(syncs + paused, window)
     generation = _shares([("busy", minus(union(requests, window), generating)), ("sync", generating),
@@ -88,15 +90,14 @@ def summarize_run(run: dict[str, Any], events: list[dict[str, Any]]) -> dict[str
                           ("waiting for the trainer", [window])], window)
     train = _spans(events, "train")
     last = max((e["start"] for e in events if e["kind"] == "publish"), default=window[1])
+    idle = [("sync", syncs + resumes), ("waiting for a batch", _spans(events, "wait_batch")),
+            ("ending", [(last, window[1])])]
     if train:  # outside its spans the trainer waits for stragglers while requests are in flight, else works on its own
-        training = _shares([("busy", train), ("sync", syncs + resumes), ("waiting for a batch", _spans(events, "wait_batch")),
-                            ("ending", [(last, window[1])]), ("waiting for stragglers", requests + _spans(events, "pause")),
-                            ("own work", [window])],
+        training = _shares([("busy", train), *idle, ("waiting for stragglers", requests + pauses), ("own work", [window])],
                            window)
         training["busy"] += training.pop("own work")  # rewards, batching: between its spans, with nothing in flight
     else:
-        training = _shares([("busy", train), ("sync", syncs + resumes), ("waiting for a batch", _spans(events, "wait_batch")),
-                            ("ending", [(last, window[1])]), ("busy or waiting", [window])], window)
+        training = _shares([("busy", train), *idle, ("busy or waiting", [window])], window)
     lags: dict[int, int] = {}
     samples = 0
     for e in events:  # the buffer's wait_batch, or a trainer's own batch event, carries the staleness of its tokens

@@ -65,15 +65,18 @@ def fit_costs(events: list[dict[str, Any]]) -> Costs:
                           "need at least 3 (record each generation request with rlsync.timeline.span('request', "
                           "sequences=N) and set its tokens)")
     edges = sorted({t for r in requests for t in (r["start"], r["end"])})
-    active = [0.0] * len(edges)  # sequences in flight from edges[i] to edges[i + 1]
+    at = {t: i for i, t in enumerate(edges)}
+    change = np.zeros(len(edges))
     for r in requests:
-        for i in range(edges.index(r["start"]), edges.index(r["end"])):
-            active[i] += r["sequences"]
+        change[at[r["start"]]] += r["sequences"]
+        change[at[r["end"]]] -= r["sequences"]
+    active = np.cumsum(change)[:-1]  # sequences in flight from edges[i] to edges[i + 1]
+    in_flight = np.concatenate([[0.0], np.cumsum(active * np.diff(edges))])  # their sequence-seconds up to edges[i]
     rows, seconds = [], []
     for r in requests:
-        lo, hi = edges.index(r["start"]), edges.index(r["end"])
+        lo, hi = at[r["start"]], at[r["end"]]
         span = r["end"] - r["start"]
-        beside = sum(active[i] * (edges[i + 1] - edges[i]) for i in range(lo, hi)) / span if span > 0 else r["sequences"]
+        beside = float(in_flight[hi] - in_flight[lo]) / span if span > 0 else r["sequences"]
         length = r["tokens"] / r["sequences"]
         rows.append([1.0, length, length * beside])
         seconds.append(span)

@@ -592,8 +592,9 @@ class Channel:
             return None
         parts = self.socket.recv_multipart(copy=False)  # lengths are checked before a byte is copied
         router = self.socket.type == zmq.ROUTER
+        fd = int(parts[0].get(zmq.SRCFD)) if router and parts else -1  # the connection it came on (a reader's)
         if self.strangers is not None and parts:  # it passed the CURVE handshake: the key's holder's connection
-            self.strangers.proven(int(parts[0].get(zmq.SRCFD)))
+            self.strangers.proven(fd)
         identity = parts[0].bytes if router and parts else None
         if len(parts) != (4 if router else 3) or len(parts[-3]) != _ENVELOPE.size or len(parts[-1]) > 64:
             raise BadFrame(f"a control message of {len(parts)} frames (not an rlsync peer?)", identity)
@@ -623,7 +624,7 @@ class Channel:
                                f"{session.received})", identity, authenticated=True)
             session.received = counter
             if self.peers is not None and identity is not None:
-                self.peers.spoke(int(parts[0].get(zmq.SRCFD)), identity)
+                self.peers.spoke(fd, identity)
         try:
             message = _decoder.decode(payload)
         except Exception as exc:  # noqa: BLE001 - msgspec raises more than DecodeError (invalid UTF-8, deep nesting)

@@ -47,7 +47,7 @@ class ReaderState:
     def __init__(self, rank: int, options: SyncOptions, landing: LandingMode, replicas: int | None,
                  plugins: pluggy.PluginManager, on_version: Callable[[int, dict[str, Region]], None] | None,
                  on_refused: Callable[[int | None, str], None] | None, targets: Mapping[str, Region] | None,
-                 pause: Callable[[bool], None] | None, on_lost: Callable[[int, str], None] | None = None) -> None:
+                 pause: Callable[[bool], None] | None, on_lost: Callable[[int, str], None] | None) -> None:
         self.options = options
         self.rank = rank
         self.landing_mode: LandingMode = landing

@@ -239,8 +239,11 @@ class FsdpTrainer(Worker):  # type: ignore[misc]
     def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The PEFT adapter's tensors (full, under PEFT's checkpoint names) and config, for ``save_pretrained``."""
         from peft import get_peft_model_state_dict
+        from torch.distributed.tensor import DTensor
 
-        state = {n: t.full_tensor().detach().clone() for n, t in get_peft_model_state_dict(self.model).items()}
+        # peft >= 0.22 gathers FSDP2's DTensors itself (every rank calls it); before, they came back sharded
+        state = {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+                 for n, t in get_peft_model_state_dict(self.model).items()}
         return state, self.model.peft_config["default"].to_dict()
 
     def _merged_lora_per_tensor_param(self) -> Any:

@@ -93,8 +93,8 @@ def writer_main(args: argparse.Namespace) -> None:
             original_write = link.write
 
             def write(source, runs):  # type: ignore[no-untyped-def]
-                if budget[0] == 0:
-                    os.kill(os.getpid(), signal.SIGKILL)  # die mid-version, like an OOM-killed trainer
+                if budget[0] == 0:  # die mid-version, like an OOM-killed trainer (or hang, its connections open)
+                    os.kill(os.getpid(), signal.SIGSTOP if args.hang else signal.SIGKILL)
                 budget[0] -= 1
                 original_write(source, runs)
 
@@ -176,6 +176,7 @@ if __name__ == "__main__":
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--checksum", action="store_true")
     parser.add_argument("--die-after-writes", type=int, default=0)
+    parser.add_argument("--hang", action="store_true", help="writer: at --die-after-writes, stop (SIGSTOP) instead")
     parser.add_argument("--delta", action="store_true", help="send deltas; versions change a few values each")
     parser.add_argument("--host", default="127.0.0.1", help="reader: the address it listens on")
     parser.add_argument("--check", action="store_true", help="reader: compare every landed version with its values")

@@ -100,6 +100,27 @@ def test_a_writer_killed_mid_version_gives_the_version_up_at_once_not_at_the_tim
         sync.assert_landed("two_writers", reader, 2)
 
 
+def test_a_lone_writer_killed_mid_version_gives_it_up_at_once(sync: Any) -> None:
+    """A trainer of one rank (TRL's, OpenRLHF's rank 0) killed after 3 of its 7 writes of version 2, before any part
+    was done: its Begin said the version was under way, so its connection closing gives the version up at once; the
+    engine's wait hears ``PeerLostError`` within seconds, not at its 60 s timeout, and version 1 stays."""
+    src, dst = sync.layouts("plain")
+    handed = LandedVersions(60)
+    with WeightsReader(src, dst, 0, landing="staged", on_version=handed.on_version, on_refused=handed.on_refused,
+                       on_lost=handed.on_lost, options=SyncOptions(transport="shm")) as reader:
+        first = sync.writer("plain", "shm", {0: reader.address}, [1], wait=False)
+        version, _, finish = handed.next(60)
+        finish(None)
+        assert version == 1 and first.wait(timeout=60) == 0
+        dying = sync.writer("plain", "shm", {0: reader.address}, [2], extra=("--timeout", "60", "--die-after-writes", "3"))
+        assert dying.returncode == -9
+        killed = time.monotonic()
+        with pytest.raises(PeerLostError, match="writer rank 0's connection closed before it finished version 2"):
+            handed.next(60)
+        assert time.monotonic() - killed < 10  # not the 60 s timeout
+        assert reader.version == 1 and reader.discarded == [2]
+
+
 def test_reader_killed_makes_complete_fail_in_time_and_the_other_reader_still_gets_it(sync: Any) -> None:
     src, dst = sync.layouts("fanout")
     alive, alive_addr = sync.reader("fanout", "shm", 0)

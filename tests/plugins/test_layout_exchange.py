@@ -3,6 +3,7 @@ shared a version with; a writer posts to all its readers at once."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -53,15 +54,17 @@ def test_a_destination_tensor_the_trainer_lacks_is_an_error_before_any_byte() ->
 
 
 def test_a_restarted_writer_voids_its_dead_sessions_version_and_the_next_one_starts_clean(sync: Any) -> None:
-    """Two trainer ranks; rank 0 finished its part of version 1, rank 1 died midway. When rank 1 comes back,
-    rank 0's part is discarded (it may pair with bytes rank 1 never finished) and rank 0 is told; the version
-    goes live only once both ranks of the new sessions sent it, with exactly their bytes."""
+    """Two trainer ranks; rank 0 finished its part of version 1, rank 1 hung midway (stopped: its connection stays
+    open, so nothing tells the reader it is gone; a rank that dies is noticed at once, test_failures.py). When rank 1
+    comes back in a new session, rank 0's part is discarded (it may pair with bytes rank 1 never finished) and rank 0
+    is told; the version goes live only once both ranks of the new sessions sent it, with exactly their bytes."""
     src, dst = sync.layouts("two_writers")
     with WeightsReader(src, dst, 0, options=SyncOptions(transport="shm")) as reader:
         first = sync.writer("two_writers", "shm", {0: reader.address}, [1], rank=0, wait=False,
                             extra=("--timeout", "60"))
-        dying = sync.writer("two_writers", "shm", {0: reader.address}, [1], rank=1, extra=("--die-after-writes", "2"))
-        assert dying.returncode == -9
+        hung = sync.writer("two_writers", "shm", {0: reader.address}, [1], rank=1, wait=False,
+                           extra=("--die-after-writes", "2", "--hang"))
+        assert os.WIFSTOPPED(os.waitpid(hung.pid, os.WUNTRACED)[1])
         deadline = time.monotonic() + 30
         while 0 not in reader._done and time.monotonic() < deadline:  # rank 0's part arrived and waits
             time.sleep(0.05)
@@ -76,6 +79,7 @@ def test_a_restarted_writer_voids_its_dead_sessions_version_and_the_next_one_sta
         assert again.returncode == 0, err
         assert reader.version == 1 and reader.discarded == [1]
         sync.assert_landed("two_writers", reader, 1)
+        hung.kill()
 
 
 class _MeetingTransport(ShmTransport):

@@ -140,9 +140,9 @@ class ReaderService(ReaderState):
     def _connection_closed(self, identity: bytes) -> None:
         """A peer's control connection closed. Where it was the session of a writer rank that has not finished its
         part of the version landing now (and has not said Hello again: a reconnecting writer starts its part over in a
-        new session), that part will not come: the version is given up now, not at the timeout. (Landing off to the
-        side, a version is known to be landing once one writer finished its part: a rank that dies before any did is
-        still waited for, up to the timeout.)"""
+        new session), that part will not come: the version is given up now, not at the timeout. A version is landing
+        from the first writer's Begin (every writer asks before its first byte), so a lone trainer rank that dies
+        mid-version is found too."""
         rank = next((r for r, sid in self._active.items()
                      if (s := self._channel.sessions.get(sid)) is not None and s.peer == identity), None)
         version = self._pending_version

@@ -81,9 +81,7 @@ class VersionLanding(ReaderState):
             self._channel.send(Refuse(f"in-place reader rank {self.rank}: version {msg.version} was written without a "
                                       f"Begin, or after it was undone; send it again", "load"), identity)
             return
-        if self._pending_version != msg.version:
-            self._pending_version = msg.version
-            self._done = {r: d for r, d in self._done.items() if d[1].version == msg.version}
+        self._now_landing(msg.version)
         self._done[msg.writer_rank] = (identity, msg)
         if not self._expected <= self._done.keys():
             return
@@ -195,11 +193,18 @@ class VersionLanding(ReaderState):
         at = offset - self._starts[index]
         return self._targets[self._order[index]][at : at + nbytes]
 
+    def _now_landing(self, version: int) -> None:
+        """``version`` is the one landing now: parts of another that never completed are dropped."""
+        if self._pending_version != version:
+            self._pending_version = version
+            self._done = {r: d for r, d in self._done.items() if d[1].version == version}
+
     def _begin(self, identity: bytes, msg: Begin) -> None:
         """A writer is about to write ``msg.version`` into the engine's tensors: pause the engine, then say go. To a
-        reader that lands off to the side, a Begin asks only whether it would take ``msg.version`` (a node relay asks
-        every reader of its host after writing their bytes and before telling any: one that died or would refuse
-        is found while every rank still serves the previous version)."""
+        reader that lands off to the side, a Begin asks whether it would take ``msg.version`` and says the version is
+        under way: a writer whose connection closes before its Done then gives it up at once (every writer asks
+        before its first byte; a node relay asks again after writing every reader's bytes of its host and before
+        telling any: one that died or would refuse is found while every rank still serves the previous version)."""
         if msg.writer_rank not in self._sessions:
             self._channel.send(Refuse("a Begin before a Hello"), identity)
             return
@@ -208,6 +213,7 @@ class VersionLanding(ReaderState):
             self._channel.send(Refuse(refused, "version"), identity)
             return
         if self.landing_mode != "in_place":
+            self._now_landing(msg.version)
             self._channel.send(Go(msg.version), identity)
             return
         if self._paused_at is None:

@@ -161,10 +161,11 @@ class VersionPosting(WriterState):
             delta = None if full else self._delta_for(dst_rank, slot)
             self._held[dst_rank].pop(slot, None)  # overwritten from here on
             placed = self._in_place.get(dst_rank)
-            if placed is not None:
-                refused = self._ask_to_begin(dst_rank, version)
-                if refused is not None:
-                    return refused
+            # in place the engine pauses; off to the side the reader learns the version is under way, so that this
+            # rank dying before its Done gives the version up at once instead of at the engine's timeout
+            refused = self._ask_to_begin(dst_rank, version)
+            if refused is not None:
+                return refused
             checksums = Checksums(self._algorithms[dst_rank]) if self._checksum else None
             wait_ready(self._ready)  # this thread's stream after the trainer's, on which the device sources were made
             into = placed if placed is not None else self._slotted(dst_rank, slot)  # each group's runs, as written

@@ -61,8 +61,11 @@ class GenerationPool:
         self.seconds = {"busy": 0.0, "waiting for the trainer": 0.0, "sync": 0.0}
         self._state = "waiting for the trainer"
         self._since = time.monotonic()
+        self._closed = False
 
     def _mark(self) -> None:  # under _cond: the time since the last change goes to the state it was in
+        if self._closed:
+            return
         now = time.monotonic()
         self.seconds[self._state] += now - self._since
         self._since = now
@@ -108,8 +111,11 @@ class GenerationPool:
                 self._cond.notify_all()
 
     def close(self) -> None:
+        """The run is over: its clock stops (requests that finish after it count for nothing)."""
         with self._cond:
-            self._mark()
+            if not self._closed:
+                self._mark()
+                self._closed = True
 
 
 class Task:
@@ -289,13 +295,16 @@ def run(mode: str, seed: int, args: argparse.Namespace, server: Server, vserver:
             steps.append({"step": step, "time": time.monotonic() - started, "reward": statistics.mean(rewards),
                           "loss": loss, "sync_seconds": time.monotonic() - synced, "sync_bytes": stats.bytes,
                           "lag_max": max(lags[-sum(len(s.logprobs) for s in samples):])})
+        # the run ends with its last version out: requests still in flight (or admitted by that last publish) are
+        # never trained on, and how many there are is a race with the generators' threads, not the mode's speed
+        wall = time.monotonic() - started
+        pool.close()
     finally:
         stop.set()
         buffer.close()
         for t in threads:
             t.join(timeout=60)
         pool.close()
-    wall = time.monotonic() - started
     timeline.recording().event("run", began, began + wall, mode=mode, seed=seed, max_staleness=staleness,
                                partial_rollout=pool.partial)
     served = vserver.weight_version()

@@ -168,8 +168,7 @@ class _Run:
         self.done_steps = 0
         self.step_end: float | None = None
         self.seconds = {"generation": {"busy": 0.0, "sync": 0.0, "waiting for the trainer": 0.0},
-                        "training": {"busy": 0.0, "sync": 0.0, "waiting for a batch": 0.0, "waiting for stragglers": 0.0,
-                                     "ending": 0.0}}
+                        "training": {"busy": 0.0, "sync": 0.0, "waiting for a batch": 0.0, "waiting for stragglers": 0.0}}
         self.lags: dict[int, int] = {}
 
     # -- the buffer and the generators ------------------------------------------------------
@@ -256,28 +255,21 @@ class _Run:
             gen["waiting for the trainer"] += span
         train = self.seconds["training"]
         train[{"get": "waiting for a batch", "train": "busy", "drain": "waiting for stragglers",
-               "pause": "waiting for stragglers", "sync": "sync", "ending": "ending"}[self.trainer]] += span
+               "pause": "waiting for stragglers", "sync": "sync"}[self.trainer]] += span
 
     def go(self) -> dict[str, Any]:
-        stop = False
         while True:
-            if not stop:
-                self._trainer()
-                if self.done_steps >= self.steps:
-                    stop = True  # the run's end: no more admissions; what is in flight finishes (as a join waits)
-                    self.held.clear()
-                    self.trainer = "ending"
-                else:
-                    self._admit()
-                    self._trainer()
+            self._trainer()
+            if self.done_steps >= self.steps:
+                break  # the run ends with its last version's sync: what is still in flight then is never trained on
+            self._admit()
+            self._trainer()
             if self.step_end is None and self._engine_runs():
                 sequences = sum(r.group for r in self.running)
                 self.step_end = self.t + self.c.step_seconds + self.c.seq_step_seconds * sequences
             times = [x for x in (self.step_end, self.finishing[0][0] if self.finishing else None,
                                  self.trainer_until if self.trainer in ("train", "pause", "sync") else None) if x is not None]
             if not times:
-                if stop:
-                    break
                 raise RuntimeError(f"the model is stuck at t={self.t:.3f} s (trainer {self.trainer}, {self.waiting} "
                                    f"samples waiting, {self.in_flight} in flight): a bug of the simulator")
             now = max(self.t, min(times))

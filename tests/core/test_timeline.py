@@ -237,6 +237,16 @@ def test_the_simulator_replays_the_recorded_lengths_in_their_order() -> None:
     assert max(drawn) > 2 * step(10) + 2 * step(100)  # a draw pairs a 10 with a 100: the batch waits for the 100
 
 
+def test_a_simulated_run_ends_with_its_last_sync_not_with_the_requests_still_in_flight() -> None:
+    """With partial rollouts the last sync does not wait for the requests in flight: a 1,000-token one started beside
+    the first batch's is never trained on in a run of one step, and the run does not wait for it."""
+    costs = timeline.Costs(**{**COSTS, "lengths": [10, 1000], "prompts": 1, "group": 1})  # type: ignore[arg-type]
+    run = timeline.simulate(costs, "async-partial", 1, seed=None)
+    # the 10-token request (0.1 s and its 0.02 s overhead), a step (0.1 s), the pause (a request's fixed cost and an
+    # engine step), the sync (0.05 s) and the resume (the fixed cost again)
+    assert run["wall_seconds"] == pytest.approx(0.02 + 10 * 0.01 + 0.1 + (0.02 + 0.01) + (0.05 + 0.02))
+
+
 def test_fit_costs_recovers_the_engine_and_trainer_costs_of_a_run(tmp_path: Path) -> None:
     """Requests alone (none beside another): seconds = overhead + length * (step + sequences * per-sequence step)."""
     d, a, c = 0.02, 0.005, 0.001

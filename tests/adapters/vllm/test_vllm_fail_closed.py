@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -132,8 +133,10 @@ def test_native_api_survives_a_dead_trainer_and_a_failed_load(tmp_path: Path) ->
 
     dying = push(address, "qwen2", 7, 1, script=common.DYING_TRAINER)  # killed after a few writes
     assert ended(dying)[0] == -9
-    with pytest.raises(Exception, match="no weight version arrived"):
-        update(1, timeout=2.0)
+    waited = time.monotonic()
+    with pytest.raises(Exception, match="writer rank 0's connection closed before it finished version 1"):
+        update(1, timeout=60.0)
+    assert time.monotonic() - waited < 10  # given up when the trainer's connection closed, not at the timeout
     llm.reset_prefix_cache()
     assert common.generate(llm) == before
 

@@ -260,10 +260,11 @@ class _Run:
     def go(self) -> dict[str, Any]:
         while True:
             self._trainer()
+            if self.done_steps < self.steps:
+                self._admit()
+                self._trainer()
             if self.done_steps >= self.steps:
                 break  # the run ends with its last version's sync: what is still in flight then is never trained on
-            self._admit()
-            self._trainer()
             if self.step_end is None and self._engine_runs():
                 sequences = sum(r.group for r in self.running)
                 self.step_end = self.t + self.c.step_seconds + self.c.seq_step_seconds * sequences

@@ -113,9 +113,8 @@ class GenerationPool:
     def close(self) -> None:
         """The run is over: its clock stops (requests that finish after it count for nothing)."""
         with self._cond:
-            if not self._closed:
-                self._mark()
-                self._closed = True
+            self._mark()
+            self._closed = True
 
 
 class Task:
@@ -304,7 +303,6 @@ def run(mode: str, seed: int, args: argparse.Namespace, server: Server, vserver:
         buffer.close()
         for t in threads:
             t.join(timeout=60)
-        pool.close()
     timeline.recording().event("run", began, began + wall, mode=mode, seed=seed, max_staleness=staleness,
                                partial_rollout=pool.partial)
     served = vserver.weight_version()

@@ -221,7 +221,7 @@ class VersionLanding(ReaderState):
             self._pause(True)
             synchronize_devices(self._targets.values())  # what the engine queued on its device reads the old bytes first
             self._paused_at = time.monotonic()
-            self._pending_version = msg.version
+            self._now_landing(msg.version)
         self._channel.send(Go(msg.version), identity)
 
     def _lost_part(self, reason: str) -> None:
